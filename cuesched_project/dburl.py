@@ -1,0 +1,30 @@
+"""Turn a `DATABASE_URL` into Django's DATABASES entry.
+
+Small enough to own rather than add a dependency; only PostgreSQL URLs are accepted,
+since cuesched relies on PostgreSQL triggers and LISTEN/NOTIFY.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+
+def database_from_url(url: str) -> dict[str, Any]:
+    parts = urlsplit(url)
+    if parts.scheme not in {"postgres", "postgresql", "pgsql"}:
+        raise ValueError(f"DATABASE_URL must be a postgres:// URL, got scheme {parts.scheme!r}")
+    name = unquote(parts.path.lstrip("/"))
+    if not name:
+        raise ValueError("DATABASE_URL names no database (postgres://user@host:port/NAME)")
+    options = dict(parse_qsl(parts.query))
+    host = unquote(parts.hostname or "") or options.pop("host", "")
+    return {
+        "ENGINE": "django.db.backends.postgresql",
+        "NAME": name,
+        "USER": unquote(parts.username or ""),
+        "PASSWORD": unquote(parts.password or ""),
+        "HOST": host,
+        "PORT": str(parts.port or ""),
+        "OPTIONS": options,
+    }

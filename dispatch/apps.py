@@ -1,0 +1,6 @@
+from django.apps import AppConfig
+
+
+class DispatchConfig(AppConfig):
+    name = "dispatch"
+    verbose_name = "Farm"

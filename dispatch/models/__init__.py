@@ -1,0 +1,28 @@
+"""The Cuebot-mapped farm tables, one module per family."""
+
+from dispatch.models.hosts import Host, HostStat, HostTag
+from dispatch.models.jobs import Frame, Job, JobResource, JobStat, Layer, LayerResource, LayerStat
+from dispatch.models.org import Alloc, Dept, Facility, Folder, FolderResource, Point, Show, Subscription
+from dispatch.models.procs import Proc
+
+__all__ = [
+    "Alloc",
+    "Dept",
+    "Facility",
+    "Folder",
+    "FolderResource",
+    "Frame",
+    "Host",
+    "HostStat",
+    "HostTag",
+    "Job",
+    "JobResource",
+    "JobStat",
+    "Layer",
+    "LayerResource",
+    "LayerStat",
+    "Point",
+    "Proc",
+    "Show",
+    "Subscription",
+]

@@ -1,0 +1,91 @@
+"""Render hosts, their live stats and tags."""
+
+from __future__ import annotations
+
+from django.db import models
+
+from dispatch.models.base import fk, now_default, one_to_one, pk_field
+
+HOST_LOCK_STATES = ("OPEN", "LOCKED", "NIMBY_LOCKED")
+HOST_STATES = ("UP", "DOWN", "REBOOTING", "REBOOT_WHEN_IDLE", "REPAIR")
+TAG_TYPES = ("ALLOC", "MANUAL", "HOSTNAME", "HARDWARE")
+
+
+class Host(models.Model):
+    """A render host. Cores in centicores, memory in KB; `*_idle` is what is not booked."""
+
+    pk_host = pk_field("pk_host")
+    alloc = fk("dispatch.Alloc", "pk_alloc", related_name="hosts")
+    str_name = models.CharField(max_length=45, unique=True)
+    str_fqdn = models.CharField(max_length=128, null=True, blank=True)
+    str_lock_state = models.CharField(
+        max_length=36, db_default="OPEN", default="OPEN", choices=[(s, s) for s in HOST_LOCK_STATES]
+    )
+    b_nimby = models.BooleanField(db_default=False, default=False)
+    b_unlock_boot = models.BooleanField(db_default=False, default=False)
+    b_unlock_idle = models.BooleanField(db_default=False, default=False)
+    b_reboot_idle = models.BooleanField(db_default=False, default=False)
+    b_comment = models.BooleanField(db_default=False, default=False)
+    str_tags = models.CharField(max_length=128, null=True, blank=True)
+    int_thread_mode = models.IntegerField(db_default=0, default=0)
+    int_cores = models.BigIntegerField()
+    int_cores_idle = models.BigIntegerField()
+    int_mem = models.BigIntegerField()
+    int_mem_idle = models.BigIntegerField()
+    int_gpus = models.BigIntegerField(db_default=0, default=0)
+    int_gpus_idle = models.BigIntegerField(db_default=0, default=0)
+    int_gpu_mem = models.BigIntegerField(db_default=0, default=0)
+    int_gpu_mem_idle = models.BigIntegerField(db_default=0, default=0)
+    ts_created = models.DateTimeField(db_default=now_default())
+    ts_last_updated = models.DateTimeField(db_default=now_default(), null=True, blank=True)
+
+    class Meta:
+        db_table = "host"
+        constraints = [
+            # Cuebot's verify_host_resources, as constraints: idle never goes negative.
+            models.CheckConstraint(
+                condition=models.Q(
+                    int_cores_idle__gte=0, int_mem_idle__gte=0, int_gpus_idle__gte=0, int_gpu_mem_idle__gte=0
+                ),
+                name="c_host_idle_not_negative",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return self.str_name
+
+
+class HostStat(models.Model):
+    pk_host_stat = pk_field("pk_host_stat")
+    host = one_to_one("dispatch.Host", "pk_host", related_name="stat")
+    str_state = models.CharField(
+        max_length=32, db_default="UP", default="UP", choices=[(s, s) for s in HOST_STATES]
+    )
+    str_os = models.CharField(max_length=32, null=True, blank=True)
+    int_mem_total = models.BigIntegerField(db_default=0, default=0)
+    int_mem_free = models.BigIntegerField(db_default=0, default=0)
+    int_swap_total = models.BigIntegerField(db_default=0, default=0)
+    int_swap_free = models.BigIntegerField(db_default=0, default=0)
+    int_mcp_total = models.BigIntegerField(db_default=0, default=0)
+    int_mcp_free = models.BigIntegerField(db_default=0, default=0)
+    int_gpu_mem_total = models.BigIntegerField(db_default=0, default=0)
+    int_gpu_mem_free = models.BigIntegerField(db_default=0, default=0)
+    int_load = models.IntegerField(db_default=0, default=0)
+    ts_ping = models.DateTimeField(db_default=now_default())
+    ts_booted = models.DateTimeField(db_default=now_default(), null=True, blank=True)
+
+    class Meta:
+        db_table = "host_stat"
+
+
+class HostTag(models.Model):
+    pk_host_tag = pk_field("pk_host_tag")
+    host = fk("dispatch.Host", "pk_host", related_name="tags")
+    str_tag = models.CharField(max_length=45)
+    # Upper-case types are what dispatch reads; the mixed-case default is Cuebot's.
+    str_tag_type = models.CharField(max_length=24, db_default="Hardware", default="Hardware")
+    b_constant = models.BooleanField(db_default=False, default=False)
+
+    class Meta:
+        db_table = "host_tag"
+        indexes = [models.Index(fields=["str_tag"], name="i_host_tag_str_tag")]

@@ -1,0 +1,47 @@
+"""The proc table: one row per running frame, and the record of truth for every booked counter."""
+
+from __future__ import annotations
+
+from django.db import models
+
+from dispatch.models.base import fk, now_default, pk_field
+
+
+class Proc(models.Model):
+    pk_proc = pk_field("pk_proc")
+    host = fk("dispatch.Host", "pk_host", related_name="procs")
+    show = fk("dispatch.Show", "pk_show", related_name="procs")
+    job = fk("dispatch.Job", "pk_job", related_name="procs")
+    layer = fk("dispatch.Layer", "pk_layer", related_name="procs")
+    frame = models.OneToOneField(
+        "dispatch.Frame", on_delete=models.DO_NOTHING, db_column="pk_frame", related_name="proc"
+    )
+    # The canonical booked amounts: centicores, KB, GPUs.
+    int_cores_reserved = models.BigIntegerField()
+    int_mem_reserved = models.BigIntegerField()
+    int_mem_pre_reserved = models.BigIntegerField(db_default=0, default=0)
+    int_mem_used = models.BigIntegerField(db_default=0, default=0)
+    int_mem_max_used = models.BigIntegerField(db_default=0, default=0)
+    int_virt_used = models.BigIntegerField(db_default=0, default=0)
+    int_virt_max_used = models.BigIntegerField(db_default=0, default=0)
+    int_gpus_reserved = models.IntegerField(db_default=0, default=0)
+    int_gpu_mem_reserved = models.BigIntegerField(db_default=0, default=0)
+    int_gpu_mem_pre_reserved = models.BigIntegerField(db_default=0, default=0)
+    int_gpu_mem_used = models.BigIntegerField(db_default=0, default=0)
+    int_gpu_mem_max_used = models.BigIntegerField(db_default=0, default=0)
+    b_unbooked = models.BooleanField(db_default=False, default=False)
+    b_local = models.BooleanField(db_default=False, default=False)
+    str_redirect = models.CharField(max_length=265, null=True, blank=True)
+    ts_ping = models.DateTimeField(db_default=now_default())
+    ts_booked = models.DateTimeField(db_default=now_default())
+    ts_dispatched = models.DateTimeField(db_default=now_default())
+
+    class Meta:
+        db_table = "proc"
+        indexes = [
+            models.Index(fields=["show"], name="i_proc_pk_show"),
+        ]
+        constraints = [
+            # Cuebot's before_insert_proc: a proc always books something.
+            models.CheckConstraint(condition=models.Q(int_cores_reserved__gt=0), name="c_proc_cores_positive"),
+        ]
