@@ -77,6 +77,9 @@ class HostStat(models.Model):
     class Meta:
         db_table = "host_stat"
 
+    def __str__(self) -> str:
+        return f"{self.host_id} {self.str_state}"
+
 
 class HostTag(models.Model):
     pk_host_tag = pk_field("pk_host_tag")
@@ -89,3 +92,6 @@ class HostTag(models.Model):
     class Meta:
         db_table = "host_tag"
         indexes = [models.Index(fields=["str_tag"], name="i_host_tag_str_tag")]
+
+    def __str__(self) -> str:
+        return f"{self.str_tag} ({self.str_tag_type})"

@@ -86,6 +86,9 @@ class JobResource(models.Model):
     class Meta:
         db_table = "job_resource"
 
+    def __str__(self) -> str:
+        return f"resources of {self.job_id}"
+
 
 class JobStat(models.Model):
     """Frame counts per state for a job, kept by the frame triggers."""
@@ -103,6 +106,9 @@ class JobStat(models.Model):
 
     class Meta:
         db_table = "job_stat"
+
+    def __str__(self) -> str:
+        return f"stats of {self.job_id}"
 
 
 class Layer(models.Model):
@@ -149,6 +155,9 @@ class LayerResource(models.Model):
     class Meta:
         db_table = "layer_resource"
 
+    def __str__(self) -> str:
+        return f"resources of {self.layer_id}"
+
 
 class LayerStat(models.Model):
     pk_layer_stat = pk_field("pk_layer_stat")
@@ -172,6 +181,9 @@ class LayerStat(models.Model):
                 fields=["layer"], name="idx_layer_stat_waiting", condition=models.Q(int_waiting_count__gt=0)
             ),
         ]
+
+    def __str__(self) -> str:
+        return f"stats of {self.layer_id}"
 
 
 class Frame(models.Model):

@@ -119,6 +119,9 @@ class Point(models.Model):
         db_table = "point"
         constraints = [models.UniqueConstraint(fields=["show", "dept"], name="c_point_pk_show_dept")]
 
+    def __str__(self) -> str:
+        return f"{self.show_id}:{self.dept_id}"
+
 
 class Folder(models.Model):
     """A group of jobs inside a show; its caps live in folder_resource."""
@@ -165,3 +168,6 @@ class FolderResource(models.Model):
 
     class Meta:
         db_table = "folder_resource"
+
+    def __str__(self) -> str:
+        return f"resources of {self.folder_id}"

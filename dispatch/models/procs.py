@@ -43,5 +43,10 @@ class Proc(models.Model):
         ]
         constraints = [
             # Cuebot's before_insert_proc: a proc always books something.
-            models.CheckConstraint(condition=models.Q(int_cores_reserved__gt=0), name="c_proc_cores_positive"),
+            models.CheckConstraint(
+                condition=models.Q(int_cores_reserved__gt=0), name="c_proc_cores_positive"
+            ),
         ]
+
+    def __str__(self) -> str:
+        return f"proc {self.pk_proc} of frame {self.frame_id}"
