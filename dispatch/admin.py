@@ -1,0 +1,285 @@
+"""Plain Django admin over every farm table (the ops console of a later issue builds on it).
+
+Counters that triggers, the dispatcher or the recompute own (frame counts, booked totals,
+host idle) are read-only here, and an edit saves only the fields the form changed: a form
+loaded a minute ago must never write its stale copy of a live counter back.
+"""
+
+from __future__ import annotations
+
+from django.contrib import admin
+from django.db.models import Model
+from django.forms import ModelForm
+from django.http import HttpRequest
+
+from dispatch.models import (
+    Alloc,
+    Dept,
+    Facility,
+    Folder,
+    FolderResource,
+    Frame,
+    Host,
+    HostStat,
+    HostTag,
+    Job,
+    JobResource,
+    JobStat,
+    Layer,
+    LayerResource,
+    LayerStat,
+    Point,
+    Proc,
+    Show,
+    Subscription,
+)
+
+STAT_COUNTS = (
+    "int_waiting_count",
+    "int_running_count",
+    "int_dead_count",
+    "int_depend_count",
+    "int_eaten_count",
+    "int_succeeded_count",
+    "int_checkpoint_count",
+    "int_total_count",
+)
+BOOKED = ("int_cores", "int_gpus")
+HOST_IDLE = ("int_cores_idle", "int_mem_idle", "int_gpus_idle", "int_gpu_mem_idle")
+
+
+class FarmAdmin(admin.ModelAdmin):
+    """Shows the text primary key read-only; `live_fields` are read-only once the row exists."""
+
+    list_per_page = 100
+    live_fields: tuple[str, ...] = ()
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Model | None = None) -> list[str]:
+        fields = [self.model._meta.pk.name, *super().get_readonly_fields(request, obj)]
+        if obj is not None:
+            fields += [f for f in self.live_fields if f not in fields]
+        return fields
+
+    def save_model(self, request: HttpRequest, obj: Model, form: ModelForm, change: bool) -> None:
+        if not change:
+            obj.save()
+            return
+        editable = {f.name for f in obj._meta.concrete_fields}
+        changed = [name for name in form.changed_data if name in editable]
+        if changed:
+            obj.save(update_fields=changed)
+
+
+class BigTableAdmin(FarmAdmin):
+    """Frames and procs run to millions of rows: skip the extra unfiltered COUNT(*)."""
+
+    show_full_result_count = False
+
+
+@admin.register(Facility)
+class FacilityAdmin(FarmAdmin):
+    list_display = ("str_name", "b_default", "pk_facility")
+    list_filter = ("b_default",)
+    search_fields = ("str_name", "pk_facility")
+
+
+@admin.register(Dept)
+class DeptAdmin(FarmAdmin):
+    list_display = ("str_name", "b_default", "pk_dept")
+    list_filter = ("b_default",)
+    search_fields = ("str_name", "pk_dept")
+
+
+@admin.register(Show)
+class ShowAdmin(FarmAdmin):
+    list_display = (
+        "str_name",
+        "b_scheduler_managed",
+        "b_active",
+        "b_paused",
+        "b_booking_enabled",
+        "b_dispatch_enabled",
+        "int_default_max_cores",
+    )
+    list_filter = ("b_scheduler_managed", "b_active", "b_paused")
+    search_fields = ("str_name", "pk_show")
+
+
+@admin.register(Alloc)
+class AllocAdmin(FarmAdmin):
+    list_display = ("str_name", "str_tag", "facility", "b_enabled", "b_billable", "b_default")
+    list_filter = ("b_enabled", "b_billable", "facility")
+    search_fields = ("str_name", "str_tag", "pk_alloc")
+    raw_id_fields = ("facility",)
+    list_select_related = ("facility",)
+
+
+@admin.register(Subscription)
+class SubscriptionAdmin(FarmAdmin):
+    list_display = ("pk_subscription", "show", "alloc", "int_size", "int_burst", "int_cores", "int_gpus")
+    list_filter = ("show__b_scheduler_managed", "alloc")
+    search_fields = ("show__str_name", "alloc__str_name", "pk_subscription")
+    raw_id_fields = ("show", "alloc")
+    list_select_related = ("show", "alloc")
+    live_fields = BOOKED
+
+
+@admin.register(Point)
+class PointAdmin(FarmAdmin):
+    list_display = ("pk_point", "show", "dept", "int_cores", "int_gpus", "b_managed")
+    list_filter = ("b_managed", "show__b_scheduler_managed")
+    search_fields = ("show__str_name", "dept__str_name", "pk_point")
+    raw_id_fields = ("show", "dept")
+    list_select_related = ("show", "dept")
+    live_fields = BOOKED
+
+
+@admin.register(Folder)
+class FolderAdmin(FarmAdmin):
+    list_display = ("str_name", "show", "parent_folder", "dept", "b_default", "int_priority")
+    list_filter = ("b_default", "show__b_scheduler_managed")
+    search_fields = ("str_name", "show__str_name", "pk_folder")
+    raw_id_fields = ("parent_folder", "show", "dept")
+    list_select_related = ("show", "parent_folder", "dept")
+
+
+@admin.register(FolderResource)
+class FolderResourceAdmin(FarmAdmin):
+    list_display = ("folder", "folder__show", "int_max_cores", "int_max_gpus", "int_cores", "int_gpus")
+    list_filter = ("folder__show__b_scheduler_managed",)
+    search_fields = ("folder__str_name", "folder__show__str_name", "pk_folder_resource")
+    raw_id_fields = ("folder",)
+    list_select_related = ("folder", "folder__show")
+    live_fields = BOOKED
+
+
+@admin.register(Job)
+class JobAdmin(FarmAdmin):
+    list_display = ("str_name", "show", "folder", "str_state", "b_paused", "str_os", "ts_started")
+    list_filter = ("str_state", "b_paused", "show__b_scheduler_managed")
+    search_fields = ("str_name", "str_show", "str_shot", "str_user", "pk_job")
+    raw_id_fields = ("folder", "show", "facility", "dept")
+    list_select_related = ("show", "folder")
+
+
+@admin.register(JobResource)
+class JobResourceAdmin(FarmAdmin):
+    list_display = ("job", "int_priority", "int_max_cores", "int_max_gpus", "int_cores", "int_gpus")
+    list_filter = ("job__str_state", "job__show__b_scheduler_managed")
+    search_fields = ("job__str_name", "pk_job_resource")
+    raw_id_fields = ("job",)
+    list_select_related = ("job",)
+    live_fields = BOOKED
+
+
+@admin.register(JobStat)
+class JobStatAdmin(FarmAdmin):
+    list_display = ("job", *STAT_COUNTS[:3], "int_succeeded_count", "int_total_count")
+    list_filter = ("job__str_state",)
+    search_fields = ("job__str_name", "pk_job_stat")
+    raw_id_fields = ("job",)
+    list_select_related = ("job",)
+    live_fields = STAT_COUNTS
+
+
+@admin.register(Layer)
+class LayerAdmin(FarmAdmin):
+    list_display = (
+        "str_name",
+        "job",
+        "int_dispatch_order",
+        "int_cores_min",
+        "int_mem_min",
+        "int_gpus_min",
+        "b_threadable",
+        "str_tags",
+    )
+    list_filter = ("str_type", "b_threadable")
+    search_fields = ("str_name", "str_tags", "job__str_name", "pk_layer")
+    raw_id_fields = ("job",)
+    list_select_related = ("job",)
+
+
+@admin.register(LayerResource)
+class LayerResourceAdmin(FarmAdmin):
+    list_display = ("layer", "job", "int_cores", "int_gpus")
+    search_fields = ("layer__str_name", "job__str_name", "pk_layer_resource")
+    raw_id_fields = ("layer", "job")
+    list_select_related = ("layer", "job")
+    live_fields = BOOKED
+
+
+@admin.register(LayerStat)
+class LayerStatAdmin(FarmAdmin):
+    list_display = ("layer", "job", *STAT_COUNTS[:3], "int_total_count", "ts_started", "ts_stopped")
+    search_fields = ("layer__str_name", "job__str_name", "pk_layer_stat")
+    raw_id_fields = ("layer", "job")
+    list_select_related = ("layer", "job")
+    live_fields = (*STAT_COUNTS, "ts_started", "ts_stopped")
+
+
+@admin.register(Frame)
+class FrameAdmin(BigTableAdmin):
+    list_display = ("str_name", "job", "str_state", "int_version", "int_retries", "str_host", "ts_updated")
+    list_filter = ("str_state",)
+    search_fields = ("str_name", "str_host", "job__str_name", "pk_frame")
+    raw_id_fields = ("layer", "job")
+    list_select_related = ("job",)
+
+
+@admin.register(Host)
+class HostAdmin(FarmAdmin):
+    list_display = (
+        "str_name",
+        "alloc",
+        "str_lock_state",
+        "int_cores",
+        "int_cores_idle",
+        "int_mem",
+        "int_mem_idle",
+        "int_gpus",
+        "int_gpus_idle",
+    )
+    list_filter = ("str_lock_state", "alloc")
+    search_fields = ("str_name", "str_tags", "pk_host")
+    raw_id_fields = ("alloc",)
+    list_select_related = ("alloc",)
+    live_fields = HOST_IDLE
+
+
+@admin.register(HostStat)
+class HostStatAdmin(FarmAdmin):
+    list_display = ("host", "str_state", "str_os", "int_mem_total", "int_mem_free", "int_load", "ts_ping")
+    list_filter = ("str_state", "str_os")
+    search_fields = ("host__str_name", "pk_host_stat")
+    raw_id_fields = ("host",)
+    list_select_related = ("host",)
+
+
+@admin.register(HostTag)
+class HostTagAdmin(FarmAdmin):
+    list_display = ("str_tag", "str_tag_type", "host", "b_constant")
+    list_filter = ("str_tag_type", "b_constant")
+    search_fields = ("str_tag", "host__str_name", "pk_host_tag")
+    raw_id_fields = ("host",)
+    list_select_related = ("host",)
+
+
+@admin.register(Proc)
+class ProcAdmin(BigTableAdmin):
+    list_display = (
+        "pk_proc",
+        "host",
+        "show",
+        "job",
+        "frame",
+        "int_cores_reserved",
+        "int_mem_reserved",
+        "int_gpus_reserved",
+        "b_local",
+        "ts_booked",
+    )
+    list_filter = ("b_local", "b_unbooked", "show__b_scheduler_managed")
+    search_fields = ("host__str_name", "job__str_name", "pk_proc")
+    raw_id_fields = ("host", "show", "job", "layer", "frame")
+    list_select_related = ("host", "show", "job", "frame")
