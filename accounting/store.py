@@ -1,0 +1,686 @@
+"""The accounting Store: the live, enforced counters and caps of scheduler-managed shows.
+
+Pure Python: no I/O, no Django. One `threading.Lock` guards all state; every critical section
+is arithmetic on dicts and small lists, entered with `with self._lock:` so that an exception
+can never leave the lock held. Exactly one process may own a Store (see accounting-design.md
+§0: two Stores would jointly over-book).
+
+Safety asymmetry (the rule behind every choice below): a counter that reads HIGH only
+under-books and heals at the next recompute; a counter that reads LOW can breach a hard cap.
+Whenever the Store cannot tell, it keeps the booking.
+
+Counter layout. Each key (subscription, folder, job) maps to one list, indexed by literal
+integers on the hot path (a list subscript is the cheapest mutable cell CPython has):
+
+    0 cores        1 gpus          live totals, the only values the cap check reads
+    2 inflight_c   3 inflight_g    booked, not yet confirmed or rolled back
+    4 settled0_c   5 settled0_g    confirmed while epoch % 2 == 0
+    6 settled1_c   7 settled1_g    confirmed while epoch % 2 == 1
+    8 snapshot                     PgSnapshot the absolute value was last read under, or None
+
+Beyond the reference design (accounting-design.md §6.2), the Store can close three races when
+the runtime passes transaction ids and snapshots; with `None` it behaves exactly like the
+reference:
+
+* Exactly-once releases (`apply_release`): a late release after a recompute no longer
+  subtracts a proc the snapshot had already dropped.
+* Caps vs reseed (`set_caps`, `apply_limit_change`): a reseed that read its rows before a cap
+  change committed can no longer overwrite the newer value a notification delivered, and a
+  notification the reseed already reflects is not re-applied over an even newer value.
+* Eviction (`evict_jobs`): finished jobs can be dropped so memory stays flat.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+__all__ = [
+    "Applied",
+    "BookingDelta",
+    "Caps",
+    "CounterSnapshot",
+    "LimitChange",
+    "LimitExceeded",
+    "LimitKind",
+    "PgSnapshot",
+    "Store",
+]
+
+SUBSCRIPTION = "subscription"
+FOLDER = "folder"
+JOB = "job"
+FOLDER_GPUS = "folder_gpus"
+JOB_GPUS = "job_gpus"
+
+
+# --------------------------------------------------------------------------- value types
+
+
+@dataclass(frozen=True, slots=True)
+class BookingDelta:
+    """One booking (or, negated, one release) against the three enforced vertices.
+
+    `cores` are whole cores and `gpus` whole units, both signed: conversion from centicores
+    happens only at the database boundary (`accounting.units`).
+    """
+
+    show: str
+    alloc: str
+    folder: str
+    job: str
+    cores: int
+    gpus: int
+
+
+@dataclass(frozen=True, slots=True)
+class Applied:
+    """A booking that passed every cap; exactly one of confirm or rollback must follow."""
+
+    delta: BookingDelta
+
+
+@dataclass(frozen=True, slots=True)
+class LimitExceeded:
+    """The first cap a booking would break; nothing was mutated.
+
+    `current` is the live counter before the delta and `limit` the cap as the Store saw it.
+    """
+
+    table: str
+    current: int
+    limit: int
+
+    def __str__(self) -> str:
+        return f"limit exceeded on {self.table}: current={self.current} limit={self.limit}"
+
+
+@dataclass(frozen=True)
+class CounterSnapshot:
+    """(cores, gpus) per key of each vertex: `sub[(show, alloc)]`, `folder[id]`, `job[id]`."""
+
+    sub: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
+    folder: dict[str, tuple[int, int]] = field(default_factory=dict)
+    job: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class PgSnapshot:
+    """A PostgreSQL MVCC snapshot (`pg_current_snapshot()`), used to order Store writes.
+
+    Transaction ids are `xid8` (64-bit, never wrap), as `pg_current_xact_id()` returns them.
+    """
+
+    xmin: int
+    xmax: int
+    xip: frozenset[int] = frozenset()
+
+    @classmethod
+    def parse(cls, text: str) -> PgSnapshot:
+        """Parse PostgreSQL's text form `xmin:xmax:xip1,xip2,...` (the xip list may be empty)."""
+        parts = text.strip().split(":")
+        if len(parts) != 3:
+            raise ValueError(f"not a pg_snapshot: {text!r}")
+        try:
+            xmin = int(parts[0])
+            xmax = int(parts[1])
+            xip = frozenset(int(x) for x in parts[2].split(",") if x.strip())
+        except ValueError:
+            raise ValueError(f"not a pg_snapshot: {text!r}") from None
+        if xmin < 0 or xmin > xmax or any(x < xmin or x >= xmax for x in xip):
+            raise ValueError(f"inconsistent pg_snapshot: {text!r}")
+        return cls(xmin, xmax, xip)
+
+    def visible(self, xid: int) -> bool:
+        """Whether transaction `xid` had finished when the snapshot was taken.
+
+        Strictly this means committed *or aborted*; the Store only asks about transactions
+        that sent a notification, and PostgreSQL delivers those only on commit.
+        """
+        if xid < self.xmin:
+            return True
+        if xid >= self.xmax:
+            return False
+        return xid not in self.xip
+
+    def older_than(self, other: PgSnapshot) -> bool:
+        """Whether this snapshot provably sees strictly less than `other`.
+
+        On one primary the set of finished transactions only grows and `xmax` never goes
+        back, so a smaller `xmax` (or the same `xmax` with strictly more transactions still
+        in progress) means this snapshot was taken earlier and sees a subset.
+        """
+        if self.xmax != other.xmax:
+            return self.xmax < other.xmax
+        return self.xip > other.xip
+
+
+class LimitKind(enum.Enum):
+    """The five enforced caps a notification can change."""
+
+    SUB_BURST = "sub_burst"
+    FOLDER_MAX_CORES = "folder_max_cores"
+    FOLDER_MAX_GPUS = "folder_max_gpus"
+    JOB_MAX_CORES = "job_max_cores"
+    JOB_MAX_GPUS = "job_max_gpus"
+
+
+@dataclass(frozen=True, slots=True)
+class LimitChange:
+    """One cap change: `key` is (show, alloc) for SUB_BURST, else the folder or job id.
+
+    `value` is in whole cores or GPUs; -1 (any value <= 0 for folder/job) means unlimited.
+    """
+
+    kind: LimitKind
+    key: tuple[str, str] | str
+    value: int
+
+
+@dataclass(frozen=True)
+class Caps:
+    """Copies of every cap: burst per (show, alloc); (max_cores, max_gpus) per folder and job."""
+
+    sub: dict[tuple[str, str], int] = field(default_factory=dict)
+    folder: dict[str, tuple[int, int]] = field(default_factory=dict)
+    job: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+# What last wrote a cap field: a notification's transaction id (int), the snapshot of the
+# reseed that wrote it (PgSnapshot), or None (unknown: reference behaviour).
+_CapSource = int | PgSnapshot | None
+
+_FOLDER_KINDS = {LimitKind.FOLDER_MAX_CORES: 0, LimitKind.FOLDER_MAX_GPUS: 1}
+_JOB_KINDS = {LimitKind.JOB_MAX_CORES: 0, LimitKind.JOB_MAX_GPUS: 1}
+
+
+def _new_counter() -> list:
+    return [0, 0, 0, 0, 0, 0, 0, 0, None]
+
+
+def _notification_is_stale(source: _CapSource, xid: int | None) -> bool:
+    # The field was last written by a reseed whose snapshot already saw this transaction:
+    # the reseed's value is this change or a later one, so applying it could only go back.
+    return xid is not None and isinstance(source, PgSnapshot) and source.visible(xid)
+
+
+def _reseed_is_stale(source: _CapSource, snapshot: PgSnapshot | None) -> bool:
+    if snapshot is None:
+        return False
+    if isinstance(source, PgSnapshot):
+        # Two reseeds can overlap (the limit loop and the managed-flip seed): an older read
+        # landing second must not undo the newer one.
+        return snapshot.older_than(source)
+    if source is not None:
+        # A notification committed after the reseed read its rows: its value is newer.
+        return not snapshot.visible(source)
+    return False
+
+
+# --------------------------------------------------------------------------- the Store
+
+
+class Store:
+    """Atomic check-and-book over subscription, folder and job, plus the recompute protocol.
+
+    See accounting-design.md §1 for the reference semantics; deviations and additions are
+    documented on each method.
+    """
+
+    __slots__ = (
+        "_burst",
+        "_burst_src",
+        "_epoch",
+        "_folder",
+        "_folder_cap_src",
+        "_folder_caps",
+        "_job",
+        "_job_cap_src",
+        "_job_caps",
+        "_lock",
+        "_sub",
+    )
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sub: dict[tuple[str, str], list] = {}
+        self._folder: dict[str, list] = {}
+        self._job: dict[str, list] = {}
+        self._burst: dict[tuple[str, str], int] = {}
+        self._folder_caps: dict[str, tuple[int, int]] = {}
+        self._job_caps: dict[str, tuple[int, int]] = {}
+        self._burst_src: dict[tuple[str, str], _CapSource] = {}
+        self._folder_cap_src: dict[str, tuple[_CapSource, _CapSource]] = {}
+        self._job_cap_src: dict[str, tuple[_CapSource, _CapSource]] = {}
+        self._epoch = 0
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    # ----------------------------------------------------------------------- hot path
+
+    def book(self, delta: BookingDelta) -> Applied | LimitExceeded:
+        """Check every cap in the reference order, then add the delta live and in-flight.
+
+        Order: cores (only if > 0) against burst, folder, job; then GPUs (only if > 0) against
+        folder, job. A missing, zero or negative burst rejects every positive core booking
+        (an unseeded subscription fails closed); a folder/job cap <= 0 or missing is unlimited
+        (fails open). Reaching a cap exactly is allowed. On rejection nothing is mutated.
+        """
+        dc = delta.cores
+        dg = delta.gpus
+        skey = (delta.show, delta.alloc)
+        fkey = delta.folder
+        jkey = delta.job
+        with self._lock:
+            sc = self._sub.get(skey)
+            fc = self._folder.get(fkey)
+            jc = self._job.get(jkey)
+            if dc > 0 or dg > 0:
+                fcap = self._folder_caps.get(fkey)
+                jcap = self._job_caps.get(jkey)
+                if dc > 0:
+                    cur = 0 if sc is None else sc[0]
+                    limit = self._burst.get(skey, 0)
+                    if limit <= 0 or cur + dc > limit:
+                        return LimitExceeded(SUBSCRIPTION, cur, limit)
+                    if fcap is not None:
+                        limit = fcap[0]
+                        if limit > 0:
+                            cur = 0 if fc is None else fc[0]
+                            if cur + dc > limit:
+                                return LimitExceeded(FOLDER, cur, limit)
+                    if jcap is not None:
+                        limit = jcap[0]
+                        if limit > 0:
+                            cur = 0 if jc is None else jc[0]
+                            if cur + dc > limit:
+                                return LimitExceeded(JOB, cur, limit)
+                if dg > 0:
+                    if fcap is not None:
+                        limit = fcap[1]
+                        if limit > 0:
+                            cur = 0 if fc is None else fc[1]
+                            if cur + dg > limit:
+                                return LimitExceeded(FOLDER_GPUS, cur, limit)
+                    if jcap is not None:
+                        limit = jcap[1]
+                        if limit > 0:
+                            cur = 0 if jc is None else jc[1]
+                            if cur + dg > limit:
+                                return LimitExceeded(JOB_GPUS, cur, limit)
+            if sc is None:
+                sc = self._sub[skey] = _new_counter()
+            if fc is None:
+                fc = self._folder[fkey] = _new_counter()
+            if jc is None:
+                jc = self._job[jkey] = _new_counter()
+            if dc:
+                sc[0] += dc
+                sc[2] += dc
+                fc[0] += dc
+                fc[2] += dc
+                jc[0] += dc
+                jc[2] += dc
+            if dg:
+                sc[1] += dg
+                sc[3] += dg
+                fc[1] += dg
+                fc[3] += dg
+                jc[1] += dg
+                jc[3] += dg
+        return Applied(delta)
+
+    def confirm(self, delta: BookingDelta) -> None:
+        """Move an applied booking from in-flight to the settled bucket of the current epoch.
+
+        Called after the proc committed (and RQD launched). The live total does not change;
+        the bucket tells the next recompute whether its snapshot can be trusted to hold it.
+        """
+        dc = delta.cores
+        dg = delta.gpus
+        skey = (delta.show, delta.alloc)
+        fkey = delta.folder
+        jkey = delta.job
+        with self._lock:
+            b = 4 + ((self._epoch & 1) << 1)
+            c = self._sub.get(skey)
+            if c is None:
+                c = self._sub[skey] = _new_counter()
+            f = self._folder.get(fkey)
+            if f is None:
+                f = self._folder[fkey] = _new_counter()
+            j = self._job.get(jkey)
+            if j is None:
+                j = self._job[jkey] = _new_counter()
+            if dc:
+                c[2] -= dc
+                c[b] += dc
+                f[2] -= dc
+                f[b] += dc
+                j[2] -= dc
+                j[b] += dc
+            if dg:
+                b += 1
+                c[3] -= dg
+                c[b] += dg
+                f[3] -= dg
+                f[b] += dg
+                j[3] -= dg
+                j[b] += dg
+
+    def rollback(self, delta: BookingDelta) -> None:
+        """Undo an applied booking whose dispatch failed: subtract it live and in-flight."""
+        dc = delta.cores
+        dg = delta.gpus
+        skey = (delta.show, delta.alloc)
+        fkey = delta.folder
+        jkey = delta.job
+        with self._lock:
+            c = self._sub.get(skey)
+            if c is None:
+                c = self._sub[skey] = _new_counter()
+            f = self._folder.get(fkey)
+            if f is None:
+                f = self._folder[fkey] = _new_counter()
+            j = self._job.get(jkey)
+            if j is None:
+                j = self._job[jkey] = _new_counter()
+            c[0] -= dc
+            c[2] -= dc
+            f[0] -= dc
+            f[2] -= dc
+            j[0] -= dc
+            j[2] -= dc
+            c[1] -= dg
+            c[3] -= dg
+            f[1] -= dg
+            f[3] -= dg
+            j[1] -= dg
+            j[3] -= dg
+
+    # ----------------------------------------------------------------------- releases
+
+    def apply_release(self, delta: BookingDelta, xid: int | None = None) -> bool:
+        """Add a (negative) release delta to the live totals of keys that already exist.
+
+        Unknown keys are skipped and never created; no cap check, no floor, in-flight and
+        settled amounts untouched (a release concerns a long-settled booking).
+
+        Exactly-once: `xid` is the deleting transaction (`pg_current_xact_id()`). Each key
+        remembers the snapshot its absolute value was last read under (`overwrite_counters`,
+        `seed_show_booked`). If that snapshot already shows `xid` as finished, the snapshot's
+        SUM already excluded the proc, so subtracting again would read LOW: the key is
+        skipped. Anything the snapshot cannot vouch for (no recorded snapshot, or `xid` not
+        yet visible in it) gets the release, which is always correct or high. Each key is
+        decided on its own, since the three keys may have been written by different passes.
+        With `xid=None` every existing key gets the release (reference behaviour).
+
+        Returns whether at least one key was changed.
+        """
+        dc = delta.cores
+        dg = delta.gpus
+        applied = False
+        with self._lock:
+            for counter in (
+                self._sub.get((delta.show, delta.alloc)),
+                self._folder.get(delta.folder),
+                self._job.get(delta.job),
+            ):
+                if counter is None:
+                    continue
+                if xid is not None:
+                    seen = counter[8]
+                    if seen is not None and seen.visible(xid):
+                        continue
+                counter[0] += dc
+                counter[1] += dg
+                applied = True
+        return applied
+
+    # ----------------------------------------------------------------------- recompute
+
+    def begin_recompute(self) -> int:
+        """Open a recompute pass; must run BEFORE the snapshot SQL is issued.
+
+        Bumping the epoch sends every later confirm to the other settled bucket, which is
+        what lets `overwrite_counters` tell confirms its snapshot surely holds (before begin)
+        from those it may have missed (after begin).
+        """
+        with self._lock:
+            epoch = self._epoch
+            self._epoch = epoch + 1
+        return epoch
+
+    def overwrite_counters(
+        self,
+        snapshot: CounterSnapshot,
+        epoch: int,
+        pg_snapshot: PgSnapshot | None = None,
+    ) -> None:
+        """Replace live totals with `SUM(proc)` plus what the snapshot cannot have seen.
+
+        For each key in `snapshot`: `cores = snap + inflight + settled[keep]` (same for GPUs),
+        where `keep` is the bucket of confirms made since `begin_recompute` (their procs may
+        have committed after the read: carried, at worst counted twice for one pass) and
+        `clear` the bucket of confirms made before it (surely in the snapshot: dropped). Then
+        `settled[clear]` is zeroed on every key, and keys absent from the snapshot keep their
+        live value.
+
+        `pg_snapshot` (the `pg_current_snapshot()` of the read) is recorded on each key
+        written, for `apply_release`'s exactly-once rule; None records "unknown".
+
+        Deviation: `epoch` must be the value the latest `begin_recompute` returned. A stale
+        epoch could have the parity of the current one, and clearing that bucket would erase
+        confirms the snapshot never saw (a LOW counter), so it raises ValueError instead.
+        """
+        with self._lock:
+            if epoch != self._epoch - 1:
+                raise ValueError(f"overwrite_counters for epoch {epoch}, but the open pass is {self._epoch - 1}")
+            clear = epoch & 1
+            kc = 4 + 2 * (1 - clear)
+            cc = 4 + 2 * clear
+            for table, values in (
+                (self._sub, snapshot.sub),
+                (self._folder, snapshot.folder),
+                (self._job, snapshot.job),
+            ):
+                for key, (cores, gpus) in values.items():
+                    counter = table.get(key)
+                    if counter is None:
+                        counter = table[key] = _new_counter()
+                    counter[0] = cores + counter[2] + counter[kc]
+                    counter[1] = gpus + counter[3] + counter[kc + 1]
+                    counter[8] = pg_snapshot
+                for counter in table.values():
+                    counter[cc] = 0
+                    counter[cc + 1] = 0
+
+    def seed_show_booked(self, snapshot: CounterSnapshot, pg_snapshot: PgSnapshot | None = None) -> None:
+        """Set absolute live totals for a show about to be published as managed.
+
+        Safe without the epoch protocol because the hot path cannot book an unpublished show;
+        in-flight, buckets and epoch are untouched and absent keys are left alone. The
+        snapshot is recorded per key like `overwrite_counters` does.
+        """
+        with self._lock:
+            for table, values in (
+                (self._sub, snapshot.sub),
+                (self._folder, snapshot.folder),
+                (self._job, snapshot.job),
+            ):
+                for key, (cores, gpus) in values.items():
+                    counter = table.get(key)
+                    if counter is None:
+                        counter = table[key] = _new_counter()
+                    counter[0] = cores
+                    counter[1] = gpus
+                    counter[8] = pg_snapshot
+
+    # ----------------------------------------------------------------------- caps
+
+    def set_caps(
+        self,
+        subs: Mapping[tuple[str, str], int],
+        folders: Mapping[str, tuple[int, int]],
+        jobs: Mapping[str, tuple[int, int]],
+        pg_snapshot: PgSnapshot | None = None,
+    ) -> None:
+        """Bulk write from a limit reseed: insert or replace, never delete.
+
+        With `pg_snapshot` (the snapshot the reseed read its rows under), a field is left
+        alone when what last wrote it is provably newer than those rows: a notification whose
+        transaction the snapshot does not yet see, or an overlapping reseed that read a later
+        snapshot. Folder and job fields are decided separately, since cores and GPUs change
+        through separate notifications. Without a snapshot every row is written (reference).
+        """
+        with self._lock:
+            burst = self._burst
+            burst_src = self._burst_src
+            for key, value in subs.items():
+                if _reseed_is_stale(burst_src.get(key), pg_snapshot):
+                    continue
+                burst[key] = value
+                burst_src[key] = pg_snapshot
+            self._set_pair_caps(self._folder_caps, self._folder_cap_src, folders, pg_snapshot)
+            self._set_pair_caps(self._job_caps, self._job_cap_src, jobs, pg_snapshot)
+
+    @staticmethod
+    def _set_pair_caps(
+        caps: dict[str, tuple[int, int]],
+        sources: dict[str, tuple[_CapSource, _CapSource]],
+        rows: Mapping[str, tuple[int, int]],
+        pg_snapshot: PgSnapshot | None,
+    ) -> None:
+        for key, (max_cores, max_gpus) in rows.items():
+            old = caps.get(key)
+            if old is None:
+                caps[key] = (max_cores, max_gpus)
+                sources[key] = (pg_snapshot, pg_snapshot)
+                continue
+            src_cores, src_gpus = sources.get(key, (None, None))
+            if _reseed_is_stale(src_cores, pg_snapshot):
+                max_cores = old[0]
+            else:
+                src_cores = pg_snapshot
+            if _reseed_is_stale(src_gpus, pg_snapshot):
+                max_gpus = old[1]
+            else:
+                src_gpus = pg_snapshot
+            caps[key] = (max_cores, max_gpus)
+            sources[key] = (src_cores, src_gpus)
+
+    def apply_limit_change(self, change: LimitChange, xid: int | None = None) -> bool:
+        """Set one cap from a notification; returns False when skipped as already superseded.
+
+        A folder or job without a cap entry is first created as (-1, -1) so the other
+        dimension stays unlimited until the next reseed. `xid` is the transaction that made
+        the change: if the reseed that last wrote this field already saw it, the reseed's
+        value is at least as new and is kept. Notifications among themselves need no
+        ordering check: PostgreSQL delivers them in commit order, which xids do not follow.
+        """
+        kind = change.kind
+        key = change.key
+        value = change.value
+        with self._lock:
+            if kind is LimitKind.SUB_BURST:
+                if _notification_is_stale(self._burst_src.get(key), xid):
+                    return False
+                self._burst[key] = value
+                self._burst_src[key] = xid
+                return True
+            if kind in _FOLDER_KINDS:
+                caps, sources, index = self._folder_caps, self._folder_cap_src, _FOLDER_KINDS[kind]
+            else:
+                caps, sources, index = self._job_caps, self._job_cap_src, _JOB_KINDS[kind]
+            old = caps.get(key, (-1, -1))
+            src = sources.get(key, (None, None))
+            if _notification_is_stale(src[index], xid):
+                return False
+            if index == 0:
+                caps[key] = (value, old[1])
+                sources[key] = (xid, src[1])
+            else:
+                caps[key] = (old[0], value)
+                sources[key] = (src[0], xid)
+            return True
+
+    # ----------------------------------------------------------------------- eviction
+
+    def evict_jobs(self, jobs: Iterable[str]) -> int:
+        """Drop the counter and caps of jobs that hold nothing; returns how many were dropped.
+
+        The runtime calls this for FINISHED jobs with no procs left, so memory stays flat
+        over months of jobs (the reference never evicts). A job is kept while anything could
+        still be a booking: live cores or GPUs, in-flight amounts, or settled buckets not yet
+        proven to be in a snapshot. A finished job whose counter is stuck high (a release was
+        lost, and FINISHED jobs drop out of the recompute baseline) therefore stays until the
+        runtime overwrites it with (0, 0); keeping it is the safe side. Subscription and
+        folder entries are not evicted here: they are few and long-lived.
+        """
+        evicted = 0
+        with self._lock:
+            for job in jobs:
+                counter = self._job.get(job)
+                if counter is not None and any(counter[:8]):
+                    continue
+                found = counter is not None
+                if found:
+                    del self._job[job]
+                if self._job_caps.pop(job, None) is not None:
+                    found = True
+                self._job_cap_src.pop(job, None)
+                if found:
+                    evicted += 1
+        return evicted
+
+    # ----------------------------------------------------------------------- reads
+
+    def audit_snapshot(self) -> CounterSnapshot:
+        """Live (cores, gpus) of every key, copied under the lock."""
+        with self._lock:
+            return CounterSnapshot(
+                sub={k: (c[0], c[1]) for k, c in self._sub.items()},
+                folder={k: (c[0], c[1]) for k, c in self._folder.items()},
+                job={k: (c[0], c[1]) for k, c in self._job.items()},
+            )
+
+    def inflight_snapshot(self) -> CounterSnapshot:
+        """In-flight (cores, gpus) of every key: bookings whose dispatch has not finished."""
+        with self._lock:
+            return CounterSnapshot(
+                sub={k: (c[2], c[3]) for k, c in self._sub.items()},
+                folder={k: (c[2], c[3]) for k, c in self._folder.items()},
+                job={k: (c[2], c[3]) for k, c in self._job.items()},
+            )
+
+    def caps(self) -> Caps:
+        """Copies of every cap map."""
+        with self._lock:
+            return Caps(sub=dict(self._burst), folder=dict(self._folder_caps), job=dict(self._job_caps))
+
+    def job_cores_in_use(self, job: str) -> int:
+        """Live cores of a job, 0 if unknown (advisory pre-check; `book` is the authority)."""
+        with self._lock:
+            counter = self._job.get(job)
+            return 0 if counter is None else counter[0]
+
+    def sub_counters(self, show: str, alloc: str) -> tuple[int, int]:
+        """(booked_cores, burst) of a subscription; missing values read as 0."""
+        key = (show, alloc)
+        with self._lock:
+            counter = self._sub.get(key)
+            return (0 if counter is None else counter[0], self._burst.get(key, 0))
+
+    def job_cap(self, job: str) -> tuple[int, int] | None:
+        """(max_cores, max_gpus) of a job, or None when unseeded (which `book` reads as unlimited)."""
+        with self._lock:
+            return self._job_caps.get(job)
+
+    def folder_cap(self, folder: str) -> tuple[int, int] | None:
+        """(max_cores, max_gpus) of a folder, or None when unseeded (unlimited for `book`)."""
+        with self._lock:
+            return self._folder_caps.get(folder)
