@@ -122,7 +122,13 @@ class Command(BaseCommand):
         caps.add_argument("--job-max-cores", type=int, default=d.job_max_cores, help=f"(default {d.job_max_cores})")
         caps.add_argument("--job-max-gpus", type=int, default=d.job_max_gpus)
         caps.add_argument("--job-priority-max", type=int, default=d.job_priority_max, help="priorities 1..N")
-        parser.add_argument("--no-progress", action="store_true", help="never draw the progress bar")
+        bar = parser.add_mutually_exclusive_group()
+        bar.add_argument(
+            "--progress",
+            action="store_true",
+            help=f"always draw the progress bar (default: only for seeds of {PROGRESS_MIN_ROWS}+ rows)",
+        )
+        bar.add_argument("--no-progress", action="store_true", help="never draw the progress bar")
 
     def handle(self, *args: Any, **opts: Any) -> None:
         if opts["purge"]:
@@ -169,7 +175,7 @@ class Command(BaseCommand):
 
         rows = spec.hosts * 3 + spec.jobs * spec.layers * (3 + spec.frames_per_layer)
         bar = None
-        if not opts["no_progress"] and rows >= PROGRESS_MIN_ROWS:
+        if opts["progress"] or (not opts["no_progress"] and rows >= PROGRESS_MIN_ROWS):
             bar = TextProgress(self.stderr)
         try:
             seed = seed_farm(spec, progress=bar)
