@@ -1,0 +1,131 @@
+"""The two notification channels and their payloads, parsed strictly.
+
+A notification is a hint; the tables are the truth. So a payload that does not parse is
+logged with its raw text, counted and dropped, never half-applied: the recompute (for a
+release) and the limit reseed (for a cap) heal whatever it would have said.
+
+Payloads, compact JSON written by the triggers in `accounting.triggers`:
+- `acct_release`: show, alloc, folder, job, layer, dept (UUID text), cores (signed whole
+  cores, negative for a release), gpus (signed), xid (the deleting transaction's
+  `pg_current_xact_id()`, optional for payloads from an older writer such as Cuebot).
+- `acct_limit_change`: `{"vertex": "sub", show, alloc, burst}` or
+  `{"vertex": "folder"|"job", id, max_cores?, max_gpus?}` in whole cores (-1 unlimited),
+  plus the optional xid.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from accounting.store import BookingDelta, LimitChange, LimitKind
+
+RELEASE_CHANNEL = "acct_release"
+LIMIT_CHANNEL = "acct_limit_change"
+CHANNELS = (RELEASE_CHANNEL, LIMIT_CHANNEL)
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+
+
+class PayloadError(ValueError):
+    """A payload that cannot be applied; the message says which field and why."""
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    delta: BookingDelta
+    xid: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class LimitNotice:
+    changes: tuple[LimitChange, ...]
+    xid: int | None
+
+
+def _object(payload: str) -> dict[str, Any]:
+    try:
+        data = json.loads(payload)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise PayloadError(f"not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise PayloadError(f"expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _id(data: dict[str, Any], field: str) -> str:
+    if field not in data:
+        raise PayloadError(f"missing field {field!r}")
+    value = data[field]
+    if not isinstance(value, str):
+        raise PayloadError(f"field {field!r} must be a UUID string, got {type(value).__name__}")
+    try:
+        uuid.UUID(value)
+    except ValueError:
+        raise PayloadError(f"field {field!r} is not a UUID: {value[:64]!r}") from None
+    if len(value) != 36:
+        # Keys are VARCHAR(36) text compared case-sensitively; braces or URNs never match a row.
+        raise PayloadError(f"field {field!r} is not a canonical 36-character UUID: {value[:64]!r}")
+    return value
+
+
+def _int(data: dict[str, Any], field: str, lo: int, hi: int, *, required: bool = True) -> int | None:
+    if field not in data:
+        if required:
+            raise PayloadError(f"missing field {field!r}")
+        return None
+    value = data[field]
+    # bool is an int in Python; JSON true/false is never a count.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PayloadError(f"field {field!r} must be an integer, got {type(value).__name__}")
+    if not lo <= value <= hi:
+        raise PayloadError(f"field {field!r} out of range: {value}")
+    return value
+
+
+def _xid(data: dict[str, Any]) -> int | None:
+    return _int(data, "xid", 1, INT64_MAX, required=False)
+
+
+def parse_release(payload: str) -> Release:
+    data = _object(payload)
+    delta = BookingDelta(
+        show=_id(data, "show"),
+        alloc=_id(data, "alloc"),
+        folder=_id(data, "folder"),
+        job=_id(data, "job"),
+        cores=_int(data, "cores", INT64_MIN, INT64_MAX),  # type: ignore[arg-type]
+        gpus=_int(data, "gpus", INT32_MIN, INT32_MAX),  # type: ignore[arg-type]
+    )
+    return Release(delta=delta, xid=_xid(data))
+
+
+_VERTEX_KINDS = {
+    "folder": (LimitKind.FOLDER_MAX_CORES, LimitKind.FOLDER_MAX_GPUS),
+    "job": (LimitKind.JOB_MAX_CORES, LimitKind.JOB_MAX_GPUS),
+}
+
+
+def parse_limit_change(payload: str) -> LimitNotice:
+    """Expand a cap message into its changes: cores first, then GPUs, as the reference does."""
+    data = _object(payload)
+    vertex = data.get("vertex")
+    if vertex == "sub":
+        key = (_id(data, "show"), _id(data, "alloc"))
+        burst = _int(data, "burst", INT64_MIN, INT64_MAX)
+        return LimitNotice((LimitChange(LimitKind.SUB_BURST, key, burst),), _xid(data))  # type: ignore[arg-type]
+    if vertex in _VERTEX_KINDS:
+        cores_kind, gpus_kind = _VERTEX_KINDS[vertex]
+        ident = _id(data, "id")
+        changes = []
+        max_cores = _int(data, "max_cores", INT64_MIN, INT64_MAX, required=False)
+        if max_cores is not None:
+            changes.append(LimitChange(cores_kind, ident, max_cores))
+        max_gpus = _int(data, "max_gpus", INT64_MIN, INT64_MAX, required=False)
+        if max_gpus is not None:
+            changes.append(LimitChange(gpus_kind, ident, max_gpus))
+        return LimitNotice(tuple(changes), _xid(data))
+    raise PayloadError(f"unknown vertex {vertex!r}")
