@@ -18,13 +18,15 @@ def database_from_url(url: str) -> dict[str, Any]:
     if not name:
         raise ValueError("DATABASE_URL names no database (postgres://user@host:port/NAME)")
     options = dict(parse_qsl(parts.query))
-    host = unquote(parts.hostname or "") or options.pop("host", "")
+    # libpq style: a Unix-socket directory may come as ?host=/path (and ?port=).
+    query_host, query_port = options.pop("host", ""), options.pop("port", "")
+    host = unquote(parts.hostname or "") or query_host
     return {
         "ENGINE": "django.db.backends.postgresql",
         "NAME": name,
         "USER": unquote(parts.username or ""),
         "PASSWORD": unquote(parts.password or ""),
         "HOST": host,
-        "PORT": str(parts.port or ""),
+        "PORT": str(parts.port or query_port or ""),
         "OPTIONS": options,
     }

@@ -1,0 +1,106 @@
+"""Limit reseed: the five enforced caps of every managed show, from the database into the Store.
+
+Runs at bootstrap, after every listener reconnect, on each managed-flip seed and every
+~5 minutes. It is the only backstop for a missed cap *decrease* (the one drift that can
+over-book), which is why the listener triggers it on reconnect instead of waiting.
+
+The three reads share one REPEATABLE READ snapshot whose `pg_current_snapshot()` goes to
+`Store.set_caps`, so a cap notified by a transaction this reseed could not see is kept,
+and a notification the reseed already saw is not applied again on top of a newer value.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import psycopg
+
+from accounting.store import PgSnapshot, Store
+from accounting.units import centicores_to_cores, centicores_to_cores_cap
+
+logger = logging.getLogger(__name__)
+
+SUB_LIMITS_SQL = """
+SELECT sub.pk_show, sub.pk_alloc, sub.int_burst
+FROM subscription sub
+JOIN show s ON s.pk_show = sub.pk_show
+WHERE s.b_scheduler_managed
+"""
+
+FOLDER_LIMITS_SQL = """
+SELECT fr.pk_folder, fr.int_max_cores, fr.int_max_gpus
+FROM folder_resource fr
+JOIN folder f ON f.pk_folder = fr.pk_folder
+JOIN show s ON s.pk_show = f.pk_show
+WHERE s.b_scheduler_managed
+"""
+
+JOB_LIMITS_SQL = """
+SELECT jr.pk_job, jr.int_max_cores, jr.int_max_gpus
+FROM job_resource jr
+JOIN job j ON j.pk_job = jr.pk_job
+JOIN show s ON s.pk_show = j.pk_show
+WHERE s.b_scheduler_managed AND j.str_state <> 'FINISHED'
+"""
+
+SNAPSHOT_SQL = "SELECT pg_current_snapshot()::text"
+
+
+@dataclass(frozen=True)
+class LimitRows:
+    subs: dict[tuple[str, str], int]
+    folders: dict[str, tuple[int, int]]
+    jobs: dict[str, tuple[int, int]]
+    pg_snapshot: PgSnapshot
+
+
+def begin_snapshot(conn: psycopg.Connection) -> PgSnapshot:
+    """Start a read-only REPEATABLE READ transaction and return its snapshot.
+
+    The first statement fixes the transaction snapshot, so every later read in the same
+    transaction sees exactly what `pg_current_snapshot()` describes.
+    """
+    conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+    row = conn.execute(SNAPSHOT_SQL).fetchone()
+    assert row is not None
+    return PgSnapshot.parse(row[0])
+
+
+def read_limits(conn: psycopg.Connection) -> LimitRows:
+    """Read the caps of every managed show, converted to the Store's units."""
+    try:
+        snap = begin_snapshot(conn)
+        subs = {(show, alloc): centicores_to_cores(burst) for show, alloc, burst in conn.execute(SUB_LIMITS_SQL)}
+        folders = {fid: (centicores_to_cores_cap(mc), int(mg)) for fid, mc, mg in conn.execute(FOLDER_LIMITS_SQL)}
+        jobs = {jid: (centicores_to_cores_cap(mc), int(mg)) for jid, mc, mg in conn.execute(JOB_LIMITS_SQL)}
+        conn.execute("COMMIT")
+    except BaseException:
+        _abort(conn)
+        raise
+    return LimitRows(subs=subs, folders=folders, jobs=jobs, pg_snapshot=snap)
+
+
+def reseed_limits(store: Store, conn: psycopg.Connection) -> LimitRows:
+    started = time.monotonic()
+    rows = read_limits(conn)
+    store.set_caps(rows.subs, rows.folders, rows.jobs, pg_snapshot=rows.pg_snapshot)
+    logger.info(
+        "limit reseed: %d subscriptions, %d folders, %d jobs in %.3fs",
+        len(rows.subs),
+        len(rows.folders),
+        len(rows.jobs),
+        time.monotonic() - started,
+    )
+    return rows
+
+
+def _abort(conn: psycopg.Connection) -> None:
+    """Leave the connection usable after a failed read (or let the caller reconnect)."""
+    if conn.closed:
+        return
+    try:
+        conn.execute("ROLLBACK")
+    except psycopg.Error:
+        pass

@@ -1,0 +1,49 @@
+"""`manage.py store_status`: the scheduler's published Store view, for scripts and ops at a terminal."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError
+from django.db import connection
+
+from accounting import live
+
+
+class Command(BaseCommand):
+    help = "Print the live Store view the running scheduler publishes (with its age)."
+
+    def add_arguments(self, parser: Any) -> None:
+        parser.add_argument("--json", action="store_true", help="Print the whole view as JSON.")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        with connection.cursor() as cursor:
+            view = live.read_view(cursor)
+        if view is None:
+            raise CommandError("no scheduler has published a view on this database (is run_scheduler running?)")
+        if options["json"]:
+            self.stdout.write(json.dumps(view, indent=2, sort_keys=True, default=str))
+            return
+        state = "STALE: the scheduler is not publishing" if view["stale"] else "live"
+        self.stdout.write(
+            f"scheduler pid {view['pid']} on {view['hostname']}, view {view['age_seconds']:.1f}s old ({state})"
+        )
+        lst = view["listener"]
+        self.stdout.write(
+            f"listener {lst['state']}: releases {lst['releases_applied']} applied / {lst['releases_skipped']} "
+            f"skipped, caps {lst['limits_applied']} applied / {lst['limits_skipped']} skipped, "
+            f"dropped {sum(lst['dropped'].values())}, reconnects {lst['reconnects']}"
+        )
+        rc = view.get("recompute")
+        if rc:
+            self.stdout.write(
+                f"last recompute: {rc['keys']} keys in {rc['store_seconds']:.3f}s (store) + "
+                f"{rc['pg_seconds']:.3f}s (pg), drift {rc['drift_cores']}"
+            )
+        self.stdout.write(f"managed shows: {len(view['managed_shows'])}")
+        self.stdout.write("subscriptions (show:alloc  booked/burst cores):")
+        for key, entry in sorted(view["sub"].items()):
+            self.stdout.write(f"  {key}  {entry['cores']}/{entry['burst']}  gpus {entry['gpus']}")
+        busy_jobs = sum(1 for e in view["job"].values() if e["cores"] or e["gpus"])
+        self.stdout.write(f"folders: {len(view['folder'])}, jobs: {len(view['job'])} ({busy_jobs} booking)")

@@ -1,0 +1,70 @@
+"""Prometheus metrics of the scheduler process, served on a local port by `run_scheduler`.
+
+Names are listed in `docs/reference.md`; a test checks every name documented there exists
+here. Everything lives in one registry so tests can read values without global state
+from other processes.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+BOOKINGS = Counter(
+    "cuesched_bookings_total", "Bookings applied, by accounting owner.", ["accounting"], registry=REGISTRY
+)
+REJECTIONS = Counter(
+    "cuesched_rejections_total",
+    "Bookings refused by a cap, by table (subscription, folder, job, folder_gpus, job_gpus).",
+    ["table"],
+    registry=REGISTRY,
+)
+RELEASES = Counter(
+    "cuesched_releases_total",
+    "acct_release notifications, by outcome (applied, skipped as already in a snapshot).",
+    ["outcome"],
+    registry=REGISTRY,
+)
+LIMIT_CHANGES = Counter(
+    "cuesched_limit_changes_total",
+    "acct_limit_change notifications, by outcome (applied, skipped as older than a reseed).",
+    ["outcome"],
+    registry=REGISTRY,
+)
+DROPPED = Counter(
+    "cuesched_payloads_dropped_total",
+    "Notifications dropped, by channel and reason (malformed, injected, channel).",
+    ["channel", "reason"],
+    registry=REGISTRY,
+)
+LISTENER_RECONNECTS = Counter("cuesched_listener_reconnects_total", "Listener reconnections.", registry=REGISTRY)
+LISTENER_CONNECTED = Gauge(
+    "cuesched_listener_connected", "1 while the listener is connected and listening.", registry=REGISTRY
+)
+RECOMPUTE_SECONDS = Histogram(
+    "cuesched_recompute_cycle_seconds",
+    "Duration of a recompute cycle (Store and PostgreSQL sides).",
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+    registry=REGISTRY,
+)
+RECOMPUTE_DRIFT = Gauge(
+    "cuesched_recompute_drift_cores",
+    "Cores by which the Store differed from SUM(proc) at the last recompute, summed over keys, by vertex.",
+    ["vertex"],
+    registry=REGISTRY,
+)
+LIMIT_RESEED_SECONDS = Histogram("cuesched_limit_reseed_seconds", "Duration of a limit reseed.", registry=REGISTRY)
+MANAGED_SHOWS = Gauge("cuesched_managed_shows", "Shows published as scheduler-managed.", registry=REGISTRY)
+LOOP_ERRORS = Counter(
+    "cuesched_loop_errors_total",
+    "Failed iterations of a background loop, by loop.",
+    ["loop"],
+    registry=REGISTRY,
+)
+
+
+def serve(port: int, addr: str = "127.0.0.1") -> None:
+    """Expose /metrics; a port of 0 disables the endpoint."""
+    if port:
+        start_http_server(port, addr=addr, registry=REGISTRY)

@@ -1,0 +1,278 @@
+"""Recompute: rebuild every Store counter from SUM(proc), and the display columns in PostgreSQL.
+
+The backstop for a missed release: whatever the listener lost, a counter is back to the
+truth within one cycle (~15 s). Two halves, the Store first because it is what enforces:
+
+1. Store side. `begin_recompute()` first, then ONE read-only REPEATABLE READ transaction
+   (so the booked sums and the key universe come from the same snapshot, which the
+   reference's two concurrent reads did not), then `overwrite_counters` with that
+   snapshot's `pg_current_snapshot()`, which lets the Store skip a late release the
+   snapshot already accounted for. Every proc of a managed show is counted whatever its
+   job's state, so a release can never subtract what the snapshot left out.
+2. PostgreSQL side, for CueGUI and the ops console: `int_cores`/`int_gpus` of
+   subscription, folder_resource, job_resource, layer_resource and point of managed shows,
+   touching only rows whose value changes. No cap is touched, so an operator's concurrent
+   cap edit can never be reverted (the reference's temporary-overwrite trick could).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import psycopg
+
+from accounting.limits import FOLDER_LIMITS_SQL, JOB_LIMITS_SQL, SUB_LIMITS_SQL, _abort, begin_snapshot
+from accounting.store import CounterSnapshot, PgSnapshot, Store
+from accounting.units import centicores_to_cores
+
+logger = logging.getLogger(__name__)
+
+# Every non-local proc of a managed show, keyed as the Store keys its counters. The show is
+# the proc's own pk_show, the alloc its host's and the folder its job's, exactly as the
+# release trigger builds a release, so both always name the same keys.
+BOOKED_SQL = """
+SELECT p.pk_show, h.pk_alloc, j.pk_folder, p.pk_job,
+       SUM(p.int_cores_reserved)::bigint, SUM(p.int_gpus_reserved)::bigint
+FROM proc p
+JOIN show s ON s.pk_show = p.pk_show
+JOIN host h ON h.pk_host = p.pk_host
+JOIN job j ON j.pk_job = p.pk_job
+WHERE s.b_scheduler_managed AND NOT p.b_local
+GROUP BY 1, 2, 3, 4
+"""
+
+# The same, for one show whatever its flag: the managed-flip seed runs it before the show
+# is published as managed.
+SHOW_BOOKED_SQL = """
+SELECT p.pk_show, h.pk_alloc, j.pk_folder, p.pk_job,
+       SUM(p.int_cores_reserved)::bigint, SUM(p.int_gpus_reserved)::bigint
+FROM proc p
+JOIN host h ON h.pk_host = p.pk_host
+JOIN job j ON j.pk_job = p.pk_job
+WHERE p.pk_show = %(show)s AND NOT p.b_local
+GROUP BY 1, 2, 3, 4
+"""
+
+SHOW_KEYS_SQL = {
+    "sub": "SELECT pk_show, pk_alloc FROM subscription WHERE pk_show = %(show)s",
+    "folder": "SELECT pk_folder FROM folder WHERE pk_show = %(show)s",
+    "job": "SELECT pk_job FROM job WHERE pk_show = %(show)s AND str_state <> 'FINISHED'",
+}
+
+_MANAGED_PROCS = """
+  SELECT p.* FROM proc p JOIN show s ON s.pk_show = p.pk_show
+  WHERE s.b_scheduler_managed AND NOT p.b_local
+"""
+
+# PostgreSQL side: one statement per table, only rows whose totals differ.
+PG_REFRESH_SQL = {
+    "subscription": f"""
+UPDATE subscription t SET int_cores = u.cores, int_gpus = u.gpus
+FROM (
+  SELECT sub.pk_subscription, COALESCE(SUM(p.int_cores_reserved), 0) AS cores,
+         COALESCE(SUM(p.int_gpus_reserved), 0) AS gpus
+  FROM subscription sub
+  JOIN show s ON s.pk_show = sub.pk_show AND s.b_scheduler_managed
+  LEFT JOIN (SELECT mp.*, h.pk_alloc FROM ({_MANAGED_PROCS}) mp JOIN host h ON h.pk_host = mp.pk_host) p
+    ON p.pk_show = sub.pk_show AND p.pk_alloc = sub.pk_alloc
+  GROUP BY sub.pk_subscription
+) u
+WHERE t.pk_subscription = u.pk_subscription AND (t.int_cores, t.int_gpus) IS DISTINCT FROM (u.cores, u.gpus)
+""",
+    "folder_resource": f"""
+UPDATE folder_resource t SET int_cores = u.cores, int_gpus = u.gpus
+FROM (
+  SELECT f.pk_folder, COALESCE(SUM(p.int_cores_reserved), 0) AS cores,
+         COALESCE(SUM(p.int_gpus_reserved), 0) AS gpus
+  FROM folder f
+  JOIN show s ON s.pk_show = f.pk_show AND s.b_scheduler_managed
+  LEFT JOIN (SELECT mp.*, j.pk_folder FROM ({_MANAGED_PROCS}) mp JOIN job j ON j.pk_job = mp.pk_job) p
+    ON p.pk_folder = f.pk_folder
+  GROUP BY f.pk_folder
+) u
+WHERE t.pk_folder = u.pk_folder AND (t.int_cores, t.int_gpus) IS DISTINCT FROM (u.cores, u.gpus)
+""",
+    "job_resource": f"""
+UPDATE job_resource t SET int_cores = u.cores, int_gpus = u.gpus
+FROM (
+  SELECT j.pk_job, COALESCE(SUM(p.int_cores_reserved), 0) AS cores,
+         COALESCE(SUM(p.int_gpus_reserved), 0) AS gpus
+  FROM job j
+  JOIN show s ON s.pk_show = j.pk_show AND s.b_scheduler_managed
+  LEFT JOIN ({_MANAGED_PROCS}) p ON p.pk_job = j.pk_job
+  GROUP BY j.pk_job
+) u
+WHERE t.pk_job = u.pk_job AND (t.int_cores, t.int_gpus) IS DISTINCT FROM (u.cores, u.gpus)
+""",
+    "layer_resource": f"""
+UPDATE layer_resource t SET int_cores = u.cores, int_gpus = u.gpus
+FROM (
+  SELECT l.pk_layer, COALESCE(SUM(p.int_cores_reserved), 0) AS cores,
+         COALESCE(SUM(p.int_gpus_reserved), 0) AS gpus
+  FROM layer l
+  JOIN job j ON j.pk_job = l.pk_job
+  JOIN show s ON s.pk_show = j.pk_show AND s.b_scheduler_managed
+  LEFT JOIN ({_MANAGED_PROCS}) p ON p.pk_layer = l.pk_layer
+  GROUP BY l.pk_layer
+) u
+WHERE t.pk_layer = u.pk_layer AND (t.int_cores, t.int_gpus) IS DISTINCT FROM (u.cores, u.gpus)
+""",
+    "point": f"""
+UPDATE point t SET int_cores = u.cores, int_gpus = u.gpus
+FROM (
+  SELECT pt.pk_point, COALESCE(SUM(p.int_cores_reserved), 0) AS cores,
+         COALESCE(SUM(p.int_gpus_reserved), 0) AS gpus
+  FROM point pt
+  JOIN show s ON s.pk_show = pt.pk_show AND s.b_scheduler_managed
+  LEFT JOIN (SELECT mp.*, j.pk_dept FROM ({_MANAGED_PROCS}) mp JOIN job j ON j.pk_job = mp.pk_job) p
+    ON p.pk_show = pt.pk_show AND p.pk_dept = pt.pk_dept
+  GROUP BY pt.pk_point
+) u
+WHERE t.pk_point = u.pk_point AND (t.int_cores, t.int_gpus) IS DISTINCT FROM (u.cores, u.gpus)
+""",
+}
+
+
+@dataclass
+class RecomputeResult:
+    keys: int = 0
+    rows: int = 0
+    evicted: int = 0
+    store_seconds: float = 0.0
+    pg_seconds: float = 0.0
+    pg_rows_updated: dict[str, int] = field(default_factory=dict)
+    pg_error: str | None = None
+    # Sum over keys of |after - before| in whole cores: how far the Store had drifted.
+    drift_cores: dict[str, int] = field(default_factory=dict)
+
+
+def _accumulate(
+    rows: Iterable[tuple[str, str, str, str, int, int]],
+) -> tuple[dict[tuple[str, str], list[int]], dict[str, list[int]], dict[str, list[int]], int]:
+    """Sum centicores per key first; conversion happens once per key (truncation once)."""
+    sub: dict[tuple[str, str], list[int]] = {}
+    folder: dict[str, list[int]] = {}
+    job: dict[str, list[int]] = {}
+    n = 0
+    for show, alloc, fid, jid, cores, gpus in rows:
+        n += 1
+        for acc in (
+            sub.setdefault((show, alloc), [0, 0]),
+            folder.setdefault(fid, [0, 0]),
+            job.setdefault(jid, [0, 0]),
+        ):
+            acc[0] += int(cores)
+            acc[1] += int(gpus)
+    return sub, folder, job, n
+
+
+def build_snapshot(
+    rows: Iterable[tuple[str, str, str, str, int, int]],
+    sub_keys: Iterable[tuple[str, str]],
+    folder_keys: Iterable[str],
+    job_keys: Iterable[str],
+) -> tuple[CounterSnapshot, int]:
+    """A CounterSnapshot over a zero baseline: a key whose procs all drained resets to 0."""
+    sub_acc, folder_acc, job_acc, n = _accumulate(rows)
+    sub = dict.fromkeys(sub_keys, (0, 0))
+    folder = dict.fromkeys(folder_keys, (0, 0))
+    job = dict.fromkeys(job_keys, (0, 0))
+    for target, acc in ((sub, sub_acc), (folder, folder_acc), (job, job_acc)):
+        for key, (cc, gg) in acc.items():
+            target[key] = (centicores_to_cores(cc), gg)
+    return CounterSnapshot(sub=sub, folder=folder, job=job), n
+
+
+def _drift(before: CounterSnapshot, after: CounterSnapshot) -> dict[str, int]:
+    out = {}
+    for name in ("sub", "folder", "job"):
+        b, a = getattr(before, name), getattr(after, name)
+        out[name] = sum(abs(a.get(k, (0, 0))[0] - b.get(k, (0, 0))[0]) for k in a.keys() | b.keys())
+    return out
+
+
+class Recomputer:
+    """Runs recompute passes; `lock` keeps begin->overwrite pairs strictly sequential.
+
+    The same lock is taken by the listener's reconnect reseed, which also runs a store
+    pass: two overlapping passes would clear each other's settled buckets early.
+    """
+
+    def __init__(self, store: Store, lock: threading.Lock | None = None) -> None:
+        self.store = store
+        self.lock = lock or threading.Lock()
+
+    def store_pass(self, conn: psycopg.Connection, result: RecomputeResult | None = None) -> RecomputeResult:
+        result = result or RecomputeResult()
+        store = self.store
+        started = time.monotonic()
+        with self.lock:
+            epoch = store.begin_recompute()
+            try:
+                snap = begin_snapshot(conn)
+                booked = conn.execute(BOOKED_SQL).fetchall()
+                sub_keys = [(s, a) for s, a, _ in conn.execute(SUB_LIMITS_SQL)]
+                folder_keys = [f for f, _, _ in conn.execute(FOLDER_LIMITS_SQL)]
+                job_keys = [j for j, _, _ in conn.execute(JOB_LIMITS_SQL)]
+                conn.execute("COMMIT")
+            except BaseException:
+                # No overwrite: the stale bucket is carried once more (a safe over-count).
+                _abort(conn)
+                raise
+            before = store.audit_snapshot()
+            db_jobs = set(job_keys)
+            # Keys the Store knows but the database universe lacks (finished or deleted jobs,
+            # shows no longer managed) are in the snapshot too, at their SUM(proc): every proc
+            # of a managed show is in `booked`, so anything else really is zero.
+            snapshot, n = build_snapshot(
+                booked,
+                [*sub_keys, *before.sub.keys()],
+                [*folder_keys, *before.folder.keys()],
+                [*job_keys, *before.job.keys()],
+            )
+            store.overwrite_counters(snapshot, epoch, pg_snapshot=snap)
+        after = store.audit_snapshot()
+        result.drift_cores = _drift(before, after)
+        result.evicted = store.evict_jobs([j for j, v in after.job.items() if j not in db_jobs and v == (0, 0)])
+        result.keys = len(snapshot.sub) + len(snapshot.folder) + len(snapshot.job)
+        result.rows = n
+        result.store_seconds = time.monotonic() - started
+        return result
+
+    def pg_pass(self, conn: psycopg.Connection, result: RecomputeResult | None = None) -> RecomputeResult:
+        result = result or RecomputeResult()
+        started = time.monotonic()
+        try:
+            with conn.transaction():
+                for table, sql in PG_REFRESH_SQL.items():
+                    result.pg_rows_updated[table] = conn.execute(sql).rowcount
+        except psycopg.Error as exc:
+            result.pg_error = f"{type(exc).__name__}: {exc}"
+            logger.warning("recompute: PostgreSQL-side refresh failed (the Store pass still ran): %s", exc)
+        result.pg_seconds = time.monotonic() - started
+        return result
+
+    def run_once(self, conn: psycopg.Connection) -> RecomputeResult:
+        result = self.store_pass(conn)
+        self.pg_pass(conn, result)
+        return result
+
+    def seed_show(self, conn: psycopg.Connection, show: str) -> tuple[CounterSnapshot, PgSnapshot]:
+        """Read one show's booked counters over a zero baseline of its keys (managed-flip seed)."""
+        try:
+            snap = begin_snapshot(conn)
+            params = {"show": show}
+            booked = conn.execute(SHOW_BOOKED_SQL, params).fetchall()
+            sub_keys = [(s, a) for s, a in conn.execute(SHOW_KEYS_SQL["sub"], params)]
+            folder_keys = [f for (f,) in conn.execute(SHOW_KEYS_SQL["folder"], params)]
+            job_keys = [j for (j,) in conn.execute(SHOW_KEYS_SQL["job"], params)]
+            conn.execute("COMMIT")
+        except BaseException:
+            _abort(conn)
+            raise
+        snapshot, _ = build_snapshot(booked, sub_keys, folder_keys, job_keys)
+        return snapshot, snap
