@@ -1,0 +1,118 @@
+"""What the scheduler process needs to know about the database side of accounting.
+
+The triggers in `accounting.triggers` emit two channels inside the writing transaction, so a
+notification is delivered if and only if its write commits:
+
+* `acct_release` (one message per (show, alloc, folder, job, layer, dept) per DELETE statement
+  on `proc`, for shows with `b_scheduler_managed = true`, non-local procs)::
+
+    {"show":"<id>","alloc":"<id>","folder":"<id>","job":"<id>","layer":"<id>","dept":"<id>",
+     "cores":-4,"gpus":-2,"xid":1234,"seq":1}
+
+  `cores` is the negated centicore sum of the group truncated toward zero once per message;
+  `gpus` is negated verbatim.
+
+* `acct_limit_change` (one message per changed or inserted row, managed shows only)::
+
+    {"vertex":"sub","show":"<id>","alloc":"<id>","burst":15,"xid":1234,"seq":1}
+    {"vertex":"folder","id":"<pk_folder>","max_cores":8,"max_gpus":3,"xid":1234,"seq":2}
+    {"vertex":"job","id":"<pk_job>","max_cores":-1,"xid":1234,"seq":3}
+
+  A folder/job UPDATE carries only the fields whose raw value changed; an INSERT carries both.
+
+`xid` is the writing transaction (`pg_current_xact_id()`), so the scheduler can tell whether a
+snapshot it read (`pg_current_snapshot()`) already contains the write. `seq` numbers the trigger
+invocations within that transaction: PostgreSQL drops a NOTIFY whose channel and payload repeat
+one already queued by the same transaction, and two deletes of equal procs of one layer (or a
+cap set to 2, then 1, then 2 again) would otherwise collapse into one message.
+
+Kill switch: `accounting.models.AccountingSettings.notify_enabled` (one row, read by every
+trigger statement). The database-enforced accounting of shows that are not scheduler-managed is
+not affected by it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+RELEASE_CHANNEL = "acct_release"
+LIMIT_CHANNEL = "acct_limit_change"
+CHANNELS = (RELEASE_CHANNEL, LIMIT_CHANNEL)
+
+# Transaction-local marker read by the release trigger (set_config(..., is_local => true)).
+SUPPRESS_RELEASE_SETTING = "cuesched.suppress_release"
+# Transaction-local counter that makes every payload of a transaction distinct.
+NOTIFY_SEQ_SETTING = "cuesched.notify_seq"
+
+# OPTIONS keys that are libpq connection parameters (Django also keeps its own keys there).
+_LIBPQ_OPTIONS = frozenset(
+    {
+        "sslmode",
+        "sslcert",
+        "sslkey",
+        "sslrootcert",
+        "sslpassword",
+        "application_name",
+        "options",
+        "connect_timeout",
+        "target_session_attrs",
+        "passfile",
+        "service",
+    }
+)
+
+SUPPRESS_RELEASE_SQL = f"SELECT set_config('{SUPPRESS_RELEASE_SETTING}', 'on', true)"
+RELEASE_SUPPRESSED_SQL = f"SELECT COALESCE(current_setting('{SUPPRESS_RELEASE_SETTING}', true), '') = 'on'"
+
+
+class NotInTransactionError(RuntimeError):
+    """The marker was set outside a transaction, where it would vanish before the DELETE runs."""
+
+
+def suppress_release_in_transaction(cursor_or_connection: Any) -> None:
+    """Make the rest of the current transaction's proc deletes emit no `acct_release`.
+
+    For the scheduler's compensating delete after a failed launch: the booking was already
+    rolled back in the Store, so a release would subtract it a second time. The marker is
+    transaction-local (it ends with COMMIT or ROLLBACK) and affects no other connection.
+    Cap-change notifications and the database-enforced accounting of unmanaged shows are not
+    affected. Accepts a Django connection or cursor, or a psycopg connection or cursor; raises
+    `NotInTransactionError` when there is no open transaction to scope it to.
+    """
+    # django.db.connection is a proxy, not a BaseDatabaseWrapper: recognise it by what it has.
+    if isinstance(cursor_or_connection, BaseDatabaseWrapper) or hasattr(cursor_or_connection, "in_atomic_block"):
+        if not cursor_or_connection.in_atomic_block:
+            raise NotInTransactionError("suppress_release_in_transaction needs transaction.atomic()")
+        with cursor_or_connection.cursor() as cursor:
+            cursor.execute(SUPPRESS_RELEASE_SQL)
+        return
+    django_db = getattr(cursor_or_connection, "db", None)
+    if isinstance(django_db, BaseDatabaseWrapper):  # a Django CursorWrapper
+        if not django_db.in_atomic_block:
+            raise NotInTransactionError("suppress_release_in_transaction needs transaction.atomic()")
+        cursor_or_connection.execute(SUPPRESS_RELEASE_SQL)
+        return
+    conn = cursor_or_connection.connection if isinstance(cursor_or_connection, psycopg.Cursor) else None
+    conn = conn or cursor_or_connection
+    if not isinstance(conn, psycopg.Connection):
+        raise TypeError(f"expected a Django or psycopg connection or cursor, got {type(conn).__name__}")
+    conn.execute(SUPPRESS_RELEASE_SQL)
+    if conn.info.transaction_status != psycopg.pq.TransactionStatus.INTRANS:
+        raise NotInTransactionError("suppress_release_in_transaction ran outside a transaction")
+
+
+def conninfo_from_settings(settings_dict: dict[str, Any]) -> str:
+    """A libpq conninfo for a Django database: LISTEN needs its own autocommit connection."""
+    params = {
+        "dbname": settings_dict.get("NAME"),
+        "user": settings_dict.get("USER"),
+        "password": settings_dict.get("PASSWORD"),
+        "host": settings_dict.get("HOST"),
+        "port": settings_dict.get("PORT"),
+    }
+    options = settings_dict.get("OPTIONS") or {}
+    params.update({k: v for k, v in options.items() if k in _LIBPQ_OPTIONS})
+    return psycopg.conninfo.make_conninfo(**{k: v for k, v in params.items() if v not in (None, "")})
