@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from django.db import models
 
+from accounting import triggers as accounting_triggers
 from dispatch.models import triggers as schema_triggers
 from dispatch.models.base import fk, now_default, one_to_one, pk_field
 
@@ -85,6 +86,7 @@ class JobResource(models.Model):
 
     class Meta:
         db_table = "job_resource"
+        triggers = accounting_triggers.job_resource_triggers()
 
     def __str__(self) -> str:
         return f"resources of {self.job_id}"

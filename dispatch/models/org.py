@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from django.db import models
 
+from accounting import triggers as accounting_triggers
 from dispatch.models import triggers as schema_triggers
 from dispatch.models.base import fk, now_default, one_to_one, pk_field
 
@@ -58,6 +59,7 @@ class Show(models.Model):
 
     class Meta:
         db_table = "show"
+        triggers = accounting_triggers.show_triggers()
 
     def __str__(self) -> str:
         return self.str_name
@@ -95,6 +97,7 @@ class Subscription(models.Model):
     class Meta:
         db_table = "subscription"
         constraints = [models.UniqueConstraint(fields=["show", "alloc"], name="c_subscription_uk")]
+        triggers = accounting_triggers.subscription_triggers()
 
     def __str__(self) -> str:
         return f"{self.show_id}:{self.alloc_id}"
@@ -168,6 +171,7 @@ class FolderResource(models.Model):
 
     class Meta:
         db_table = "folder_resource"
+        triggers = accounting_triggers.folder_resource_triggers()
 
     def __str__(self) -> str:
         return f"resources of {self.folder_id}"
