@@ -1,0 +1,86 @@
+"""Every trigger a model declares is in the database after `migrate`, current and enabled."""
+
+from __future__ import annotations
+
+import pgtrigger
+import pytest
+from django.db import DatabaseError, IntegrityError, connection, transaction
+
+from accounting.models import AccountingSettings
+from dispatch.models import FolderResource, JobResource, Proc, Show, Subscription
+
+pytestmark = pytest.mark.django_db
+
+INSTALLED_SQL = """
+    SELECT t.tgname, obj_description(t.oid, 'pg_trigger'), t.tgenabled
+    FROM pg_trigger t
+    WHERE NOT t.tgisinternal AND t.tgrelid = %s::regclass
+"""
+
+
+def installed(table: str) -> dict[str, tuple[str, str]]:
+    with connection.cursor() as cursor:
+        cursor.execute(INSTALLED_SQL, [table])
+        return {name: (comment, enabled) for name, comment, enabled in cursor.fetchall()}
+
+
+def test_every_declared_trigger_is_installed_current_and_enabled() -> None:
+    declared = pgtrigger.registered()
+    assert declared, "no triggers registered: are the models' Meta.triggers wired?"
+    problems = []
+    for model, trigger in declared:
+        table = model._meta.db_table
+        pgid = trigger.get_pgid(model)
+        found = installed(table).get(pgid)
+        if found is None:
+            problems.append(f"{table}: {trigger.name} ({pgid}) is not installed")
+        elif found[0] != trigger.compile(model).hash:
+            problems.append(f"{table}: {trigger.name} is installed but outdated (missing migration?)")
+        elif found[1] != "O":
+            problems.append(f"{table}: {trigger.name} is installed but disabled ({found[1]})")
+    assert problems == []
+
+
+def test_the_accounting_triggers_are_declared_on_their_tables() -> None:
+    names = {(model, trigger.name) for model, trigger in pgtrigger.registered()}
+    expected = {
+        (Proc, "acct_release"),
+        (Proc, "acct_db_insert"),
+        (Proc, "acct_db_delete"),
+        (Proc, "acct_db_update"),
+        (Subscription, "acct_limit_sub_insert"),
+        (Subscription, "acct_limit_sub_update"),
+        (FolderResource, "acct_limit_folder_insert"),
+        (FolderResource, "acct_limit_folder_update"),
+        (JobResource, "acct_limit_job_insert"),
+        (JobResource, "acct_limit_job_update"),
+        (Show, "acct_show_unmanaged"),
+        (AccountingSettings, "acct_settings_keep_row"),
+    }
+    assert expected <= names
+
+
+def test_the_kill_switch_row_exists_after_migrate_and_is_on() -> None:
+    assert AccountingSettings.objects.get(id=1).notify_enabled is True
+    assert AccountingSettings.notifications_enabled() is True
+
+
+def test_the_kill_switch_row_cannot_be_deleted_or_doubled() -> None:
+    AccountingSettings.objects.get_or_create(id=1)
+    with pytest.raises(DatabaseError, match="Cannot delete"), transaction.atomic():
+        AccountingSettings.objects.all().delete()
+    with pytest.raises(IntegrityError, match="single_row"), transaction.atomic():
+        AccountingSettings.objects.create(id=2)
+    assert AccountingSettings.objects.count() == 1
+
+
+def test_the_kill_switch_is_editable_in_the_admin_and_says_what_off_means(admin_client) -> None:
+    AccountingSettings.objects.get_or_create(id=1)
+    url = "/admin/accounting/accountingsettings/1/change/"
+    page = admin_client.get(url)
+    assert page.status_code == 200
+    assert "Off stops every acct_release and acct_limit_change" in page.content.decode()
+    response = admin_client.post(url, {})  # an unchecked box posts nothing: off
+    assert response.status_code == 302
+    assert AccountingSettings.notifications_enabled() is False
+    assert admin_client.get("/admin/accounting/accountingsettings/1/delete/").status_code == 403
