@@ -18,11 +18,12 @@ What runs where (all AFTER ... FOR EACH STATEMENT with transition tables):
 
 Per-row against statement-level release: FIGURES TBD
 
-Concurrency with a managed flip: every proc trigger first takes `FOR SHARE` on the shows its
-rows belong to, and only then reads `b_scheduler_managed` (a new statement, hence a new snapshot
-under READ COMMITTED). A flip (`UPDATE show`) therefore waits for in-flight proc writes of the
-show to commit, and proc writes that start after it wait for the flip; no proc is counted by
-both paths or by neither.
+Concurrency with a managed flip: every proc trigger first takes a shared transaction-level
+advisory lock per show of its rows, and only then reads `b_scheduler_managed` (a new statement,
+hence a new snapshot under READ COMMITTED); the flip trigger takes the same locks exclusively
+before it reads SUM(proc). A flip therefore waits for in-flight proc writes of the show to commit,
+and proc writes that start after it wait for the flip; no proc is counted by both paths or by
+neither.
 """
 
 from __future__ import annotations
@@ -101,15 +102,31 @@ RELEASE_PAYLOAD = (
     + _tail()
 )
 
-# Locks the shows of the statement's rows, so a concurrent managed flip is ordered before or
-# after this statement (see the module docstring).
-LOCK_SHOWS = "PERFORM 1 FROM show s WHERE s.pk_show IN (SELECT d.pk_show FROM {rows} d) FOR SHARE OF s;"
+# Orders proc writes and managed flips of a show (see the module docstring): proc triggers take
+# a shared transaction-level advisory lock per show, the flip an exclusive one. Advisory locks
+# live in the lock table only: no tuple lock, no WAL, no MultiXact on the hot show row.
+# Two-int4 key space (classid 'acct'), separate from the single-bigint keys used elsewhere.
+SHOW_LOCK_CLASS = 0x61636374
+LOCK_SHOWS = (
+    f"PERFORM pg_advisory_xact_lock_shared({SHOW_LOCK_CLASS}, x.k) "
+    "FROM (SELECT DISTINCT hashtext(d.pk_show) AS k FROM {rows} d ORDER BY 1) x;"
+)
+LOCK_SHOWS_EXCLUSIVE = (
+    f"PERFORM pg_advisory_xact_lock({SHOW_LOCK_CLASS}, x.k) "
+    "FROM (SELECT DISTINCT hashtext(d.pk_show) AS k FROM {rows} d ORDER BY 1) x;"
+)
 
 RELEASE_FUNC = f"""
     IF {RELEASE_SUPPRESSED} OR NOT {NOTIFY_ENABLED} THEN
         RETURN NULL;
     END IF;
     {LOCK_SHOWS.format(rows="old_procs")}
+    IF NOT EXISTS (
+        SELECT 1 FROM old_procs o JOIN show s ON s.pk_show = o.pk_show AND s.b_scheduler_managed
+        WHERE NOT o.b_local
+    ) THEN
+        RETURN NULL;
+    END IF;
     v_xid := {CURRENT_XID};
     v_seq := {NEXT_SEQ};
     PERFORM pg_notify('{RELEASE_CHANNEL}', {RELEASE_PAYLOAD}) FROM ({RELEASE_GROUPS}) g;
@@ -121,7 +138,8 @@ RELEASE_ROW_FUNC = f"""
     IF OLD.b_local OR {RELEASE_SUPPRESSED} OR NOT {NOTIFY_ENABLED} THEN
         RETURN NULL;
     END IF;
-    SELECT s.b_scheduler_managed INTO v_managed FROM show s WHERE s.pk_show = OLD.pk_show FOR SHARE;
+    PERFORM pg_advisory_xact_lock_shared({SHOW_LOCK_CLASS}, hashtext(OLD.pk_show));
+    SELECT s.b_scheduler_managed INTO v_managed FROM show s WHERE s.pk_show = OLD.pk_show;
     IF NOT COALESCE(v_managed, false) THEN
         RETURN NULL;
     END IF;
@@ -334,11 +352,15 @@ def db_accounting_func(deltas: str) -> str:
         folder_gpus=CAP_FOLDER_MAX_GPUS,
         job_gpus=CAP_JOB_MAX_GPUS,
     )
+    # Lock first, then read the flag (a fresh snapshot): see the module docstring. The early exit
+    # keeps statements that touch only managed shows, or no reservation at all, cheap.
     return f"""
-    IF NOT EXISTS ({deltas}) THEN
+    {LOCK_SHOWS.format(rows=f"({deltas})")}
+    IF NOT EXISTS (
+        SELECT 1 FROM ({deltas}) d JOIN show s ON s.pk_show = d.pk_show AND NOT s.b_scheduler_managed
+    ) THEN
         RETURN NULL;
     END IF;
-    {LOCK_SHOWS.format(rows=f"({deltas})")}
     {apply_sql}
     IF v_message IS NOT NULL THEN
         RAISE EXCEPTION USING MESSAGE = v_message, ERRCODE = 'check_violation', CONSTRAINT = v_constraint;
@@ -507,13 +529,16 @@ def job_resource_triggers() -> list[pgtrigger.Trigger]:
 # at all for FINISHED jobs); the database-enforced path adds and subtracts from them from now on,
 # so they are rewritten to the truth, SUM(proc) of non-local procs, in the flipping transaction.
 # Caps are not checked: a flip must succeed even if the show is over a cap right now.
-SHOW_UNMANAGED_FUNC = """
-    IF NOT EXISTS (
-        SELECT 1 FROM new_rows n JOIN old_rows o ON o.pk_show = n.pk_show
-        WHERE o.b_scheduler_managed AND NOT n.b_scheduler_managed
-    ) THEN
+_FLIPPED = """
+    (SELECT n.pk_show FROM new_rows n JOIN old_rows o ON o.pk_show = n.pk_show
+     WHERE o.b_scheduler_managed AND NOT n.b_scheduler_managed)
+"""
+SHOW_UNMANAGED_FUNC = f"""
+    IF NOT EXISTS {_FLIPPED} THEN
         RETURN NULL;
     END IF;
+    -- Wait for proc writes of these shows that read the old flag; later ones wait for our commit.
+    {LOCK_SHOWS_EXCLUSIVE.format(rows=_FLIPPED)}
     WITH flipped AS (
         SELECT n.pk_show FROM new_rows n JOIN old_rows o ON o.pk_show = n.pk_show
         WHERE o.b_scheduler_managed AND NOT n.b_scheduler_managed
