@@ -1,0 +1,109 @@
+"""Dispatch settings, read through small accessors with documented defaults.
+
+Each reads the environment at call time (see `cuesched_project.conf`), so a test or an
+operator changes a knob without monkeypatching. The loop reads them once, when it is built.
+"""
+
+from __future__ import annotations
+
+from cuesched_project.conf import env_bool, env_float, env_int, env_str
+
+
+# --- what is dispatched -------------------------------------------------------------------
+def dispatch_managed_only() -> bool:
+    """Dispatch only scheduler-managed shows: for a database shared with a Cuebot that owns the rest."""
+    return env_bool("CUESCHED_DISPATCH_MANAGED_ONLY", False)
+
+
+# --- batching -----------------------------------------------------------------------------
+def batch_size() -> int:
+    """Bookings written per database transaction (one set-based statement per table)."""
+    return max(1, env_int("CUESCHED_DISPATCH_BATCH_SIZE", 500))
+
+
+def feed_max_jobs() -> int:
+    """Pending jobs read per cycle, highest priority first."""
+    return max(1, env_int("CUESCHED_DISPATCH_MAX_JOBS", 300))
+
+
+def feed_frames_per_layer() -> int:
+    """WAITING frames read per layer per cycle (the reference's dispatch_frames_per_layer_limit)."""
+    return max(1, env_int("CUESCHED_DISPATCH_FRAMES_PER_LAYER", 20))
+
+
+def completion_batch_size() -> int:
+    """Frame completions written per transaction."""
+    return max(1, env_int("CUESCHED_COMPLETION_BATCH_SIZE", 1000))
+
+
+# --- back-off (seconds) -------------------------------------------------------------------
+def cluster_saturated_sleep() -> float:
+    """A cluster that found work but booked nothing sleeps this long (or until a completion frees room)."""
+    return env_float("CUESCHED_CLUSTER_SATURATED_SLEEP", 5.0)
+
+
+def idle_sleep() -> float:
+    """The loop's pause when a cycle found nothing to do and no frame is due to complete."""
+    return env_float("CUESCHED_DISPATCH_IDLE_SLEEP", 0.5)
+
+
+def reconnect_backoff_max() -> float:
+    """Upper bound of the doubling back-off after a database error."""
+    return env_float("CUESCHED_DISPATCH_RECONNECT_MAX", 10.0)
+
+
+# --- hosts --------------------------------------------------------------------------------
+def host_refresh_interval() -> float:
+    """How often the in-memory host view is reloaded from the database."""
+    return env_float("CUESCHED_HOST_REFRESH_INTERVAL", 10.0)
+
+
+def lost_host_timeout() -> float:
+    """A host whose host_stat.ts_ping is older than this is lost: its procs are released."""
+    return env_float("CUESCHED_LOST_HOST_TIMEOUT", 300.0)
+
+
+def lost_host_sweep_interval() -> float:
+    return env_float("CUESCHED_LOST_HOST_SWEEP_INTERVAL", 30.0)
+
+
+def host_fit_policy() -> str:
+    """`tightest` (best fit on idle cores, the reference's core saturation) or `loosest`."""
+    value = env_str("CUESCHED_HOST_FIT_POLICY", "tightest").lower()
+    if value not in {"tightest", "loosest"}:
+        raise ValueError(f"CUESCHED_HOST_FIT_POLICY must be tightest or loosest, got {value!r}")
+    return value
+
+
+def proc_mem_used_start() -> int:
+    """proc.int_mem_used at booking, KB (the reference's mem_reserved_min, 250 MiB)."""
+    return env_int("CUESCHED_PROC_MEM_USED_START", 256_000)
+
+
+# --- launchers ----------------------------------------------------------------------------
+def launcher_name() -> str:
+    return env_str("CUESCHED_LAUNCHER", "simulated")
+
+
+def simulated_runtime_min() -> float:
+    """Simulated frames run for uniform(min, max) seconds; max 0 completes at once."""
+    return env_float("CUESCHED_SIM_RUNTIME_MIN", 0.05)
+
+
+def simulated_runtime_max() -> float:
+    return env_float("CUESCHED_SIM_RUNTIME_MAX", 0.5)
+
+
+def simulated_failure_rate() -> float:
+    """Share of simulated frames that exit 1 (exercises retries)."""
+    return env_float("CUESCHED_SIM_FAILURE_RATE", 0.0)
+
+
+def simulated_launch_failure_rate() -> float:
+    """Share of simulated launches that fail after commit (exercises compensation)."""
+    return env_float("CUESCHED_SIM_LAUNCH_FAILURE_RATE", 0.0)
+
+
+def simulated_seed() -> int | None:
+    raw = env_str("CUESCHED_SIM_SEED", "")
+    return int(raw) if raw else None

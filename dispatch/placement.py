@@ -1,0 +1,314 @@
+"""Host choice: an in-memory view of the bookable hosts, indexed by tag and idle cores.
+
+The view is a hint, never the truth: every booking is still guarded in the database (idle
+never below zero, host OPEN), and a host whose guard fails is re-read. It is loaded from the
+database periodically and corrected from the RETURNING of the dispatcher's and the
+completion path's own writes, so between reloads it tracks this process's bookings exactly.
+Only the dispatch loop's thread touches it: no lock.
+
+Placement rules (reference §3.6): the host is UP and OPEN and has pinged within the lost-host
+timeout (a silent host is not given new work), in the job's facility, in an
+allocation the show has room on; one of its tags (host_tag.str_tag) is one of the layer's
+tags; the job's OS is NULL or equal to host_stat.str_os; idle cores, effective memory
+(LEAST(host.int_mem_idle, host_stat.int_mem_free)), GPUs and GPU memory cover the frame.
+Among those, the tightest fit on idle cores wins by default.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+
+logger = logging.getLogger(__name__)
+
+CENTI = 100
+THREAD_MODE_ALL = 1
+
+# Every bookable host with its tags; effective memory is computed in Python from both columns,
+# because our own bookings move int_mem_idle but not the agent-reported int_mem_free.
+HOSTS_SQL = """
+SELECT h.pk_host, h.str_name, h.pk_alloc, a.pk_facility, hs.str_os, h.int_thread_mode,
+       h.int_cores, h.int_cores_idle, h.int_mem_idle, hs.int_mem_free, hs.int_mem_total,
+       h.int_gpus_idle, h.int_gpu_mem_idle, hs.int_gpu_mem_free,
+       COALESCE((SELECT array_agg(DISTINCT t.str_tag) FROM host_tag t WHERE t.pk_host = h.pk_host),
+                '{}'::text[])
+FROM host h
+JOIN host_stat hs ON hs.pk_host = h.pk_host
+JOIN alloc a ON a.pk_alloc = h.pk_alloc
+WHERE h.str_lock_state = 'OPEN' AND hs.str_state = 'UP'
+  AND hs.ts_ping >= now() - make_interval(secs => %(stale_after)s)
+"""
+HOSTS_BY_ID_SQL = HOSTS_SQL + " AND h.pk_host = ANY(%(hosts)s::text[])"
+
+
+def parse_tags(raw: str | None) -> frozenset[str]:
+    """Layer tags: `|`-separated, spaces removed, empty entries dropped (reference §1)."""
+    if not raw:
+        return frozenset()
+    return frozenset(t for t in raw.replace(" ", "").split("|") if t)
+
+
+@dataclass(slots=True)
+class HostRec:
+    """One bookable host. Cores in centicores, memory in KB."""
+
+    pk: str
+    name: str
+    alloc: str
+    facility: str
+    os: str | None
+    thread_mode: int
+    tags: tuple[str, ...]
+    cores_total: int
+    cores_idle: int
+    mem_idle: int
+    mem_free: int
+    mem_total: int
+    gpus_idle: int
+    gpu_mem_idle: int
+    gpu_mem_free: int
+
+    @property
+    def mem_effective(self) -> int:
+        return min(self.mem_idle, self.mem_free)
+
+    @property
+    def gpu_mem_effective(self) -> int:
+        return min(self.gpu_mem_idle, self.gpu_mem_free)
+
+    @property
+    def idle_whole_cores(self) -> int:
+        return self.cores_idle // CENTI
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    """What one frame of a layer asks for; cores as stored on the layer (centicores)."""
+
+    cores_min: int
+    cores_max: int
+    mem: int
+    gpus: int
+    gpu_mem: int
+    threadable: bool
+
+    def whole_cores_on(self, host: HostRec) -> int:
+        """Whole cores a frame books on this host (reference §3.7, without the AUTO memory rule)."""
+        if not self.threadable:
+            return 1
+        if host.thread_mode == THREAD_MODE_ALL:
+            cores = host.idle_whole_cores
+            if self.cores_max > 0:
+                cores = min(cores, self.cores_max // CENTI)
+            return cores
+        if self.cores_min > 0:
+            return max(1, self.cores_min // CENTI)
+        # 0 means the whole host, a negative value all but |n| cores (truncated toward zero).
+        total = host.cores_total // CENTI
+        return total + int(self.cores_min / CENTI)
+
+    @property
+    def index_floor(self) -> int:
+        """The least idle whole cores a host can have and still take the frame."""
+        if not self.threadable or self.cores_min <= 0:
+            return 1
+        return max(1, self.cores_min // CENTI)
+
+
+class HostView:
+    """Bookable hosts indexed by tag, then by whole idle cores."""
+
+    def __init__(self, fit: str = "tightest", *, stale_after: float = 300.0) -> None:
+        self.fit = fit
+        self.stale_after = stale_after
+        self.hosts: dict[str, HostRec] = {}
+        self._by_tag: dict[str, dict[int, set[str]]] = {}
+        self._max_cores = 0
+
+    # -- loading --------------------------------------------------------------------------
+    def load(self, conn: psycopg.Connection) -> None:
+        """Replace the whole view from the database (bookable hosts only)."""
+        with conn.cursor() as cur:
+            cur.execute(HOSTS_SQL, {"stale_after": self.stale_after})
+            rows = cur.fetchall()
+        self.hosts.clear()
+        self._by_tag.clear()
+        self._max_cores = 0
+        for row in rows:
+            self._put(_host_from_row(row))
+
+    def reload_hosts(self, conn: psycopg.Connection, pks: Iterable[str]) -> None:
+        """Re-read some hosts (after a failed guard); a host no longer bookable leaves the view."""
+        wanted = list(set(pks))
+        if not wanted:
+            return
+        with conn.cursor() as cur:
+            cur.execute(HOSTS_BY_ID_SQL, {"stale_after": self.stale_after, "hosts": wanted})
+            rows = cur.fetchall()
+        for pk in wanted:
+            self._drop(pk)
+        for row in rows:
+            self._put(_host_from_row(row))
+
+    # -- choice ---------------------------------------------------------------------------
+    def find(
+        self,
+        demand: Demand,
+        tags: Iterable[str],
+        *,
+        facility: str,
+        os: str | None,
+        room: Callable[[str], int],
+        exclude: set[str] | None = None,
+    ) -> tuple[HostRec, int] | None:
+        """The best host for one frame and the whole cores it would book there, or None.
+
+        `room(alloc)` gives the whole cores the show may still book on an allocation.
+        """
+        buckets = [b for b in (self._by_tag.get(t) for t in tags) if b]
+        if not buckets:
+            return None
+        floor = demand.index_floor
+        if floor > self._max_cores:
+            return None
+        keys = range(floor, self._max_cores + 1)
+        if self.fit != "tightest":
+            keys = reversed(keys)
+        seen: set[str] = set()
+        for k in keys:
+            for by_cores in buckets:
+                pks = by_cores.get(k)
+                if not pks:
+                    continue
+                for pk in pks:
+                    if pk in seen:
+                        continue
+                    seen.add(pk)
+                    host = self.hosts[pk]
+                    cores = self._fits(host, demand, facility, os, room)
+                    if cores and (exclude is None or pk not in exclude):
+                        return host, cores
+        return None
+
+    @staticmethod
+    def _fits(host: HostRec, demand: Demand, facility: str, os: str | None, room: Callable[[str], int]) -> int:
+        if host.facility != facility:
+            return 0
+        if os is not None and host.os != os:
+            return 0
+        if not demand.threadable and host.thread_mode == THREAD_MODE_ALL:
+            return 0
+        cores = demand.whole_cores_on(host)
+        if cores <= 0 or cores * CENTI > host.cores_idle or cores * CENTI > host.cores_total:
+            return 0
+        if demand.mem > host.mem_effective or demand.gpus > host.gpus_idle:
+            return 0
+        if demand.gpu_mem > host.gpu_mem_effective:
+            return 0
+        if room(host.alloc) < cores:
+            return 0
+        return cores
+
+    # -- bookkeeping ----------------------------------------------------------------------
+    def take(self, host: HostRec, cores: int, mem: int, gpus: int, gpu_mem: int) -> None:
+        """Reserve in memory what a booking about to be written will take (centicores, KB)."""
+        old = host.idle_whole_cores
+        host.cores_idle -= cores
+        host.mem_idle -= mem
+        host.mem_free -= mem
+        host.gpus_idle -= gpus
+        host.gpu_mem_idle -= gpu_mem
+        host.gpu_mem_free -= gpu_mem
+        self._reindex(host, old)
+
+    def give(self, pk: str, cores: int, mem: int, gpus: int, gpu_mem: int) -> None:
+        """Undo a `take` whose write did not happen."""
+        host = self.hosts.get(pk)
+        if host is None:
+            return
+        old = host.idle_whole_cores
+        host.cores_idle += cores
+        host.mem_idle += mem
+        host.mem_free = min(host.mem_free + mem, host.mem_total) if host.mem_total else host.mem_free + mem
+        host.gpus_idle += gpus
+        host.gpu_mem_idle += gpu_mem
+        host.gpu_mem_free += gpu_mem
+        self._reindex(host, old)
+
+    def set_ledger(self, rows: Sequence[Sequence[Any]], freed_mem: dict[str, int] | None = None) -> None:
+        """Adopt the idle values a guarded UPDATE ... RETURNING gave back.
+
+        rows: (pk_host, cores_idle, mem_idle, gpus_idle, gpu_mem_idle). `freed_mem` (KB per
+        host) is memory a completion gave back, added to the cached free memory, since the
+        agent's next report is what really refreshes int_mem_free.
+        """
+        for pk, cores_idle, mem_idle, gpus_idle, gpu_mem_idle in rows:
+            host = self.hosts.get(pk)
+            if host is None:
+                continue
+            old = host.idle_whole_cores
+            host.cores_idle = cores_idle
+            host.mem_idle = mem_idle
+            host.gpus_idle = gpus_idle
+            host.gpu_mem_idle = gpu_mem_idle
+            if freed_mem and pk in freed_mem:
+                host.mem_free = min(host.mem_free + freed_mem[pk], host.mem_total or host.mem_free + freed_mem[pk])
+            self._reindex(host, old)
+
+    def drop(self, pk: str) -> None:
+        self._drop(pk)
+
+    # -- index internals ------------------------------------------------------------------
+    def _put(self, host: HostRec) -> None:
+        self.hosts[host.pk] = host
+        k = host.idle_whole_cores
+        self._max_cores = max(self._max_cores, host.cores_total // CENTI)
+        for tag in host.tags:
+            self._by_tag.setdefault(tag, {}).setdefault(k, set()).add(host.pk)
+
+    def _drop(self, pk: str) -> None:
+        host = self.hosts.pop(pk, None)
+        if host is None:
+            return
+        k = host.idle_whole_cores
+        for tag in host.tags:
+            bucket = self._by_tag.get(tag, {}).get(k)
+            if bucket is not None:
+                bucket.discard(pk)
+
+    def _reindex(self, host: HostRec, old: int) -> None:
+        new = host.idle_whole_cores
+        if new == old:
+            return
+        for tag in host.tags:
+            by_cores = self._by_tag[tag]
+            bucket = by_cores.get(old)
+            if bucket is not None:
+                bucket.discard(host.pk)
+            by_cores.setdefault(new, set()).add(host.pk)
+
+
+def _host_from_row(row: Sequence[Any]) -> HostRec:
+    (pk, name, alloc, facility, os, thread_mode, cores, cores_idle, mem_idle, mem_free, mem_total,
+     gpus_idle, gpu_mem_idle, gpu_mem_free, tags) = row  # fmt: skip
+    return HostRec(
+        pk=pk,
+        name=name,
+        alloc=alloc,
+        facility=facility,
+        os=os,
+        thread_mode=thread_mode,
+        tags=tuple(tags),
+        cores_total=cores,
+        cores_idle=cores_idle,
+        mem_idle=mem_idle,
+        mem_free=mem_free,
+        mem_total=mem_total,
+        gpus_idle=gpus_idle,
+        gpu_mem_idle=gpu_mem_idle,
+        gpu_mem_free=gpu_mem_free,
+    )
