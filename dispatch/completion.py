@@ -1,0 +1,180 @@
+"""Frame completion: the release path, and lost hosts.
+
+A completion is keyed by its proc, never by its frame: a proc that is already gone (the
+frame was killed, its host declared lost, the row deleted by hand) makes the completion a
+logged no-op, so nothing is released twice and a late report of an old run cannot touch
+the frame's next run.
+
+One transaction per batch of completions, two statements:
+1. delete the procs (the release trigger emits `acct_release` for managed shows, the
+   database-enforced triggers decrement the tables of the others: nothing else notifies),
+   give their hosts the resources back (never above the host's total), and record each
+   frame's end: exit status, ts_stopped, version + 1, and its new state: SUCCEEDED on exit
+   0, WAITING while retries remain (int_retries < job.int_max_retries) or when requeued
+   (lost host, kill-and-retry), else DEAD;
+2. jobs that have no frame left to run (none WAITING, RUNNING, DEPEND or SETUP) become
+   FINISHED.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+
+from dispatch.dispatcher import HOST_GIVE_BACK_TEMPLATE
+
+logger = logging.getLogger(__name__)
+
+EXIT_STATUS_DOWN_HOST = 399  # Cuebot's status for a frame whose host went away (no retry counted)
+EXIT_STATUS_KILLED = 301
+
+COMPLETE_SQL = f"""
+WITH c AS (
+  SELECT * FROM unnest(%(proc)b::text[], %(exit)b::int[], %(requeue)b::bool[]) AS c(pk_proc, exit_status, requeue)
+),
+gone AS (
+  DELETE FROM proc p USING c
+  WHERE p.pk_proc = c.pk_proc
+  RETURNING p.pk_proc, p.pk_frame, p.pk_host, p.pk_job, p.int_cores_reserved, p.int_mem_reserved,
+            p.int_gpus_reserved, p.int_gpu_mem_reserved, c.exit_status, c.requeue
+),
+back AS ({
+    HOST_GIVE_BACK_TEMPLATE.format(
+        source="(SELECT pk_host, int_cores_reserved AS c, int_mem_reserved AS m, int_gpus_reserved::bigint AS g, "
+        "int_gpu_mem_reserved AS gm FROM gone) AS x"
+    )
+}),
+ended AS (
+  UPDATE frame f
+  SET str_state = CASE WHEN g.requeue THEN 'WAITING'
+                       WHEN g.exit_status = 0 THEN 'SUCCEEDED'
+                       WHEN f.int_retries < j.int_max_retries THEN 'WAITING'
+                       ELSE 'DEAD' END,
+      int_exit_status = g.exit_status, ts_stopped = now(), ts_updated = now(), ts_last_run = now(),
+      int_version = f.int_version + 1
+  FROM gone g JOIN job j ON j.pk_job = g.pk_job
+  WHERE f.pk_frame = g.pk_frame AND f.str_state = 'RUNNING'
+  RETURNING f.pk_frame, f.pk_job, f.str_state
+)
+SELECT 'p', g.pk_proc, g.pk_job, e.str_state, g.pk_host, g.int_mem_reserved, NULL::bigint, NULL::bigint,
+       NULL::bigint
+FROM gone g LEFT JOIN ended e ON e.pk_frame = g.pk_frame
+UNION ALL
+SELECT 'h', pk_host, NULL, NULL, NULL, int_cores_idle, int_mem_idle, int_gpus_idle, int_gpu_mem_idle FROM back
+"""
+
+FINISH_JOBS_SQL = """
+UPDATE job j SET str_state = 'FINISHED', ts_stopped = now(), ts_updated = now()
+WHERE j.pk_job = ANY(%s::text[]) AND j.str_state = 'PENDING'
+  AND NOT EXISTS (
+    SELECT 1 FROM frame f
+    WHERE f.pk_job = j.pk_job AND f.str_state IN ('WAITING', 'RUNNING', 'DEPEND', 'SETUP'))
+RETURNING j.pk_job
+"""
+
+LOST_PROCS_SQL = """
+SELECT p.pk_proc, p.pk_frame, h.str_name
+FROM proc p JOIN host_stat hs ON hs.pk_host = p.pk_host JOIN host h ON h.pk_host = p.pk_host
+WHERE hs.ts_ping < now() - make_interval(secs => %s) AND NOT p.b_local
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """A finished run of a frame, as its launcher reports it.
+
+    `requeue` puts the frame back to WAITING whatever the exit status and retry count (lost
+    host, kill for a retry); otherwise exit 0 is SUCCEEDED and a failure retries until
+    job.int_max_retries.
+    """
+
+    pk_proc: str
+    exit_status: int
+    requeue: bool = False
+
+
+@dataclass
+class CompletionResult:
+    released: int = 0
+    missing_procs: list[str] = field(default_factory=list)
+    states: dict[str, int] = field(default_factory=dict)  # new frame state -> count
+    finished_jobs: list[str] = field(default_factory=list)
+    host_rows: list[tuple[Any, ...]] = field(default_factory=list)
+    freed_mem: dict[str, int] = field(default_factory=dict)  # KB per host
+
+
+def complete(conn: psycopg.Connection, completions: Sequence[Completion]) -> CompletionResult:
+    """Apply completions in one transaction on an autocommit connection (idempotent by proc)."""
+    out = CompletionResult()
+    if not completions:
+        return out
+    with conn.cursor() as cur:
+        cur.execute("BEGIN")
+        try:
+            cur.execute(
+                COMPLETE_SQL,
+                {
+                    "proc": [c.pk_proc for c in completions],
+                    "exit": [c.exit_status for c in completions],
+                    "requeue": [c.requeue for c in completions],
+                },
+            )
+            rows = cur.fetchall()
+            jobs_to_check: set[str] = set()
+            gone: set[str] = set()
+            for kind, key, job, state, host, a, b, c, d in rows:
+                if kind == "p":
+                    gone.add(key)
+                    out.released += 1
+                    out.freed_mem[host] = out.freed_mem.get(host, 0) + a
+                    if state is None:
+                        logger.warning("completion: proc %s released, but its frame was not RUNNING", key)
+                        continue
+                    out.states[state] = out.states.get(state, 0) + 1
+                    if state in ("SUCCEEDED", "DEAD"):
+                        jobs_to_check.add(job)
+                else:
+                    out.host_rows.append((key, a, b, c, d))
+            if jobs_to_check:
+                cur.execute(FINISH_JOBS_SQL, (sorted(jobs_to_check),))
+                out.finished_jobs = [r[0] for r in cur.fetchall()]
+            cur.execute("COMMIT")
+        except BaseException:
+            if not conn.broken:
+                try:
+                    conn.execute("ROLLBACK")
+                except psycopg.Error:
+                    logger.debug("rollback after a failed completion batch failed too", exc_info=True)
+            raise
+    out.missing_procs = [c.pk_proc for c in completions if c.pk_proc not in gone]
+    for pk in out.missing_procs:
+        logger.info("completion: proc %s is already gone; nothing to release", pk)
+    return out
+
+
+def find_lost_procs(conn: psycopg.Connection, timeout: float) -> list[tuple[str, str, str]]:
+    """(pk_proc, pk_frame, host name) of procs on hosts silent for longer than `timeout` seconds."""
+    with conn.cursor() as cur:
+        cur.execute(LOST_PROCS_SQL, (timeout,))
+        return [tuple(r) for r in cur.fetchall()]
+
+
+def release_lost_hosts(
+    conn: psycopg.Connection, timeout: float, *, exclude: set[str] | None = None
+) -> tuple[list[str], CompletionResult]:
+    """Release the procs of lost hosts the same way as a completion, frames back to WAITING.
+
+    `exclude`: procs another path is settling (a pending compensation) are left alone.
+    Returns the released procs and the completion result.
+    """
+    lost = [row for row in find_lost_procs(conn, timeout) if not exclude or row[0] not in exclude]
+    if not lost:
+        return [], CompletionResult()
+    for pk_proc, pk_frame, host in lost:
+        logger.warning("lost host %s: releasing proc %s of frame %s, frame back to WAITING", host, pk_proc, pk_frame)
+    result = complete(conn, [Completion(pk, EXIT_STATUS_DOWN_HOST, requeue=True) for pk, _f, _h in lost])
+    return [row[0] for row in lost], result

@@ -1,0 +1,420 @@
+"""The booking transaction: many bookings, one transaction, one statement per group.
+
+Reference §3.7 books one frame per transaction. Here a batch of bookings (already applied
+in the Store for managed shows) is written in ONE transaction, with the reference's guards
+kept row by row but executed set-based:
+
+1. the shows' shared advisory lock is taken (the one the proc triggers take, and a flip to
+   unmanaged takes exclusively), then each booking's managed decision is checked against
+   `show.b_scheduler_managed`: a show flipped since the decision loses its bookings, so a
+   Store-booked proc is never counted by the database triggers too, nor a proc booked
+   without the Store left to a database that no longer enforces its caps;
+2. frame start, guarded by `str_state = 'WAITING' AND int_version = <seen>` (and the layer's
+   `ts_start_after`), version + 1, RUNNING, host, reservations, times, the retry bump;
+3. proc INSERT ... ON CONFLICT (pk_frame) DO NOTHING, for the frames that started;
+4. host idle decrement aggregated per host, guarded so no idle value goes negative and the
+   host is still OPEN.
+
+All three writes are one statement (data-modifying CTEs) inside a SAVEPOINT per group. A
+guard that fails only removes its bookings: the group is rolled back to the savepoint and
+written again without them (rare: the host view tracks our own bookings exactly). A trigger
+error (the database-enforced caps of unmanaged shows raise `check_violation`) splits the
+group in halves until the offending booking is alone, so one over-cap booking never costs
+the rest of the batch. Managed and unmanaged bookings are separate groups.
+
+The caller settles the Store: every booking this module reports as rejected gets a Store
+rollback, every written one a confirm after its launch, or, if the launch fails, the
+compensating transaction below and then a rollback.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+from psycopg import errors as pg_errors
+
+from accounting import triggers as acct_triggers
+from accounting.notify import suppress_release_in_transaction
+from accounting.service import BookingResult
+from dispatch.feed import FrameWork, LayerWork
+from dispatch.placement import HostRec
+
+logger = logging.getLogger(__name__)
+
+# Exit statuses after which a new start does not count as a retry (Cuebot's list).
+NO_RETRY_EXIT_STATUSES = (-1, 256, 286, 299, 301, 302, 399)
+EXIT_STATUS_FRAME_CLEARED = 299
+
+# Rejection tables reported by the batch writer (the Store's own are subscription, folder, job, ...).
+REJECT_FRAME = "frame"  # state/version guard: the frame was started, changed or removed elsewhere
+REJECT_PROC = "proc"  # the frame already has a proc
+REJECT_HOST = "host"  # the host's idle resources (or lock state) no longer allow it
+REJECT_MANAGED_FLIP = "managed_flip"  # the show's managed flag differs from the booking's decision
+REJECT_DATABASE = "database"  # any other statement error of this booking alone
+
+_CAP_TABLES = {
+    acct_triggers.CAP_SUBSCRIPTION_MISSING: "subscription",
+    acct_triggers.CAP_SUBSCRIPTION_BURST: "subscription",
+    acct_triggers.CAP_FOLDER_MAX_CORES: "folder",
+    acct_triggers.CAP_JOB_MAX_CORES: "job",
+    acct_triggers.CAP_FOLDER_MAX_GPUS: "folder_gpus",
+    acct_triggers.CAP_JOB_MAX_GPUS: "job_gpus",
+}
+
+# SQLSTATEs after which the same group is simply written again.
+_RETRY_SQLSTATES = {"40P01", "40001"}  # deadlock, serialization failure
+_MAX_GROUP_ATTEMPTS = 6
+
+BOOK_SQL = f"""
+WITH b AS (
+  SELECT * FROM unnest(
+    %(proc)b::text[], %(frame)b::text[], %(version)b::int[], %(host)b::text[], %(host_name)b::text[],
+    %(show)b::text[], %(job)b::text[], %(layer)b::text[], %(cores)b::bigint[], %(mem)b::bigint[],
+    %(gpus)b::int[], %(gpu_mem)b::bigint[], %(managed)b::bool[])
+  AS b(pk_proc, pk_frame, version, pk_host, host_name, pk_show, pk_job, pk_layer, cores, mem, gpus, gpu_mem,
+       managed)
+),
+shows AS (
+  SELECT s.pk_show, s.b_scheduler_managed FROM show s
+  WHERE s.pk_show IN (SELECT DISTINCT pk_show FROM b)
+),
+started AS (
+  UPDATE frame f
+  SET str_state = 'RUNNING', str_host = b.host_name, int_cores = b.cores, int_mem_reserved = b.mem,
+      int_gpus = b.gpus, int_gpu_mem_reserved = b.gpu_mem, ts_started = now(), ts_updated = now(),
+      ts_stopped = NULL, int_version = f.int_version + 1,
+      int_retries = CASE WHEN f.int_exit_status IN {NO_RETRY_EXIT_STATUSES} THEN f.int_retries
+                         ELSE f.int_retries + 1 END
+  FROM b JOIN shows s ON s.pk_show = b.pk_show AND s.b_scheduler_managed = b.managed
+  WHERE f.pk_frame = b.pk_frame AND f.str_state = 'WAITING' AND f.int_version = b.version
+    AND NOT EXISTS (SELECT 1 FROM layer l WHERE l.pk_layer = f.pk_layer AND l.ts_start_after > now())
+  RETURNING f.pk_frame, f.int_version
+),
+procs AS (
+  INSERT INTO proc (pk_proc, pk_host, pk_show, pk_job, pk_layer, pk_frame, int_cores_reserved,
+                    int_mem_reserved, int_mem_pre_reserved, int_mem_used, int_gpus_reserved,
+                    int_gpu_mem_reserved, int_gpu_mem_pre_reserved)
+  SELECT b.pk_proc, b.pk_host, b.pk_show, b.pk_job, b.pk_layer, b.pk_frame, b.cores, b.mem, b.mem,
+         LEAST(%(mem_used)s::bigint, b.mem), b.gpus, b.gpu_mem, b.gpu_mem
+  FROM b JOIN started st ON st.pk_frame = b.pk_frame
+  ON CONFLICT (pk_frame) DO NOTHING
+  RETURNING pk_frame
+),
+need AS (
+  SELECT b.pk_host, SUM(b.cores) AS c, SUM(b.mem) AS m, SUM(b.gpus) AS g, SUM(b.gpu_mem) AS gm
+  FROM b JOIN started st ON st.pk_frame = b.pk_frame
+  GROUP BY b.pk_host
+),
+took AS (
+  UPDATE host h
+  SET int_cores_idle = h.int_cores_idle - need.c, int_mem_idle = h.int_mem_idle - need.m,
+      int_gpus_idle = h.int_gpus_idle - need.g, int_gpu_mem_idle = h.int_gpu_mem_idle - need.gm,
+      ts_last_updated = now()
+  FROM need
+  WHERE h.pk_host = need.pk_host AND h.str_lock_state = 'OPEN'
+    AND h.int_cores_idle >= need.c AND h.int_mem_idle >= need.m
+    AND h.int_gpus_idle >= need.g AND h.int_gpu_mem_idle >= need.gm
+  RETURNING h.pk_host, h.int_cores_idle, h.int_mem_idle, h.int_gpus_idle, h.int_gpu_mem_idle
+)
+SELECT 'f', pk_frame, int_version::bigint, NULL::bigint, NULL::bigint, NULL::bigint FROM started
+UNION ALL
+SELECT 'p', pk_frame, NULL, NULL, NULL, NULL FROM procs
+UNION ALL
+SELECT 'h', pk_host, int_cores_idle, int_mem_idle, int_gpus_idle, int_gpu_mem_idle FROM took
+UNION ALL
+SELECT 's', pk_show, b_scheduler_managed::int::bigint, NULL, NULL, NULL FROM shows
+"""
+
+# Taken before BOOK_SQL, in its own statement so that BOOK_SQL's snapshot (which reads
+# show.b_scheduler_managed) starts after any flip we waited for. The same shared advisory lock
+# the proc triggers take; a flip to unmanaged takes it exclusively (accounting.triggers).
+LOCK_SHOWS_SQL = f"""
+SELECT pg_advisory_xact_lock_shared({acct_triggers.SHOW_LOCK_CLASS}, x.k)
+FROM (SELECT DISTINCT hashtext(s) AS k FROM unnest(%s::text[]) AS s ORDER BY 1) AS x
+"""
+
+# Compensation after a failed launch, in the reference order proc -> host -> frame, each
+# statement seeing the one before. Only what this transaction deleted is given back.
+COMPENSATE_DELETE_PROCS_SQL = """
+DELETE FROM proc WHERE pk_proc = ANY(%s::text[])
+RETURNING pk_proc, pk_host, int_cores_reserved, int_mem_reserved, int_gpus_reserved, int_gpu_mem_reserved
+"""
+
+# Shared with the completion path: give booked resources back, never above the host's total.
+# `{source}` yields (pk_host, c, m, g, gm) rows: centicores, KB, GPUs, KB.
+HOST_GIVE_BACK_TEMPLATE = """
+UPDATE host h
+SET int_cores_idle = LEAST(h.int_cores_idle + need.c, h.int_cores),
+    int_mem_idle = LEAST(h.int_mem_idle + need.m, h.int_mem),
+    int_gpus_idle = LEAST(h.int_gpus_idle + need.g, h.int_gpus),
+    int_gpu_mem_idle = LEAST(h.int_gpu_mem_idle + need.gm, h.int_gpu_mem),
+    ts_last_updated = now()
+FROM (SELECT x.pk_host, SUM(x.c) AS c, SUM(x.m) AS m, SUM(x.g) AS g, SUM(x.gm) AS gm
+      FROM {source} GROUP BY x.pk_host) AS need
+WHERE h.pk_host = need.pk_host
+RETURNING h.pk_host, h.int_cores_idle, h.int_mem_idle, h.int_gpus_idle, h.int_gpu_mem_idle
+"""
+HOST_GIVE_BACK_SQL = HOST_GIVE_BACK_TEMPLATE.format(
+    source="unnest(%s::text[], %s::bigint[], %s::bigint[], %s::bigint[], %s::bigint[]) AS x(pk_host, c, m, g, gm)"
+)
+
+COMPENSATE_CLEAR_FRAMES_SQL = f"""
+UPDATE frame f
+SET str_state = 'WAITING', int_exit_status = {EXIT_STATUS_FRAME_CLEARED}, ts_stopped = now(), ts_updated = now(),
+    int_version = f.int_version + 1
+FROM unnest(%s::text[], %s::int[]) AS b(pk_frame, version)
+WHERE f.pk_frame = b.pk_frame AND f.str_state = 'RUNNING' AND f.int_version = b.version
+  AND NOT EXISTS (SELECT 1 FROM proc p WHERE p.pk_frame = f.pk_frame)
+RETURNING f.pk_frame, f.int_version
+"""
+
+
+@dataclass(slots=True, eq=False)
+class Booking:
+    """One frame on one host. Resources in centicores / KB; `result` is the Store's answer."""
+
+    pk_proc: str
+    frame: FrameWork
+    layer: LayerWork
+    host: HostRec
+    cores: int
+    mem: int
+    gpus: int
+    gpu_mem: int
+    result: BookingResult
+    managed: bool
+    post_version: int | None = None
+
+
+@dataclass
+class BatchResult:
+    """What one booking transaction did. `written` committed (or will, see `commit_sent`)."""
+
+    written: list[Booking] = field(default_factory=list)
+    rejected: list[tuple[Booking, str]] = field(default_factory=list)
+    host_rows: list[tuple[Any, ...]] = field(default_factory=list)
+    failed_hosts: set[str] = field(default_factory=set)
+
+
+class AmbiguousCommitError(psycopg.OperationalError):
+    """The connection failed while COMMIT was in flight: the batch may or may not be durable."""
+
+    def __init__(self, result: BatchResult, cause: BaseException) -> None:
+        super().__init__(f"commit outcome unknown: {cause}")
+        self.result = result
+
+
+def write_batch(conn: psycopg.Connection, bookings: Sequence[Booking], *, mem_used: int) -> BatchResult:
+    """Write a batch of bookings in one transaction on an autocommit connection.
+
+    Raises the connection's error if the transaction failed before COMMIT (nothing written),
+    or AmbiguousCommitError if COMMIT itself failed (the caller must look for the procs).
+    """
+    result = BatchResult()
+    managed = [b for b in bookings if b.managed]
+    unmanaged = [b for b in bookings if not b.managed]
+    with conn.cursor() as cur:
+        cur.execute("BEGIN")
+        try:
+            cur.execute(LOCK_SHOWS_SQL, (sorted({b.layer.job.show for b in bookings}),))
+            for group in (managed, unmanaged):
+                if group:
+                    _write_group(cur, group, result, mem_used)
+        except BaseException:
+            _rollback_quietly(conn)
+            raise
+        try:
+            cur.execute("COMMIT")
+        except psycopg.OperationalError as exc:
+            raise AmbiguousCommitError(result, exc) from exc
+    return result
+
+
+def find_written(conn: psycopg.Connection, bookings: Sequence[Booking]) -> set[str]:
+    """pk_proc of the bookings whose proc exists: resolves an ambiguous commit."""
+    if not bookings:
+        return set()
+    with conn.cursor() as cur:
+        cur.execute(
+            "SELECT pk_proc, pk_frame FROM proc WHERE pk_proc = ANY(%s::text[])", ([b.pk_proc for b in bookings],)
+        )
+        found = {row[0] for row in cur.fetchall()}
+        if found:
+            cur.execute(
+                "SELECT pk_frame, int_version FROM frame WHERE pk_frame = ANY(%s::text[])",
+                ([b.frame.pk for b in bookings if b.pk_proc in found],),
+            )
+            versions = dict(cur.fetchall())
+            for b in bookings:
+                if b.pk_proc in found:
+                    b.post_version = versions.get(b.frame.pk)
+    return found
+
+
+def _rollback_quietly(conn: psycopg.Connection) -> None:
+    if conn.closed or conn.broken:
+        return
+    try:
+        conn.execute("ROLLBACK")
+    except psycopg.Error:
+        logger.debug("rollback after a failed batch failed too", exc_info=True)
+
+
+def _undo_savepoint(cur: psycopg.Cursor) -> None:
+    cur.execute("ROLLBACK TO SAVEPOINT dispatch_group")
+    cur.execute("RELEASE SAVEPOINT dispatch_group")
+
+
+def _params(group: Sequence[Booking], mem_used: int) -> dict[str, Any]:
+    return {
+        "proc": [b.pk_proc for b in group],
+        "frame": [b.frame.pk for b in group],
+        "version": [b.frame.version for b in group],
+        "host": [b.host.pk for b in group],
+        "host_name": [b.host.name for b in group],
+        "show": [b.layer.job.show for b in group],
+        "job": [b.layer.job.pk for b in group],
+        "layer": [b.layer.pk for b in group],
+        "cores": [b.cores for b in group],
+        "mem": [b.mem for b in group],
+        "gpus": [b.gpus for b in group],
+        "gpu_mem": [b.gpu_mem for b in group],
+        "managed": [b.managed for b in group],
+        "mem_used": mem_used,
+    }
+
+
+def _write_group(cur: psycopg.Cursor, group: list[Booking], result: BatchResult, mem_used: int) -> None:
+    """Write one group under a savepoint, dropping bookings whose guard fails, bisecting on errors."""
+    pending = group
+    for _attempt in range(_MAX_GROUP_ATTEMPTS):
+        if not pending:
+            return
+        cur.execute("SAVEPOINT dispatch_group")
+        try:
+            cur.execute(BOOK_SQL, _params(pending, mem_used))
+            rows = cur.fetchall()
+        except psycopg.Error as exc:
+            _undo_savepoint(cur)
+            if exc.sqlstate in _RETRY_SQLSTATES:
+                logger.info("dispatch: %s on a group of %d bookings; writing it again", exc.sqlstate, len(pending))
+                continue
+            if isinstance(exc, psycopg.OperationalError) and not isinstance(exc, pg_errors.QueryCanceled):
+                raise
+            if len(pending) == 1:
+                table = _CAP_TABLES.get(getattr(exc.diag, "constraint_name", None) or "", REJECT_DATABASE)
+                if table == REJECT_DATABASE:
+                    logger.warning("dispatch: frame %s rejected by the database: %s", pending[0].frame.pk, exc)
+                else:
+                    logger.info("dispatch: frame %s rejected by the %s cap: %s", pending[0].frame.pk, table, exc)
+                result.rejected.append((pending[0], table))
+                return
+            half = len(pending) // 2
+            _write_group(cur, pending[:half], result, mem_used)
+            _write_group(cur, pending[half:], result, mem_used)
+            return
+        started: dict[str, int] = {}
+        with_proc: set[str] = set()
+        host_rows = []
+        show_flags: dict[str, bool] = {}
+        for kind, key, a, b, c, d in rows:
+            if kind == "f":
+                started[key] = a
+            elif kind == "p":
+                with_proc.add(key)
+            elif kind == "h":
+                host_rows.append((key, a, b, c, d))
+            else:
+                show_flags[key] = bool(a)
+        ok_hosts = {r[0] for r in host_rows}
+        keep: list[Booking] = []
+        redo = False
+        for bk in pending:
+            pk_frame = bk.frame.pk
+            if pk_frame not in started:
+                # Not started, so nothing of it was written: the statement stays as it is.
+                flag = show_flags.get(bk.layer.job.show)
+                table = REJECT_MANAGED_FLIP if flag is not None and flag != bk.managed else REJECT_FRAME
+                result.rejected.append((bk, table))
+            elif pk_frame not in with_proc:
+                result.rejected.append((bk, REJECT_PROC))
+                redo = True
+            elif bk.host.pk not in ok_hosts:
+                result.rejected.append((bk, REJECT_HOST))
+                result.failed_hosts.add(bk.host.pk)
+                redo = True
+            else:
+                keep.append(bk)
+        if not redo:
+            cur.execute("RELEASE SAVEPOINT dispatch_group")
+            for bk in keep:
+                bk.post_version = started[bk.frame.pk]
+            result.written.extend(keep)
+            result.host_rows.extend(host_rows)
+            return
+        # A started frame without its proc, or a host whose guard failed: undo the statement
+        # and write the others again.
+        _undo_savepoint(cur)
+        pending = keep
+    for bk in pending:
+        result.rejected.append((bk, REJECT_DATABASE))
+    logger.warning("dispatch: gave up on %d bookings after %d attempts", len(pending), _MAX_GROUP_ATTEMPTS)
+
+
+@dataclass
+class CompensationResult:
+    procs_deleted: set[str] = field(default_factory=set)
+    frames_cleared: dict[str, int] = field(default_factory=dict)
+    host_rows: list[tuple[Any, ...]] = field(default_factory=list)
+
+
+def compensate(conn: psycopg.Connection, bookings: Sequence[Booking]) -> CompensationResult:
+    """Undo committed bookings whose launch failed: proc, then host, then frame, in one transaction.
+
+    The proc delete is marked so the release trigger stays silent: the caller rolls the
+    booking back in the Store itself (after this commits). Idempotent: run again after an
+    unknown outcome, it deletes nothing twice and gives no host anything twice.
+    """
+    out = CompensationResult()
+    if not bookings:
+        return out
+    with conn.cursor() as cur:
+        cur.execute("BEGIN")
+        try:
+            suppress_release_in_transaction(cur)
+            cur.execute(COMPENSATE_DELETE_PROCS_SQL, ([b.pk_proc for b in bookings],))
+            deleted = cur.fetchall()
+            out.procs_deleted = {r[0] for r in deleted}
+            if deleted:
+                cur.execute(HOST_GIVE_BACK_SQL, _give_back_params(deleted))
+                out.host_rows = cur.fetchall()
+            cur.execute(
+                COMPENSATE_CLEAR_FRAMES_SQL,
+                ([b.frame.pk for b in bookings], [b.post_version or 0 for b in bookings]),
+            )
+            out.frames_cleared = dict(cur.fetchall())
+            cur.execute("COMMIT")
+        except BaseException:
+            _rollback_quietly(conn)
+            raise
+    for b in bookings:
+        if b.pk_proc not in out.procs_deleted:
+            logger.warning("compensation: proc %s of frame %s was already gone", b.pk_proc, b.frame.pk)
+        elif b.frame.pk not in out.frames_cleared:
+            logger.warning("compensation: frame %s was no longer RUNNING at version %s", b.frame.pk, b.post_version)
+    return out
+
+
+def _give_back_params(rows: Sequence[Sequence[Any]]) -> tuple[list[Any], ...]:
+    """(pk_host, cores, mem, gpus, gpu_mem) rows -> the five arrays of HOST_GIVE_BACK_SQL."""
+    return (
+        [r[1] for r in rows],
+        [r[2] for r in rows],
+        [r[3] for r in rows],
+        [r[4] for r in rows],
+        [r[5] for r in rows],
+    )
