@@ -1,0 +1,84 @@
+"""Launchers: how a committed booking becomes a running frame, behind one small interface.
+
+The dispatch loop calls `launch` after the booking transaction commits, and settles each
+booking from its answer (confirm, or compensate then roll back). Completions come back one
+of two ways:
+
+* a launcher whose frames end in this process (the simulated one) hands them to the loop
+  through `poll_completions`, and the loop writes them through the completion path;
+* a launcher driving remote host agents (q2, celery: an agent runs the command and reports
+  its exit status) lets the agent's side write the completion itself through
+  `dispatch.completion.complete` and returns nothing from `poll_completions`.
+
+Launchers register by name, so `run_scheduler --launcher NAME` finds them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from dispatch.completion import Completion
+    from dispatch.dispatcher import Booking
+
+
+class Launcher(Protocol):
+    name: str
+
+    def launch(self, bookings: Sequence[Booking]) -> list[tuple[Booking, str]]:
+        """Start the frames; return the bookings that could not be started, with a reason.
+
+        Called after commit, outside any transaction. Must not raise for one bad booking:
+        a failure is returned, and the loop compensates it.
+        """
+        ...
+
+    def poll_completions(self) -> list[Completion]:
+        """Completions ready for the loop to write (never blocks)."""
+        ...
+
+    def next_due(self) -> float | None:
+        """Seconds until the next completion is expected, if the launcher knows (for the loop's sleep)."""
+        ...
+
+    def running(self) -> int:
+        """Frames this launcher started whose completion it has not handed over yet."""
+        ...
+
+    def kill(self, pk_proc: str) -> None:
+        """Best effort: stop a running frame (its release goes through the completion path)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+_REGISTRY: dict[str, Callable[..., Launcher]] = {}
+
+
+def register(name: str) -> Callable[[Callable[..., Launcher]], Callable[..., Launcher]]:
+    def deco(factory: Callable[..., Launcher]) -> Callable[..., Launcher]:
+        _REGISTRY[name] = factory
+        return factory
+
+    return deco
+
+
+def names() -> list[str]:
+    _load_builtin()
+    return sorted(_REGISTRY)
+
+
+def get_launcher(name: str, **options: Any) -> Launcher:
+    """Build the launcher registered as `name` with its options."""
+    _load_builtin()
+    try:
+        factory = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown launcher {name!r}; known: {', '.join(sorted(_REGISTRY))}") from None
+    return factory(**options)
+
+
+def _load_builtin() -> None:
+    # Imported lazily so that the registry module stays free of launcher dependencies.
+    from dispatch.launchers import simulated  # noqa: F401

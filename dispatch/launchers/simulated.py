@@ -1,0 +1,118 @@
+"""The simulated launcher: no process runs; each frame "runs" for a drawn time, then completes.
+
+For demos, tests, the stress suite and the benchmarks. A frame's runtime is drawn
+uniformly from [runtime_min, runtime_max] seconds (both 0: it completes at the next poll),
+it exits 1 with probability `failure_rate` (to exercise retries), and a launch fails with
+probability `launch_failure_rate` (to exercise compensation). Completions go back through
+the normal completion path, so releases really come from the proc delete trigger.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from dispatch import conf
+from dispatch.completion import Completion
+from dispatch.launchers import register
+
+if TYPE_CHECKING:
+    from dispatch.dispatcher import Booking
+
+
+@register("simulated")
+class SimulatedLauncher:
+    name = "simulated"
+
+    def __init__(
+        self,
+        *,
+        runtime_min: float | None = None,
+        runtime_max: float | None = None,
+        failure_rate: float | None = None,
+        launch_failure_rate: float | None = None,
+        seed: int | None = None,
+        fail_launch: Callable[[Booking], bool] | None = None,
+        exit_status: Callable[[Booking], int | None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.runtime_min = conf.simulated_runtime_min() if runtime_min is None else runtime_min
+        self.runtime_max = conf.simulated_runtime_max() if runtime_max is None else runtime_max
+        if self.runtime_max < self.runtime_min:
+            self.runtime_min = self.runtime_max
+        self.failure_rate = conf.simulated_failure_rate() if failure_rate is None else failure_rate
+        self.launch_failure_rate = (
+            conf.simulated_launch_failure_rate() if launch_failure_rate is None else launch_failure_rate
+        )
+        self._rng = random.Random(conf.simulated_seed() if seed is None else seed)
+        # Test hooks: decide a launch failure or an exit status for one booking (None: draw it).
+        self.fail_launch = fail_launch
+        self.exit_status = exit_status
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._heap: list[tuple[float, int, str, int]] = []
+        self._seq = itertools.count()
+        self._killed: set[str] = set()
+        self.launched = 0
+        self.launch_failures = 0
+
+    def launch(self, bookings: Sequence[Booking]) -> list[tuple[Booking, str]]:
+        failures: list[tuple[Booking, str]] = []
+        now = self._clock()
+        rng = self._rng
+        lo, hi = self.runtime_min, self.runtime_max
+        with self._lock:
+            for b in bookings:
+                if self.fail_launch is not None:
+                    failed = self.fail_launch(b)
+                else:
+                    failed = self.launch_failure_rate > 0 and rng.random() < self.launch_failure_rate
+                if failed:
+                    failures.append((b, "simulated launch failure"))
+                    continue
+                status = self.exit_status(b) if self.exit_status is not None else None
+                if status is None:
+                    status = 1 if self.failure_rate > 0 and rng.random() < self.failure_rate else 0
+                due = now + (rng.uniform(lo, hi) if hi > 0 else 0.0)
+                heapq.heappush(self._heap, (due, next(self._seq), b.pk_proc, status))
+            self.launched += len(bookings) - len(failures)
+            self.launch_failures += len(failures)
+        return failures
+
+    def poll_completions(self) -> list[Completion]:
+        now = self._clock()
+        out: list[Completion] = []
+        with self._lock:
+            heap = self._heap
+            while heap and heap[0][0] <= now:
+                _due, _seq, pk_proc, status = heapq.heappop(heap)
+                if pk_proc in self._killed:
+                    self._killed.discard(pk_proc)
+                    continue
+                out.append(Completion(pk_proc, status))
+        return out
+
+    def next_due(self) -> float | None:
+        with self._lock:
+            if not self._heap:
+                return None
+            return max(0.0, self._heap[0][0] - self._clock())
+
+    def running(self) -> int:
+        with self._lock:
+            return len(self._heap) - len(self._killed)
+
+    def kill(self, pk_proc: str) -> None:
+        with self._lock:
+            if any(entry[2] == pk_proc for entry in self._heap):
+                self._killed.add(pk_proc)
+
+    def close(self) -> None:
+        with self._lock:
+            self._heap.clear()
+            self._killed.clear()

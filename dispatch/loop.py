@@ -1,0 +1,583 @@
+"""The dispatch loop `run_scheduler` runs in a thread: completions in, bookings out.
+
+One cycle (`run_once`), all on this loop's own autocommit connection, in this order:
+1. settle what a database failure left open: batches whose COMMIT outcome is unknown
+   (looked up by proc id), compensations that did not commit;
+2. write the completions the launcher reports (the release path), which also gives the
+   host view its resources back;
+3. every `lost_host_sweep_interval`, release the procs of hosts whose ping is too old;
+4. every `host_refresh_interval`, reload the host view;
+5. dispatch: read pending work (`feed`), place each frame (`placement`), book it in the
+   Store (`service.apply_booking`: the managed decision, once), and every `batch_size`
+   bookings write them in one transaction (`dispatcher.write_batch`), launch what
+   committed, confirm it; a failed launch is compensated, then rolled back.
+
+Back-off: a cluster (facility, show, layer tags) whose frames found no host sleeps for
+`cluster_saturated_sleep`, or until a completion of ours frees resources or the host view
+reloads; its layers are left out of the next queries. Work a Store cap blocks is not slept
+on: the Store is asked again every cycle (its releases arrive from the listener thread), and
+the query leaves out jobs at their cap and shows at burst on every subscription. A cycle
+that did nothing makes `run` wait until the next simulated completion is due, at most
+`idle_sleep`.
+
+Every booking the Store applied is settled exactly once: rejected by a guard -> rollback;
+written and launched -> confirm; written, launch failed -> compensating transaction, then
+rollback; the transaction failed before COMMIT -> rollback; COMMIT outcome unknown -> kept
+in flight until the procs are looked up after reconnecting, then settled as one of the above.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import psycopg
+
+from accounting import db as acct_db
+from accounting.service import AccountingService, NotManaged
+from accounting.store import Applied, BookingDelta, LimitExceeded
+from dispatch import conf
+from dispatch.completion import Completion, complete, release_lost_hosts
+from dispatch.dispatcher import (
+    AmbiguousCommitError,
+    Booking,
+    compensate,
+    find_written,
+    write_batch,
+)
+from dispatch.feed import JobWork, LayerWork, Skips, fetch_pending, has_waiting_or_running
+from dispatch.launchers import Launcher
+from dispatch.placement import CENTI, HostView
+
+logger = logging.getLogger(__name__)
+
+SUBSCRIPTIONS_SQL = "SELECT pk_show, pk_alloc, int_burst, int_cores FROM subscription"
+
+_UNLIMITED_ROOM = 1 << 40
+_ALLOC_ATTEMPTS = 3  # a subscription rejection retries the frame on another allocation
+_NO_HOST = "no_host"
+_SKIP_LAYER = "skip_layer"
+
+Cluster = tuple[str, str, frozenset[str]]  # (facility, show, layer tags)
+
+
+@dataclass
+class CycleStats:
+    """What one cycle (or, summed, a whole run) did."""
+
+    booked: int = 0
+    rejected: Counter[str] = field(default_factory=Counter)
+    launch_failures: int = 0
+    compensated: int = 0
+    completed: int = 0
+    lost_released: int = 0
+    jobs_finished: int = 0
+    frames_considered: int = 0
+    batches: int = 0
+    no_host: int = 0
+    skipped_flip: int = 0
+    db_errors: int = 0
+    # Wall seconds by phase (feed, write, complete; the rest of a cycle is placement and Store).
+    seconds: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def did_work(self) -> bool:
+        return bool(self.booked or self.completed or self.compensated or self.lost_released)
+
+    def add(self, other: CycleStats) -> None:
+        for name in (
+            "booked",
+            "launch_failures",
+            "compensated",
+            "completed",
+            "lost_released",
+            "jobs_finished",
+            "frames_considered",
+            "batches",
+            "no_host",
+            "skipped_flip",
+            "db_errors",
+        ):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.rejected.update(other.rejected)
+        self.seconds.update(other.seconds)
+
+
+class DispatchLoop:
+    """Books WAITING frames onto hosts for every dispatched show, and releases completed ones."""
+
+    def __init__(
+        self,
+        service: AccountingService,
+        launcher: Launcher,
+        *,
+        managed_only: bool | None = None,
+        batch_size: int | None = None,
+        max_jobs: int | None = None,
+        frames_per_layer: int | None = None,
+        host_refresh_interval: float | None = None,
+        lost_host_timeout: float | None = None,
+        lost_host_sweep_interval: float | None = None,
+        saturated_sleep: float | None = None,
+        idle_sleep: float | None = None,
+        connect: Callable[[], psycopg.Connection] | None = None,
+    ) -> None:
+        self.service = service
+        self.store = service.store
+        self.launcher = launcher
+        self.managed_only = conf.dispatch_managed_only() if managed_only is None else managed_only
+        self.batch_size = batch_size or conf.batch_size()
+        self.max_jobs = max_jobs or conf.feed_max_jobs()
+        self.frames_per_layer = frames_per_layer or conf.feed_frames_per_layer()
+        self.completion_batch = conf.completion_batch_size()
+        self.host_refresh_interval = (
+            conf.host_refresh_interval() if host_refresh_interval is None else host_refresh_interval
+        )
+        self.lost_host_timeout = conf.lost_host_timeout() if lost_host_timeout is None else lost_host_timeout
+        self.lost_host_sweep_interval = (
+            conf.lost_host_sweep_interval() if lost_host_sweep_interval is None else lost_host_sweep_interval
+        )
+        self.saturated_sleep = conf.cluster_saturated_sleep() if saturated_sleep is None else saturated_sleep
+        self.idle_sleep = conf.idle_sleep() if idle_sleep is None else idle_sleep
+        self.mem_used_start = conf.proc_mem_used_start()
+        self._connect = connect or (lambda: acct_db.connect(autocommit=True, application_name="cuesched-dispatch"))
+        self._conn: psycopg.Connection | None = None
+        self.view = HostView(conf.host_fit_policy(), stale_after=self.lost_host_timeout)
+        self._hosts_loaded_at = float("-inf")
+        self._lost_swept_at = float("-inf")
+        self._subs: dict[str, list[tuple[str, int, int]]] = {}  # show -> [(alloc, burst, cores)] centicores
+        # Back-off and cap state.
+        self._sleeping: dict[Cluster, float] = {}
+        self._cluster_layers: dict[Cluster, set[str]] = {}
+        self._blocked_jobs: dict[str, tuple[int, float]] = {}  # managed job -> (least whole cores, since)
+        self._blocked_folders: dict[str, float] = {}  # managed folder -> since
+        self._managed_seen: set[str] = set()
+        # Work a database failure left open.
+        self._pending_completions: list[Completion] = []
+        self._pending_compensations: list[Booking] = []
+        self._unresolved: list[Booking] = []
+        self.totals = CycleStats()
+        self.cycles = 0
+        # Booking window for the benchmarks: from the start of the first cycle that wrote a
+        # booking (its feed query included) to the COMMIT of the last one, perf_counter seconds.
+        self._cycle_started_at = 0.0
+        self.first_booking_cycle_at: float | None = None
+        self.last_commit_at: float | None = None
+
+    # -- connection -----------------------------------------------------------------------
+    def _connection(self) -> psycopg.Connection:
+        if self._conn is None or self._conn.closed or self._conn.broken:
+            self._drop_connection()
+            self._conn = self._connect()
+            self._hosts_loaded_at = float("-inf")
+        return self._conn
+
+    def _drop_connection(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            except psycopg.Error:
+                pass
+        self._conn = None
+
+    def close(self) -> None:
+        self._drop_connection()
+
+    def booking_window(self) -> float:
+        """Seconds from the first booking cycle's start to the last booking COMMIT (0 if none)."""
+        if self.first_booking_cycle_at is None or self.last_commit_at is None:
+            return 0.0
+        return self.last_commit_at - self.first_booking_cycle_at
+
+    # -- the loop -------------------------------------------------------------------------
+    def run(self, stop: threading.Event, exit_when_idle: bool = False) -> CycleStats:
+        """Cycle until `stop` is set (or, with exit_when_idle, until nothing is WAITING or RUNNING)."""
+        backoff = 0.0
+        backoff_max = conf.reconnect_backoff_max()
+        try:
+            while not stop.is_set():
+                try:
+                    stats = self.run_once()
+                    backoff = 0.0
+                except psycopg.Error as exc:
+                    self.totals.db_errors += 1
+                    backoff = min(backoff_max, max(0.2, backoff * 2))
+                    logger.warning("dispatch: database error (%s); reconnecting in %.1fs", exc, backoff)
+                    self._drop_connection()
+                    self._hosts_loaded_at = float("-inf")
+                    stop.wait(backoff)
+                    continue
+                except Exception:
+                    self.totals.db_errors += 1
+                    backoff = min(backoff_max, max(0.5, backoff * 2))
+                    logger.exception("dispatch: cycle failed; retrying in %.1fs", backoff)
+                    self._drop_connection()
+                    stop.wait(backoff)
+                    continue
+                if stats.did_work or self._pending_completions:
+                    continue
+                if exit_when_idle and self._is_idle():
+                    logger.info("dispatch: nothing WAITING or RUNNING; exiting")
+                    return self.totals
+                due = self.launcher.next_due()
+                stop.wait(self.idle_sleep if due is None else min(self.idle_sleep, max(due, 0.001)))
+        finally:
+            self._drop_connection()
+        return self.totals
+
+    def _is_idle(self) -> bool:
+        if self._unresolved or self._pending_compensations or self._pending_completions:
+            return False
+        if self.launcher.running():
+            return False
+        try:
+            return not has_waiting_or_running(self._connection(), managed_only=self.managed_only)
+        except psycopg.Error:
+            return False
+
+    def run_once(self) -> CycleStats:
+        """One cycle; raises the database error that interrupted it (after settling the Store)."""
+        stats = CycleStats()
+        self.cycles += 1
+        self._cycle_started_at = time.perf_counter()
+        try:
+            conn = self._connection()
+            self._settle_open_work(conn, stats)
+            self._complete(conn, stats)
+            now = time.monotonic()
+            if now - self._lost_swept_at >= self.lost_host_sweep_interval:
+                self._sweep_lost_hosts(conn, stats)
+                self._lost_swept_at = now
+            if now - self._hosts_loaded_at >= self.host_refresh_interval:
+                self._reload(conn)
+            self._dispatch(conn, stats)
+        finally:
+            self.totals.add(stats)
+        return stats
+
+    # -- settling what a failure left open ------------------------------------------------
+    def _settle_open_work(self, conn: psycopg.Connection, stats: CycleStats) -> None:
+        if self._unresolved:
+            bookings = self._unresolved
+            found = find_written(conn, bookings)
+            self._unresolved = []
+            lost = [b for b in bookings if b.pk_proc not in found]
+            for b in lost:
+                self.service.rollback_booking(b.result)
+            written = [b for b in bookings if b.pk_proc in found]
+            logger.warning(
+                "dispatch: commit outcome resolved: %d bookings were written, %d were not", len(written), len(lost)
+            )
+            self._launch(conn, written, stats)
+        if self._pending_compensations:
+            bookings = self._pending_compensations
+            self._pending_compensations = []
+            self._compensate(conn, bookings, stats, retry=True)
+
+    # -- completions ----------------------------------------------------------------------
+    def _complete(self, conn: psycopg.Connection, stats: CycleStats) -> None:
+        self._pending_completions.extend(self.launcher.poll_completions())
+        while self._pending_completions:
+            chunk = self._pending_completions[: self.completion_batch]
+            t0 = time.perf_counter()
+            result = complete(conn, chunk)
+            stats.seconds["complete"] += time.perf_counter() - t0
+            del self._pending_completions[: len(chunk)]
+            self.view.set_ledger(result.host_rows, result.freed_mem)
+            stats.completed += result.released
+            stats.jobs_finished += len(result.finished_jobs)
+            if result.released:
+                self._wake_all()
+
+    def _sweep_lost_hosts(self, conn: psycopg.Connection, stats: CycleStats) -> None:
+        exclude = {b.pk_proc for b in self._pending_compensations} | {b.pk_proc for b in self._unresolved}
+        procs, result = release_lost_hosts(conn, self.lost_host_timeout, exclude=exclude)
+        if not procs:
+            return
+        for pk in procs:
+            self.launcher.kill(pk)
+        self._hosts_loaded_at = float("-inf")  # the reload leaves the silent hosts out
+        stats.lost_released += result.released
+        stats.jobs_finished += len(result.finished_jobs)
+        if result.host_rows:
+            self.view.set_ledger(result.host_rows)
+
+    def _reload(self, conn: psycopg.Connection) -> None:
+        self.view.load(conn)
+        subs: dict[str, list[tuple[str, int, int]]] = {}
+        with conn.cursor() as cur:
+            cur.execute(SUBSCRIPTIONS_SQL)
+            for show, alloc, burst, cores in cur.fetchall():
+                subs.setdefault(show, []).append((alloc, burst, cores))
+        self._subs = subs
+        self._hosts_loaded_at = time.monotonic()
+        self._wake_all()
+
+    def _wake_all(self) -> None:
+        self._sleeping.clear()
+        self._blocked_folders.clear()
+
+    # -- dispatch -------------------------------------------------------------------------
+    def _skips(self, now: float) -> Skips:
+        self._sleeping = {c: t for c, t in self._sleeping.items() if t > now}
+        for c in [c for c in self._cluster_layers if c not in self._sleeping]:
+            del self._cluster_layers[c]
+        layers = [pk for c in self._sleeping for pk in self._cluster_layers.get(c, ())]
+        store = self.store
+        jobs = []
+        for job, (least, since) in list(self._blocked_jobs.items()):
+            cap = store.job_cap(job)
+            if now - since > 60 or cap is None or cap[0] <= 0 or store.job_cores_in_use(job) + least <= cap[0]:
+                del self._blocked_jobs[job]
+            else:
+                jobs.append(job)
+        shows = []
+        self._managed_seen = {show for show in self._managed_seen if self.service.is_managed(show)}
+        for show in self._managed_seen:
+            subs = self._subs.get(show, ())
+            if not any(burst - booked >= 1 for booked, burst in (store.sub_counters(show, a) for a, _b, _c in subs)):
+                shows.append(show)
+        folders = [f for f, since in self._blocked_folders.items() if now - since <= self.saturated_sleep]
+        return Skips(jobs=jobs, shows=shows, folders=folders, layers=layers)
+
+    def _dispatch(self, conn: psycopg.Connection, stats: CycleStats) -> None:
+        now = time.monotonic()
+        t0 = time.perf_counter()
+        jobs = fetch_pending(
+            conn,
+            managed_only=self.managed_only,
+            max_jobs=self.max_jobs,
+            frames_per_layer=self.frames_per_layer,
+            skips=self._skips(now),
+        )
+        stats.seconds["feed"] += time.perf_counter() - t0
+        if not jobs:
+            return
+        room = self._room_for_cycle(conn, jobs)
+        batch: list[Booking] = []
+        tried: set[Cluster] = set()
+        placed: set[Cluster] = set()
+        no_host: set[Cluster] = set()
+        for job in jobs:
+            managed = self.service.is_managed(job.show)
+            if managed != job.managed_in_db or (self.managed_only and not managed):
+                # A flip in progress (the Store has not published it yet, or has already
+                # dropped it): neither path may book the show until both agree.
+                stats.skipped_flip += 1
+                continue
+            if managed:
+                self._managed_seen.add(job.show)
+            self._book_job(conn, job, managed, room, batch, stats, tried, placed, no_host)
+        if batch:
+            self._flush(conn, batch, stats)
+        until = time.monotonic() + self.saturated_sleep
+        for cluster in no_host - placed:
+            self._sleeping[cluster] = until
+
+    def _room_for_cycle(self, conn: psycopg.Connection, jobs: list[JobWork]) -> dict[tuple[str, str], int]:
+        """Whole cores each (show, alloc) may still book this cycle; decremented as we book.
+
+        Managed shows: burst - booked from the Store. Others: int_burst - int_cores, which the
+        database-enforced triggers keep exact, read fresh (the trigger has the last word).
+        """
+        room: dict[tuple[str, str], int] = {}
+        store = self.store
+        unmanaged = []
+        for show in {j.show for j in jobs}:
+            if not self.service.is_managed(show):
+                unmanaged.append(show)
+                continue
+            for alloc, _burst, _cores in self._subs.get(show, ()):
+                booked, cap = store.sub_counters(show, alloc)
+                room[(show, alloc)] = cap - booked
+        if unmanaged:
+            with conn.cursor() as cur:
+                cur.execute(SUBSCRIPTIONS_SQL + " WHERE pk_show = ANY(%s::text[])", (unmanaged,))
+                for show, alloc, burst, cores in cur.fetchall():
+                    room[(show, alloc)] = int((burst - cores) / CENTI)
+        return room
+
+    def _book_job(
+        self,
+        conn: psycopg.Connection,
+        job: JobWork,
+        managed: bool,
+        room: dict[tuple[str, str], int],
+        batch: list[Booking],
+        stats: CycleStats,
+        tried: set[Cluster],
+        placed: set[Cluster],
+        no_host: set[Cluster],
+    ) -> None:
+        show = job.show
+        # Job budget for this cycle, whole cores: the Store's for managed shows, the
+        # trigger-kept total for the others (the authority is still book / the trigger).
+        if managed:
+            cap = self.store.job_cap(job.pk)
+            job_cap = cap[0] if cap else 0
+            job_used = self.store.job_cores_in_use(job.pk)
+        else:
+            job_cap = job.max_cores // CENTI if job.max_cores > 0 else 0
+            job_used = int(job.cores / CENTI)
+        least_skipped = 0
+        booked_any = False
+
+        def room_of(alloc: str) -> int:
+            return room.get((show, alloc), 0)
+
+        for layer in job.layers:
+            cluster = layer.cluster
+            if cluster in self._sleeping:
+                self._cluster_layers.setdefault(cluster, set()).add(layer.pk)
+                continue
+            demand = layer.demand
+            for frame in layer.frames:
+                stats.frames_considered += 1
+                tried.add(cluster)
+                outcome = _NO_HOST
+                booking = None
+                for _attempt in range(_ALLOC_ATTEMPTS):
+                    found = self.view.find(demand, layer.tags, facility=job.facility, os=job.os, room=room_of)
+                    if found is None:
+                        outcome = _NO_HOST
+                        break
+                    host, cores = found
+                    if job_cap > 0 and job_used + cores > job_cap:
+                        stats.rejected["job_precheck"] += 1
+                        least_skipped = cores if not least_skipped else min(least_skipped, cores)
+                        outcome = _SKIP_LAYER
+                        break
+                    result = self.service.apply_booking(
+                        BookingDelta(show, host.alloc, job.folder, job.pk, cores, demand.gpus)
+                    )
+                    if isinstance(result, LimitExceeded):
+                        stats.rejected[result.table] += 1
+                        if result.table == "subscription":
+                            room[(show, host.alloc)] = 0
+                            outcome = _NO_HOST
+                            continue  # another allocation may still have room
+                        if result.table in ("job", "job_gpus"):
+                            self._blocked_jobs[job.pk] = (cores, time.monotonic())
+                        else:
+                            self._blocked_folders[job.folder] = time.monotonic()
+                        return
+                    if self.managed_only and isinstance(result, NotManaged):
+                        stats.skipped_flip += 1
+                        return
+                    centi = cores * CENTI
+                    booking = Booking(
+                        pk_proc=str(uuid.uuid4()),
+                        frame=frame,
+                        layer=layer,
+                        host=host,
+                        cores=centi,
+                        mem=demand.mem,
+                        gpus=demand.gpus,
+                        gpu_mem=demand.gpu_mem,
+                        result=result,
+                        managed=isinstance(result, Applied),
+                    )
+                    self.view.take(host, centi, demand.mem, demand.gpus, demand.gpu_mem)
+                    room[(show, host.alloc)] = room_of(host.alloc) - cores
+                    job_used += cores
+                    break
+                if booking is None:
+                    if outcome is _NO_HOST:
+                        stats.no_host += 1
+                        anywhere = self.view.find(demand, layer.tags, facility=job.facility, os=job.os, room=_unlimited)
+                        if anywhere is None:
+                            # No host at all, whatever the caps: back off this cluster.
+                            no_host.add(cluster)
+                            self._cluster_layers.setdefault(cluster, set()).add(layer.pk)
+                    break  # the layer's other frames ask for the same: next layer
+                booked_any = True
+                placed.add(cluster)
+                batch.append(booking)
+                if len(batch) >= self.batch_size:
+                    self._flush(conn, batch, stats)
+                    batch.clear()
+        if managed and least_skipped and not booked_any:
+            self._blocked_jobs[job.pk] = (least_skipped, time.monotonic())
+
+    def _flush(self, conn: psycopg.Connection, batch: list[Booking], stats: CycleStats) -> None:
+        bookings = list(batch)
+        stats.batches += 1
+        if self.first_booking_cycle_at is None:
+            self.first_booking_cycle_at = self._cycle_started_at
+        t0 = time.perf_counter()
+        try:
+            result = write_batch(conn, bookings, mem_used=self.mem_used_start)
+        except AmbiguousCommitError:
+            # Keep every booking in flight (counters read high: safe) until the procs are looked up.
+            self._unresolved.extend(bookings)
+            self._hosts_loaded_at = float("-inf")
+            raise
+        except BaseException:
+            for b in bookings:
+                self.service.rollback_booking(b.result)
+            self._hosts_loaded_at = float("-inf")
+            raise
+        self.last_commit_at = time.perf_counter()
+        stats.seconds["write"] += self.last_commit_at - t0
+        view = self.view
+        for b, table in result.rejected:
+            self.service.rollback_booking(b.result)
+            view.give(b.host.pk, b.cores, b.mem, b.gpus, b.gpu_mem)
+            stats.rejected[table] += 1
+            if table in ("job", "job_gpus") and b.managed:
+                self._blocked_jobs[b.layer.job.pk] = (b.cores // CENTI, time.monotonic())
+        view.set_ledger(result.host_rows)
+        if result.failed_hosts:
+            view.reload_hosts(conn, result.failed_hosts)
+        self._launch(conn, result.written, stats)
+
+    def _launch(self, conn: psycopg.Connection, written: list[Booking], stats: CycleStats) -> None:
+        if not written:
+            return
+        try:
+            failures = self.launcher.launch(written)
+        except Exception as exc:
+            logger.exception("dispatch: launcher %s failed on a batch of %d", self.launcher.name, len(written))
+            failures = [(b, f"launcher error: {exc}") for b in written]
+        failed = {id(b) for b, _reason in failures}
+        confirm = self.service.confirm_booking
+        for b in written:
+            if id(b) not in failed:
+                confirm(b.result)
+        stats.booked += len(written) - len(failed)
+        if failures:
+            stats.launch_failures += len(failures)
+            for b, reason in failures[:5]:
+                logger.warning("dispatch: launch of frame %s on %s failed: %s", b.frame.name, b.host.name, reason)
+            self._compensate(conn, [b for b, _reason in failures], stats, retry=False)
+
+    def _compensate(self, conn: psycopg.Connection, bookings: list[Booking], stats: CycleStats, *, retry: bool) -> None:
+        try:
+            result = compensate(conn, bookings)
+        except BaseException:
+            # Still in flight in the Store (reads high: safe) until a compensation commits.
+            self._pending_compensations.extend(bookings)
+            raise
+        freed: dict[str, int] = {}
+        for b in bookings:
+            if b.pk_proc in result.procs_deleted or retry:
+                # Ours deleted it (now, or in an attempt whose COMMIT we did not see).
+                self.service.rollback_booking(b.result)
+                freed[b.host.pk] = freed.get(b.host.pk, 0) + b.mem
+            else:
+                # Someone else released the proc first, and its release reached the Store.
+                self.service.confirm_booking(b.result)
+        stats.compensated += len(result.procs_deleted)
+        self.view.set_ledger(result.host_rows, freed)
+
+
+def _unlimited(_alloc: str) -> int:
+    return _UNLIMITED_ROOM
+
+
+__all__ = ["CycleStats", "DispatchLoop", "LayerWork"]
