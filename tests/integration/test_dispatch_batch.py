@@ -1,0 +1,116 @@
+"""The booking transaction on its own: every guard drops only its own booking, never the batch."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from accounting.service import NotManaged
+from accounting.store import Applied, BookingDelta
+from dispatch.dispatcher import Booking, write_batch
+from dispatch.feed import JobWork, fetch_pending
+from dispatch.placement import HostView
+from tests.integration.dispatch_support import autocommit, scalar, seed, violations
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+ONE_CORE = {"layer_cores_choices": (1,), "host_cores_choices": (16,), "hosts": 4, "layers": 1}
+
+
+def _unlimited(_alloc: str) -> int:
+    return 1 << 30
+
+
+def plan(conn, n_per_job: dict[int, int], *, managed: bool) -> tuple[list[JobWork], list[Booking]]:
+    """Bookings of the first frames of the first jobs, placed like the loop would (view + find)."""
+    jobs = fetch_pending(conn, managed_only=False, max_jobs=50, frames_per_layer=20)
+    view = HostView(fit="loosest")  # spreads the bookings over the hosts
+    view.load(conn)
+    bookings = []
+    for j, count in n_per_job.items():
+        job = jobs[j]
+        layer = job.layers[0]
+        for frame in layer.frames[:count]:
+            host, cores = view.find(layer.demand, layer.tags, facility=job.facility, os=job.os, room=_unlimited)
+            delta = BookingDelta(job.show, host.alloc, job.folder, job.pk, cores, 0)
+            view.take(host, cores * 100, layer.demand.mem, 0, 0)
+            bookings.append(
+                Booking(
+                    pk_proc=str(uuid.uuid4()),
+                    frame=frame,
+                    layer=layer,
+                    host=host,
+                    cores=cores * 100,
+                    mem=layer.demand.mem,
+                    gpus=0,
+                    gpu_mem=0,
+                    result=Applied(delta) if managed else NotManaged(delta),
+                    managed=managed,
+                )
+            )
+    return jobs, bookings
+
+
+def test_an_over_cap_unmanaged_booking_is_rejected_alone() -> None:
+    seed("bcap", managed=False, job_max_cores=200, jobs=3, **ONE_CORE)
+    with autocommit() as conn:
+        jobs, bookings = plan(conn, {0: 3, 1: 2, 2: 2}, managed=False)
+        result = write_batch(conn, bookings, mem_used=256_000)
+        assert [table for _b, table in result.rejected] == ["job"]
+        assert result.rejected[0][0].layer.job.pk == jobs[0].pk
+        assert len(result.written) == 6
+        assert all(b.post_version == b.frame.version + 1 for b in result.written)
+        # The database-enforced totals hold exactly what was written.
+        cores = dict(conn.execute("SELECT pk_job, int_cores FROM job_resource").fetchall())
+        assert [cores[j.pk] for j in jobs] == [200, 200, 200]
+        assert scalar(conn, "SELECT count(*) FROM proc") == 6
+        assert scalar(conn, "SELECT count(*) FROM frame WHERE str_state = 'RUNNING'") == 6
+        assert violations(conn) == []
+
+
+def test_guards_drop_only_their_own_bookings() -> None:
+    seed("bgrd", jobs=5, **ONE_CORE)
+    with autocommit() as conn:
+        _jobs, bookings = plan(conn, {0: 2, 1: 2, 2: 2, 3: 2, 4: 2}, managed=True)
+        stale, conflict, exhausted, flipped = bookings[0], bookings[2], bookings[4], bookings[6]
+        # A frame changed since it was read: its version moved on.
+        conn.execute("UPDATE frame SET int_version = int_version + 1 WHERE pk_frame = %s", (stale.frame.pk,))
+        # A WAITING frame that somehow already has a proc.
+        conn.execute(
+            "INSERT INTO proc (pk_proc, pk_host, pk_show, pk_job, pk_layer, pk_frame, int_cores_reserved,"
+            " int_mem_reserved) SELECT %s, %s, pk_show, pk_job, %s, %s, 100, 1 FROM job WHERE pk_job = %s",
+            (str(uuid.uuid4()), conflict.host.pk, conflict.layer.pk, conflict.frame.pk, conflict.layer.job.pk),
+        )
+        conn.execute(
+            "UPDATE host SET int_cores_idle = int_cores_idle - 100, int_mem_idle = int_mem_idle - 1 WHERE pk_host = %s",
+            (conflict.host.pk,),
+        )
+        # A host another writer filled up since the view was loaded.
+        conn.execute("UPDATE host SET int_cores_idle = 0 WHERE pk_host = %s", (exhausted.host.pk,))
+        flipped.managed = False  # decided unmanaged, but the show is managed in the database
+        before_idle = dict(conn.execute("SELECT pk_host, int_cores_idle FROM host").fetchall())
+
+        result = write_batch(conn, bookings, mem_used=256_000)
+
+        rejected = {b.pk_proc: table for b, table in result.rejected}
+        assert rejected[stale.pk_proc] == "frame"
+        assert rejected[conflict.pk_proc] == "proc"
+        assert rejected[exhausted.pk_proc] == "host"
+        assert rejected[flipped.pk_proc] == "managed_flip"
+        on_exhausted = [b for b in bookings if b.host.pk == exhausted.host.pk]
+        assert all(b.pk_proc in rejected for b in on_exhausted)
+        written = {b.pk_proc for b in result.written}
+        assert written == {b.pk_proc for b in bookings} - set(rejected)
+        assert written and result.failed_hosts == {exhausted.host.pk}
+        procs = {r[0] for r in conn.execute("SELECT pk_proc FROM proc").fetchall()}
+        assert written <= procs and not (set(rejected) & procs)
+        # Hosts were charged exactly for what was written on them.
+        after_idle = dict(conn.execute("SELECT pk_host, int_cores_idle FROM host").fetchall())
+        for host in before_idle:
+            charged = sum(b.cores for b in result.written if b.host.pk == host)
+            assert before_idle[host] - after_idle[host] == charged
+        returned = {row[0]: row[1] for row in result.host_rows}
+        assert all(returned[h] == after_idle[h] for h in returned)
+        started = {r[0] for r in conn.execute("SELECT pk_frame FROM frame WHERE str_state = 'RUNNING'").fetchall()}
+        assert started == {b.frame.pk for b in result.written}

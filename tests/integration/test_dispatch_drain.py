@@ -1,0 +1,99 @@
+"""A small farm drains completely through the real runtime, and no cap is ever exceeded.
+
+The accounting runtime (bootstrap from the database, listener applying the releases of the
+completion path's proc deletes) runs as in production; the dispatch loop books with the
+simulated launcher; a sampler on its own connection checks every invariant many times while
+the farm drains.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.integration.dispatch_support import (
+    Sampler,
+    autocommit,
+    drain,
+    fast_launcher,
+    make_loop,
+    scalar,
+    seed,
+    store_cores,
+    violations,
+    wait_for,
+)
+from tests.integration.runtime_support import running_scheduler
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def _assert_drained(conn, farm) -> None:
+    states = dict(conn.execute("SELECT str_state, count(*) FROM frame GROUP BY 1").fetchall())
+    assert states == {"SUCCEEDED": len(farm.job_ids) * farm.spec.layers * farm.spec.frames_per_layer}
+    assert scalar(conn, "SELECT count(*) FROM job WHERE str_state <> 'FINISHED'") == 0
+    assert scalar(conn, "SELECT count(*) FROM proc") == 0
+    assert scalar(conn, "SELECT count(*) FROM host WHERE int_cores_idle <> int_cores OR int_mem_idle <> int_mem") == 0
+    assert scalar(conn, "SELECT COALESCE(SUM(int_waiting_count + int_running_count), 0) FROM job_stat") == 0
+
+
+def test_managed_farm_drains_within_every_cap() -> None:
+    farm = seed("drm")
+    with running_scheduler() as proc, autocommit() as conn:
+        service = proc.service
+        assert service.is_managed(farm.show_ids[0])
+        launcher = fast_launcher()
+        # Few jobs and frames per query, so the farm takes many cycles and every skip path runs.
+        loop = make_loop(service, launcher, max_jobs=3, frames_per_layer=2, batch_size=7)
+        sampler = Sampler().start()
+        try:
+            totals = drain(loop)
+        finally:
+            sampler.stop()
+        assert sampler.breaches == []
+        assert sampler.samples > 10
+        assert totals.booked == totals.completed == 96
+        # The caps did bind: some booking was refused by the Store or its pre-check.
+        assert totals.rejected["job_precheck"] + totals.rejected["job"] + totals.rejected["subscription"] > 0
+        _assert_drained(conn, farm)
+        assert violations(conn) == []
+        # Every release reached the Store through the listener: back to zero, nothing in flight.
+        wait_for(lambda: set(store_cores(service, farm).values()) == {0}, what="store counters back to 0")
+        inflight = service.store.inflight_snapshot()
+        assert {v for v in inflight.job.values()} <= {(0, 0)}
+
+
+def test_unmanaged_farm_drains_with_database_enforced_caps() -> None:
+    farm = seed("dru", managed=False)
+    with running_scheduler() as proc, autocommit() as conn:
+        service = proc.service
+        assert not service.is_managed(farm.show_ids[0])
+        loop = make_loop(service, fast_launcher(), max_jobs=3, frames_per_layer=2, batch_size=7)
+        sampler = Sampler().start()
+        try:
+            totals = drain(loop)
+        finally:
+            sampler.stop()
+        assert sampler.breaches == []
+        assert totals.booked == totals.completed == 96
+        _assert_drained(conn, farm)
+        # The trigger-kept totals came back to zero with the last release.
+        for table in ("subscription", "folder_resource", "job_resource", "layer_resource"):
+            assert scalar(conn, f"SELECT COALESCE(SUM(abs(int_cores)), 0) FROM {table}") == 0, table
+        # The Store never saw the show.
+        assert set(store_cores(service, farm).values()) <= {0}
+
+
+def test_managed_only_leaves_unmanaged_shows_alone() -> None:
+    managed = seed("dmo")
+    unmanaged = seed("dmu", managed=False, jobs=2)
+    with running_scheduler() as proc, autocommit() as conn:
+        loop = make_loop(proc.service, fast_launcher(), managed_only=True)
+        drain(loop)
+        rows = conn.execute(
+            "SELECT s.b_scheduler_managed, f.str_state, count(*) FROM frame f JOIN job j ON j.pk_job = f.pk_job"
+            " JOIN show s ON s.pk_show = j.pk_show GROUP BY 1, 2"
+        ).fetchall()
+        assert {(m, st): n for m, st, n in rows} == {
+            (True, "SUCCEEDED"): len(managed.job_ids) * 8,
+            (False, "WAITING"): len(unmanaged.job_ids) * 8,
+        }
