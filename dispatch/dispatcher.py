@@ -13,7 +13,7 @@ kept row by row but executed set-based:
    `ts_start_after`), version + 1, RUNNING, host, reservations, times, the retry bump;
 3. proc INSERT ... ON CONFLICT (pk_frame) DO NOTHING, for the frames that started;
 4. host idle decrement aggregated per host, guarded so no idle value goes negative and the
-   host is still OPEN.
+   host is still OPEN, UP and heard from within the lost-host timeout.
 
 All three writes are one statement (data-modifying CTEs) inside a SAVEPOINT per group. A
 guard that fails only removes its bookings: the group is rolled back to the savepoint and
@@ -118,6 +118,8 @@ took AS (
   WHERE h.pk_host = need.pk_host AND h.str_lock_state = 'OPEN'
     AND h.int_cores_idle >= need.c AND h.int_mem_idle >= need.m
     AND h.int_gpus_idle >= need.g AND h.int_gpu_mem_idle >= need.gm
+    AND EXISTS (SELECT 1 FROM host_stat hs WHERE hs.pk_host = h.pk_host AND hs.str_state = 'UP'
+                AND hs.ts_ping >= now() - make_interval(secs => %(stale_after)s))
   RETURNING h.pk_host, h.int_cores_idle, h.int_mem_idle, h.int_gpus_idle, h.int_gpu_mem_idle
 )
 SELECT 'f', pk_frame, int_version::bigint, NULL::bigint, NULL::bigint, NULL::bigint FROM started
@@ -208,7 +210,9 @@ class AmbiguousCommitError(psycopg.OperationalError):
         self.result = result
 
 
-def write_batch(conn: psycopg.Connection, bookings: Sequence[Booking], *, mem_used: int) -> BatchResult:
+def write_batch(
+    conn: psycopg.Connection, bookings: Sequence[Booking], *, mem_used: int, stale_after: float = 300.0
+) -> BatchResult:
     """Write a batch of bookings in one transaction on an autocommit connection.
 
     Raises the connection's error if the transaction failed before COMMIT (nothing written),
@@ -223,7 +227,7 @@ def write_batch(conn: psycopg.Connection, bookings: Sequence[Booking], *, mem_us
             cur.execute(LOCK_SHOWS_SQL, (sorted({b.layer.job.show for b in bookings}),))
             for group in (managed, unmanaged):
                 if group:
-                    _write_group(cur, group, result, mem_used)
+                    _write_group(cur, group, result, {"mem_used": mem_used, "stale_after": stale_after})
         except BaseException:
             _rollback_quietly(conn)
             raise
@@ -269,7 +273,7 @@ def _undo_savepoint(cur: psycopg.Cursor) -> None:
     cur.execute("RELEASE SAVEPOINT dispatch_group")
 
 
-def _params(group: Sequence[Booking], mem_used: int) -> dict[str, Any]:
+def _params(group: Sequence[Booking], extra: dict[str, Any]) -> dict[str, Any]:
     return {
         "proc": [b.pk_proc for b in group],
         "frame": [b.frame.pk for b in group],
@@ -284,11 +288,11 @@ def _params(group: Sequence[Booking], mem_used: int) -> dict[str, Any]:
         "gpus": [b.gpus for b in group],
         "gpu_mem": [b.gpu_mem for b in group],
         "managed": [b.managed for b in group],
-        "mem_used": mem_used,
+        **extra,
     }
 
 
-def _write_group(cur: psycopg.Cursor, group: list[Booking], result: BatchResult, mem_used: int) -> None:
+def _write_group(cur: psycopg.Cursor, group: list[Booking], result: BatchResult, extra: dict[str, Any]) -> None:
     """Write one group under a savepoint, dropping bookings whose guard fails, bisecting on errors."""
     pending = group
     for _attempt in range(_MAX_GROUP_ATTEMPTS):
@@ -296,7 +300,7 @@ def _write_group(cur: psycopg.Cursor, group: list[Booking], result: BatchResult,
             return
         cur.execute("SAVEPOINT dispatch_group")
         try:
-            cur.execute(BOOK_SQL, _params(pending, mem_used))
+            cur.execute(BOOK_SQL, _params(pending, extra))
             rows = cur.fetchall()
         except psycopg.Error as exc:
             _undo_savepoint(cur)
@@ -314,8 +318,8 @@ def _write_group(cur: psycopg.Cursor, group: list[Booking], result: BatchResult,
                 result.rejected.append((pending[0], table))
                 return
             half = len(pending) // 2
-            _write_group(cur, pending[:half], result, mem_used)
-            _write_group(cur, pending[half:], result, mem_used)
+            _write_group(cur, pending[:half], result, extra)
+            _write_group(cur, pending[half:], result, extra)
             return
         started: dict[str, int] = {}
         with_proc: set[str] = set()

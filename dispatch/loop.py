@@ -188,6 +188,12 @@ class DispatchLoop:
     def close(self) -> None:
         self._drop_connection()
 
+    def __enter__(self) -> DispatchLoop:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
     def booking_window(self) -> float:
         """Seconds from the first booking cycle's start to the last booking COMMIT (0 if none)."""
         if self.first_booking_cycle_at is None or self.last_commit_at is None:
@@ -363,6 +369,34 @@ class DispatchLoop:
         tried: set[Cluster] = set()
         placed: set[Cluster] = set()
         no_host: set[Cluster] = set()
+        try:
+            self._book_jobs(conn, jobs, room, batch, stats, tried, placed, no_host)
+            if batch:
+                bookings = batch[:]
+                batch.clear()
+                self._flush(conn, bookings, stats)
+        finally:
+            # Whatever was booked in the Store but never handed to a batch (an error cut the
+            # cycle short) is settled here: nothing of it reached the database.
+            for b in batch:
+                self.service.rollback_booking(b.result)
+            if batch:
+                self._hosts_loaded_at = float("-inf")
+        until = time.monotonic() + self.saturated_sleep
+        for cluster in no_host - placed:
+            self._sleeping[cluster] = until
+
+    def _book_jobs(
+        self,
+        conn: psycopg.Connection,
+        jobs: list[JobWork],
+        room: dict[tuple[str, str], int],
+        batch: list[Booking],
+        stats: CycleStats,
+        tried: set[Cluster],
+        placed: set[Cluster],
+        no_host: set[Cluster],
+    ) -> None:
         for job in jobs:
             managed = self.service.is_managed(job.show)
             if managed != job.managed_in_db or (self.managed_only and not managed):
@@ -373,11 +407,6 @@ class DispatchLoop:
             if managed:
                 self._managed_seen.add(job.show)
             self._book_job(conn, job, managed, room, batch, stats, tried, placed, no_host)
-        if batch:
-            self._flush(conn, batch, stats)
-        until = time.monotonic() + self.saturated_sleep
-        for cluster in no_host - placed:
-            self._sleeping[cluster] = until
 
     def _room_for_cycle(self, conn: psycopg.Connection, jobs: list[JobWork]) -> dict[tuple[str, str], int]:
         """Whole cores each (show, alloc) may still book this cycle; decremented as we book.
@@ -499,19 +528,19 @@ class DispatchLoop:
                 placed.add(cluster)
                 batch.append(booking)
                 if len(batch) >= self.batch_size:
-                    self._flush(conn, batch, stats)
-                    batch.clear()
+                    bookings = batch[:]
+                    batch.clear()  # the batch writer owns them now, and settles them whatever happens
+                    self._flush(conn, bookings, stats)
         if managed and least_skipped and not booked_any:
             self._blocked_jobs[job.pk] = (least_skipped, time.monotonic())
 
-    def _flush(self, conn: psycopg.Connection, batch: list[Booking], stats: CycleStats) -> None:
-        bookings = list(batch)
+    def _flush(self, conn: psycopg.Connection, bookings: list[Booking], stats: CycleStats) -> None:
         stats.batches += 1
         if self.first_booking_cycle_at is None:
             self.first_booking_cycle_at = self._cycle_started_at
         t0 = time.perf_counter()
         try:
-            result = write_batch(conn, bookings, mem_used=self.mem_used_start)
+            result = write_batch(conn, bookings, mem_used=self.mem_used_start, stale_after=self.lost_host_timeout)
         except AmbiguousCommitError:
             # Keep every booking in flight (counters read high: safe) until the procs are looked up.
             self._unresolved.extend(bookings)
