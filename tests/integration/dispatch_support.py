@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -16,9 +17,13 @@ from typing import Any
 import psycopg
 
 from accounting import db
-from accounting.service import AccountingService
+from accounting.service import AccountingService, BookingResult, NotManaged
+from accounting.store import Applied, BookingDelta
+from dispatch.dispatcher import Booking
+from dispatch.feed import JobWork, fetch_pending
 from dispatch.launchers.simulated import SimulatedLauncher
 from dispatch.loop import CycleStats, DispatchLoop
+from dispatch.placement import HostView
 from dispatch.seeding import FarmSeed, FarmSpec, seed_farm
 
 # Small, deterministic, and every cap binds: 3 allocs x 12 cores of burst, a 24-core folder,
@@ -37,6 +42,9 @@ SMALL_FARM = {
     "folder_max_cores": 2400,
     "job_max_cores": 400,
 }
+
+# One-core frames on a few 16-core hosts: for tests that place frames by hand.
+ONE_CORE = {"layer_cores_choices": (1,), "host_cores_choices": (16,), "hosts": 4, "layers": 1}
 
 # Every invariant the audit of issue 7 names that one consistent snapshot can show, as rows of
 # (what, key, seen, limit). Centicores throughout; caps <= 0 are unlimited (burst 0 is not).
@@ -78,6 +86,77 @@ def seed(prefix: str, *, managed: bool = True, **sizes: Any) -> FarmSeed:
     spec = dict(SMALL_FARM)
     spec.update(sizes)
     return seed_farm(FarmSpec(prefix=prefix, managed=managed, **spec))
+
+
+def _unlimited(_alloc: str) -> int:
+    return 1 << 30
+
+
+def plan(
+    conn: psycopg.Connection,
+    n_per_job: dict[int, int],
+    *,
+    managed: bool,
+    book: Callable[[BookingDelta], BookingResult] | None = None,
+) -> tuple[list[JobWork], list[Booking]]:
+    """Bookings of the first frames of some jobs, placed as the loop would (view, then find).
+
+    `book` decides each booking's Store result (default: Applied without a Store, or NotManaged).
+    """
+    jobs = fetch_pending(conn, managed_only=False, max_jobs=50, frames_per_layer=20)
+    view = HostView(fit="loosest")  # spreads the bookings over the hosts
+    view.load(conn)
+    bookings = []
+    for j, count in n_per_job.items():
+        job = jobs[j]
+        layer = job.layers[0]
+        for frame in layer.frames[:count]:
+            found = view.find(layer.demand, layer.tags, facility=job.facility, os=job.os, room=_unlimited)
+            assert found is not None, "the test farm has no host for this frame"
+            host, cores = found
+            delta = BookingDelta(job.show, host.alloc, job.folder, job.pk, cores, 0)
+            if book is not None:
+                result = book(delta)
+            else:
+                result = Applied(delta) if managed else NotManaged(delta)
+            view.take(host, cores * 100, layer.demand.mem, 0, 0)
+            bookings.append(
+                Booking(
+                    pk_proc=str(uuid.uuid4()),
+                    frame=frame,
+                    layer=layer,
+                    host=host,
+                    cores=cores * 100,
+                    mem=layer.demand.mem,
+                    gpus=0,
+                    gpu_mem=0,
+                    result=result,
+                    managed=managed,
+                )
+            )
+    return jobs, bookings
+
+
+def db_cores(conn: psycopg.Connection, seed_: FarmSeed) -> dict[str, int]:
+    """SUM(proc) in whole cores for the same keys as `store_cores`."""
+    out: dict[str, int] = {}
+    rows = conn.execute(
+        "SELECT p.pk_show, h.pk_alloc, j.pk_folder, p.pk_job, p.int_cores_reserved FROM proc p"
+        " JOIN host h ON h.pk_host = p.pk_host JOIN job j ON j.pk_job = p.pk_job WHERE NOT p.b_local"
+    ).fetchall()
+    subs = conn.execute("SELECT pk_show, pk_alloc FROM subscription WHERE pk_show = ANY(%s)", (list(seed_.show_ids),))
+    for show, alloc in subs.fetchall():
+        out[f"sub:{show}/{alloc}"] = 0
+    for folder in seed_.folder_ids:
+        out[f"folder:{folder}"] = 0
+    for job in seed_.job_ids:
+        out[f"job:{job}"] = 0
+    for show, alloc, folder, job, cc in rows:
+        if show not in seed_.show_ids:
+            continue
+        for key in (f"sub:{show}/{alloc}", f"folder:{folder}", f"job:{job}"):
+            out[key] = out.get(key, 0) + cc
+    return {k: int(v / 100) for k, v in out.items()}
 
 
 def violations(conn: psycopg.Connection) -> list[tuple[Any, ...]]:
@@ -164,9 +243,9 @@ def store_cores(service: AccountingService, seed_: FarmSeed) -> dict[str, int]:
     """Live Store cores of every key of a seeded farm (0 for keys the Store never saw)."""
     snap = service.store.audit_snapshot()
     out: dict[str, int] = {}
-    for (show, alloc), (cores, _g) in snap.sub.items():
+    for (show, alloc), _burst in service.store.caps().sub.items():
         if show in seed_.show_ids:
-            out[f"sub:{show}/{alloc}"] = cores
+            out[f"sub:{show}/{alloc}"] = snap.sub.get((show, alloc), (0, 0))[0]
     for folder in seed_.folder_ids:
         out[f"folder:{folder}"] = snap.folder.get(folder, (0, 0))[0]
     for job in seed_.job_ids:

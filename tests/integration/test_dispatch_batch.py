@@ -6,50 +6,10 @@ import uuid
 
 import pytest
 
-from accounting.service import NotManaged
-from accounting.store import Applied, BookingDelta
-from dispatch.dispatcher import Booking, write_batch
-from dispatch.feed import JobWork, fetch_pending
-from dispatch.placement import HostView
-from tests.integration.dispatch_support import autocommit, scalar, seed, violations
+from dispatch.dispatcher import write_batch
+from tests.integration.dispatch_support import ONE_CORE, autocommit, plan, scalar, seed, violations
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-ONE_CORE = {"layer_cores_choices": (1,), "host_cores_choices": (16,), "hosts": 4, "layers": 1}
-
-
-def _unlimited(_alloc: str) -> int:
-    return 1 << 30
-
-
-def plan(conn, n_per_job: dict[int, int], *, managed: bool) -> tuple[list[JobWork], list[Booking]]:
-    """Bookings of the first frames of the first jobs, placed like the loop would (view + find)."""
-    jobs = fetch_pending(conn, managed_only=False, max_jobs=50, frames_per_layer=20)
-    view = HostView(fit="loosest")  # spreads the bookings over the hosts
-    view.load(conn)
-    bookings = []
-    for j, count in n_per_job.items():
-        job = jobs[j]
-        layer = job.layers[0]
-        for frame in layer.frames[:count]:
-            host, cores = view.find(layer.demand, layer.tags, facility=job.facility, os=job.os, room=_unlimited)
-            delta = BookingDelta(job.show, host.alloc, job.folder, job.pk, cores, 0)
-            view.take(host, cores * 100, layer.demand.mem, 0, 0)
-            bookings.append(
-                Booking(
-                    pk_proc=str(uuid.uuid4()),
-                    frame=frame,
-                    layer=layer,
-                    host=host,
-                    cores=cores * 100,
-                    mem=layer.demand.mem,
-                    gpus=0,
-                    gpu_mem=0,
-                    result=Applied(delta) if managed else NotManaged(delta),
-                    managed=managed,
-                )
-            )
-    return jobs, bookings
 
 
 def test_an_over_cap_unmanaged_booking_is_rejected_alone() -> None:
