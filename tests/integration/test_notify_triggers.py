@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import io
+import re
+
 import psycopg
 import pytest
+from django.core.management import call_command
 from django.db import connection, transaction
 
 from accounting.models import AccountingSettings
@@ -301,3 +305,25 @@ def test_inserts_send_their_caps_for_managed_shows_only(listener: Listener) -> N
         xid = current_xid()
     # job_resource defaults: 10000 centicores, 100 GPUs.
     assert listener.sent_before_sentinel(LIMIT_CHANNEL) == [cap_msg("job", job.pk, xid, cores=100, gpus=100)]
+
+
+def test_bench_triggers_measures_every_variant_and_leaves_nothing_behind() -> None:
+    out = io.StringIO()
+    call_command("bench_triggers", procs=40, runs=1, jobs=2, layers_per_job=2, stdout=out)
+    rows = {line[:58].strip(): re.findall(r"(\d+) msgs", line) for line in out.getvalue().splitlines()[2:]}
+    # releases delivered: (one statement, one by one); the statement-level trigger sends one per key.
+    assert rows == {
+        "managed, notifications on (statement-level, installed)": ["4", "40"],
+        "managed, notifications on (per-row variant)": ["40", "40"],
+        "managed, kill switch off": ["0", "0"],
+        "unmanaged (database-enforced accounting)": ["0", "0"],
+        "no triggers at all": ["0", "0"],
+    }
+    assert not Show.objects.filter(str_name__startswith="bt-").exists()
+    assert not Proc.objects.exists()
+    assert AccountingSettings.notifications_enabled() is True
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pg_trigger WHERE tgname LIKE 'pgtrigger_acct_release_row%'")
+        assert cursor.fetchone()[0] == 0
+        cursor.execute("SELECT count(*) FROM pg_trigger WHERE tgrelid = 'proc'::regclass AND tgenabled <> 'O'")
+        assert cursor.fetchone()[0] == 0
