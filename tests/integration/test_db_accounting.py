@@ -8,9 +8,10 @@ from collections.abc import Callable
 
 import psycopg
 import pytest
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 
 from accounting import triggers
+from accounting.notify import suppress_release_in_transaction
 from dispatch.models import FolderResource, JobResource, LayerResource, Point, Proc, Show, Subscription
 from tests.integration import farm_fixtures as ff
 from tests.integration.notify_listener import database_conninfo
@@ -85,6 +86,14 @@ class TestUnmanagedShowBookkeeping:
         assert farm.job_resource().int_cores == 0
         assert JobResource.objects.get(job=other_job).int_cores == 300
         assert totals(farm)["subscription"] == (300, 0)  # same show and alloc: unchanged
+
+    def test_the_release_suppression_marker_does_not_skip_the_bookkeeping(self) -> None:
+        farm = ff.tiny_farm(managed=False)
+        proc = ff.create_proc(farm.host, farm.frames[0], cores=300)
+        with transaction.atomic():
+            suppress_release_in_transaction(connection)
+            proc.delete()
+        assert totals(farm) == expect(0, 0, 0)
 
     def test_managed_show_leaves_the_tables_alone(self) -> None:
         farm = ff.tiny_farm(managed=True, int_burst=0)  # the Store enforces, not the database
