@@ -10,7 +10,7 @@ Payloads, compact JSON written by the triggers in `accounting.triggers`:
   `pg_current_xact_id()`, optional for payloads from an older writer such as Cuebot).
 - `acct_limit_change`: `{"vertex": "sub", show, alloc, burst}` or
   `{"vertex": "folder"|"job", id, max_cores?, max_gpus?}` in whole cores (-1 unlimited),
-  plus the optional xid.
+  plus the optional xid. Writers may add keys (the triggers add `seq`); they are ignored.
 """
 
 from __future__ import annotations
@@ -20,11 +20,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from accounting.notify import CHANNELS, LIMIT_CHANNEL, RELEASE_CHANNEL
 from accounting.store import BookingDelta, LimitChange, LimitKind
 
-RELEASE_CHANNEL = "acct_release"
-LIMIT_CHANNEL = "acct_limit_change"
-CHANNELS = (RELEASE_CHANNEL, LIMIT_CHANNEL)
+__all__ = ["CHANNELS", "LIMIT_CHANNEL", "RELEASE_CHANNEL", "LimitNotice", "PayloadError", "Release"]
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1

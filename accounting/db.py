@@ -13,33 +13,18 @@ from typing import Any
 import psycopg
 from django.db import connections
 
+from accounting.notify import conninfo_from_settings
 
-def conninfo(alias: str = "default") -> dict[str, Any]:
-    """psycopg keyword arguments for a Django database alias (the test database under pytest)."""
-    sd = connections[alias].settings_dict
-    kwargs: dict[str, Any] = {"dbname": sd["NAME"]}
-    if sd.get("USER"):
-        kwargs["user"] = sd["USER"]
-    if sd.get("PASSWORD"):
-        kwargs["password"] = sd["PASSWORD"]
-    if sd.get("HOST"):
-        kwargs["host"] = sd["HOST"]
-    if sd.get("PORT"):
-        kwargs["port"] = sd["PORT"]
-    options = dict(sd.get("OPTIONS") or {})
-    options.pop("pool", None)
-    options.pop("server_side_binding", None)
-    options.pop("isolation_level", None)
-    kwargs.update(options)
-    return kwargs
+
+def conninfo(alias: str = "default") -> str:
+    """libpq conninfo of a Django database alias (the test database under pytest)."""
+    return conninfo_from_settings(connections[alias].settings_dict)
 
 
 def connect(*, autocommit: bool = True, application_name: str = "cuesched", **extra: Any) -> psycopg.Connection:
-    kwargs = conninfo()
-    kwargs.update(extra)
     # TCP keepalives so a silently dead network path is noticed (ignored on Unix sockets).
-    kwargs.setdefault("keepalives", 1)
-    kwargs.setdefault("keepalives_idle", 10)
-    kwargs.setdefault("keepalives_interval", 5)
-    kwargs.setdefault("keepalives_count", 3)
-    return psycopg.connect(autocommit=autocommit, application_name=application_name, connect_timeout=10, **kwargs)
+    params: dict[str, Any] = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, "keepalives_count": 3}
+    params.update(extra)
+    return psycopg.connect(
+        conninfo(), autocommit=autocommit, application_name=application_name, connect_timeout=10, **params
+    )

@@ -60,7 +60,7 @@ class Listener:
         *,
         on_connect: Callable[[], None] | None = None,
         on_event: Callable[[str, str], None] | None = None,
-        backoff_initial: float = 0.2,
+        backoff_initial: float = 0.1,
         backoff_max: float = 10.0,
         poll_timeout: float = 0.5,
         probe_interval: float = 5.0,
@@ -117,8 +117,10 @@ class Listener:
         while not stop.is_set():
             try:
                 self._session(stop)
-                delay = self.backoff_initial
             except Exception as exc:
+                if self.connected.is_set():
+                    # The session had been healthy: a fresh outage, not a failing retry.
+                    delay = self.backoff_initial
                 self.stats.last_error = f"{type(exc).__name__}: {exc}"
                 self.stats.state = "disconnected"
                 self.connected.clear()
