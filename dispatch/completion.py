@@ -60,9 +60,10 @@ ended AS (
   WHERE f.pk_frame = g.pk_frame AND f.str_state = 'RUNNING'
   RETURNING f.pk_frame, f.pk_job, f.str_state
 )
-SELECT 'p', g.pk_proc, g.pk_job, e.str_state, g.pk_host, g.int_mem_reserved, NULL::bigint, NULL::bigint,
-       NULL::bigint
-FROM gone g LEFT JOIN ended e ON e.pk_frame = g.pk_frame
+SELECT 'p', pk_proc, pk_frame, pk_job, pk_host, int_mem_reserved, NULL::bigint, NULL::bigint, NULL::bigint
+FROM gone
+UNION ALL
+SELECT 'f', pk_frame, str_state, NULL, NULL, NULL, NULL, NULL, NULL FROM ended
 UNION ALL
 SELECT 'h', pk_host, NULL, NULL, NULL, int_cores_idle, int_mem_idle, int_gpus_idle, int_gpu_mem_idle FROM back
 """
@@ -103,6 +104,7 @@ class CompletionResult:
     missing_procs: list[str] = field(default_factory=list)
     states: dict[str, int] = field(default_factory=dict)  # new frame state -> count
     finished_jobs: list[str] = field(default_factory=list)
+    released_jobs: set[str] = field(default_factory=set)  # jobs that had a proc released
     host_rows: list[tuple[Any, ...]] = field(default_factory=list)
     freed_mem: dict[str, int] = field(default_factory=dict)  # KB per host
 
@@ -126,19 +128,27 @@ def complete(conn: psycopg.Connection, completions: Sequence[Completion]) -> Com
             rows = cur.fetchall()
             jobs_to_check: set[str] = set()
             gone: set[str] = set()
-            for kind, key, job, state, host, a, b, c, d in rows:
+            released: list[tuple[str, str, str]] = []  # (pk_proc, pk_frame, pk_job)
+            ended: dict[str, str] = {}  # pk_frame -> new state
+            for kind, key, a, b, c, d, e, f, g in rows:
                 if kind == "p":
-                    gone.add(key)
-                    out.released += 1
-                    out.freed_mem[host] = out.freed_mem.get(host, 0) + a
-                    if state is None:
-                        logger.warning("completion: proc %s released, but its frame was not RUNNING", key)
-                        continue
-                    out.states[state] = out.states.get(state, 0) + 1
-                    if state in ("SUCCEEDED", "DEAD"):
-                        jobs_to_check.add(job)
+                    released.append((key, a, b))
+                    out.freed_mem[c] = out.freed_mem.get(c, 0) + d
+                elif kind == "f":
+                    ended[key] = a
                 else:
-                    out.host_rows.append((key, a, b, c, d))
+                    out.host_rows.append((key, d, e, f, g))
+            for pk_proc, pk_frame, job in released:
+                gone.add(pk_proc)
+                out.released += 1
+                out.released_jobs.add(job)
+                state = ended.get(pk_frame)
+                if state is None:
+                    logger.warning("completion: proc %s released, but its frame was not RUNNING", pk_proc)
+                    continue
+                out.states[state] = out.states.get(state, 0) + 1
+                if state in ("SUCCEEDED", "DEAD"):
+                    jobs_to_check.add(job)
             if jobs_to_check:
                 cur.execute(FINISH_JOBS_SQL, (sorted(jobs_to_check),))
                 out.finished_jobs = [r[0] for r in cur.fetchall()]

@@ -31,6 +31,12 @@ def feed_frames_per_layer() -> int:
     return max(1, env_int("CUESCHED_DISPATCH_FRAMES_PER_LAYER", 20))
 
 
+def feed_max_frames() -> int:
+    """Upper bound of the frames read per cycle. A cycle that ends on a cap or with no host
+    shrinks the next read toward what it could book; a cycle that booked all it read doubles it."""
+    return max(1, env_int("CUESCHED_DISPATCH_MAX_FRAMES", 10_000))
+
+
 def completion_batch_size() -> int:
     """Frame completions written per transaction."""
     return max(1, env_int("CUESCHED_COMPLETION_BATCH_SIZE", 1000))

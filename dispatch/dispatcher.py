@@ -311,10 +311,11 @@ def _write_group(cur: psycopg.Cursor, group: list[Booking], result: BatchResult,
                 raise
             if len(pending) == 1:
                 table = _CAP_TABLES.get(getattr(exc.diag, "constraint_name", None) or "", REJECT_DATABASE)
+                message = exc.diag.message_primary or str(exc)
                 if table == REJECT_DATABASE:
-                    logger.warning("dispatch: frame %s rejected by the database: %s", pending[0].frame.pk, exc)
+                    logger.warning("dispatch: frame %s rejected by the database: %s", pending[0].frame.pk, message)
                 else:
-                    logger.info("dispatch: frame %s rejected by the %s cap: %s", pending[0].frame.pk, table, exc)
+                    logger.debug("dispatch: frame %s rejected by the %s cap: %s", pending[0].frame.pk, table, message)
                 result.rejected.append((pending[0], table))
                 return
             half = len(pending) // 2

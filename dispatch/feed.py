@@ -1,9 +1,9 @@
 """Pending work: the WAITING frames worth trying this cycle, in dispatch order.
 
-Two set-based queries per cycle, whatever the farm size: the dispatchable layers of the
-highest-priority pending jobs (job_resource.int_priority DESC, then oldest job first, then
-layer dispatch order), then up to N WAITING frames per layer in frame dispatch order
-(int_dispatch_order, int_layer_order), as the reference's layer/frame query (§3.3, §3.4).
+Two set-based queries per cycle, whatever the farm size: the layers of the highest-priority
+pending jobs (job_resource.int_priority DESC, then oldest job first, then layer dispatch
+order), then up to N WAITING frames per layer in frame dispatch order (int_dispatch_order,
+int_layer_order), at most M in all, as the reference's layer/frame query (§3.3, §3.4).
 
 Work a cap already blocks is left out before it costs anything:
 - for shows the Store manages, the caller passes what the Store says is full (jobs at max
@@ -28,39 +28,53 @@ from dispatch.placement import Demand, parse_tags
 # The seam for frame dependencies: a WAITING frame is dispatchable when this holds.
 FRAME_READY = "f.int_depend_count = 0"
 
+# The top jobs first (job-level filters only, so the sort and the limit see one row per job),
+# then their layers. Whether a layer has WAITING frames is left to the frame query, which
+# probes the partial WAITING index per layer: layer_stat is rewritten on every frame state
+# change and is not worth a scan here.
 PENDING_LAYERS_SQL = """
-WITH candidates AS (
+WITH top_jobs AS (
   SELECT j.pk_job, j.str_name AS job_name, j.pk_show, s.str_name AS show_name, j.pk_folder,
          j.pk_facility, j.pk_dept, j.str_os, j.int_max_retries, s.b_scheduler_managed,
          jr.int_priority, jr.int_max_cores, jr.int_max_gpus, jr.int_cores, jr.int_gpus,
-         l.pk_layer, l.str_name AS layer_name, l.str_cmd, l.str_range, l.int_chunk_size,
-         l.int_cores_min, l.int_cores_max, l.int_mem_min, l.int_gpus_min, l.int_gpu_mem_min,
-         l.b_threadable, l.str_tags, l.int_dispatch_order,
-         dense_rank() OVER (ORDER BY jr.int_priority DESC, j.ts_started, j.pk_job) AS job_rank
+         fr.int_max_cores AS folder_max_cores, fr.int_max_gpus AS folder_max_gpus,
+         fr.int_cores AS folder_cores, fr.int_gpus AS folder_gpus, j.ts_started
   FROM job j
   JOIN job_stat js ON js.pk_job = j.pk_job
   JOIN job_resource jr ON jr.pk_job = j.pk_job
   JOIN show s ON s.pk_show = j.pk_show
   JOIN folder_resource fr ON fr.pk_folder = j.pk_folder
-  JOIN layer l ON l.pk_job = j.pk_job
-  JOIN layer_stat ls ON ls.pk_layer = l.pk_layer
-  WHERE j.str_state = 'PENDING' AND NOT j.b_paused AND s.b_active
-    AND js.int_waiting_count > 0 AND ls.int_waiting_count > 0
-    AND (l.ts_start_after IS NULL OR l.ts_start_after <= now())
+  WHERE j.str_state = 'PENDING' AND NOT j.b_paused AND s.b_active AND js.int_waiting_count > 0
     AND (s.b_scheduler_managed OR NOT %(managed_only)s)
     AND NOT (j.pk_job = ANY(%(skip_jobs)s::text[]))
     AND NOT (j.pk_show = ANY(%(skip_shows)s::text[]))
     AND NOT (j.pk_folder = ANY(%(skip_folders)s::text[]))
-    AND NOT EXISTS (SELECT 1 FROM unnest(%(skip_layers)s::text[]) AS sk(pk) WHERE sk.pk = l.pk_layer)
+    -- Unmanaged shows: a core of room left on the job, its folder and some subscription
+    -- (the trigger-kept totals are live for them).
     AND (s.b_scheduler_managed OR (
-          (jr.int_max_cores <= 0 OR jr.int_cores + GREATEST(l.int_cores_min, 100) <= jr.int_max_cores)
-      AND (fr.int_max_cores <= 0 OR fr.int_cores + GREATEST(l.int_cores_min, 100) <= fr.int_max_cores)
+          (jr.int_max_cores <= 0 OR jr.int_max_cores - jr.int_cores >= 100)
+      AND (fr.int_max_cores <= 0 OR fr.int_max_cores - fr.int_cores >= 100)
       AND EXISTS (SELECT 1 FROM subscription sub
-                  WHERE sub.pk_show = j.pk_show
-                    AND sub.int_burst - sub.int_cores >= GREATEST(l.int_cores_min, 100))))
+                  WHERE sub.pk_show = j.pk_show AND sub.int_burst - sub.int_cores >= 100)))
+    -- A job whose every layer backs off does not take a place in the limit.
+    AND (cardinality(%(skip_layers)s::text[]) = 0 OR EXISTS (
+          SELECT 1 FROM layer l WHERE l.pk_job = j.pk_job AND NOT (l.pk_layer = ANY(%(skip_layers)s::text[]))))
+  ORDER BY jr.int_priority DESC, j.ts_started, j.pk_job
+  LIMIT %(max_jobs)s
 )
-SELECT * FROM candidates WHERE job_rank <= %(max_jobs)s
-ORDER BY job_rank, int_dispatch_order, pk_layer
+SELECT t.pk_job, t.job_name, t.pk_show, t.show_name, t.pk_folder, t.pk_facility, t.pk_dept, t.str_os,
+       t.int_max_retries, t.b_scheduler_managed, t.int_priority, t.int_max_cores, t.int_max_gpus,
+       t.int_cores, t.int_gpus, t.folder_max_cores, t.folder_max_gpus, t.folder_cores, t.folder_gpus,
+       l.pk_layer, l.str_name, l.str_cmd, l.str_range, l.int_chunk_size, l.int_cores_min, l.int_cores_max,
+       l.int_mem_min, l.int_gpus_min, l.int_gpu_mem_min, l.b_threadable, l.str_tags, l.int_dispatch_order
+FROM top_jobs t
+JOIN layer l ON l.pk_job = t.pk_job
+WHERE (l.ts_start_after IS NULL OR l.ts_start_after <= now())
+  AND NOT (l.pk_layer = ANY(%(skip_layers)s::text[]))
+  AND (t.b_scheduler_managed OR (
+        (t.int_max_cores <= 0 OR t.int_cores + GREATEST(l.int_cores_min, 100) <= t.int_max_cores)
+    AND (t.folder_max_cores <= 0 OR t.folder_cores + GREATEST(l.int_cores_min, 100) <= t.folder_max_cores)))
+ORDER BY t.int_priority DESC, t.ts_started, t.pk_job, l.int_dispatch_order, l.pk_layer
 """
 
 WAITING_FRAMES_SQL = f"""
@@ -74,12 +88,14 @@ CROSS JOIN LATERAL (
   LIMIT %(per_layer)s
 ) f
 ORDER BY x.ord, f.int_dispatch_order, f.int_layer_order
+LIMIT %(max_frames)s
 """
 
 
 @dataclass(slots=True)
 class JobWork:
-    """A pending job as the cycle sees it. Caps and live usage in centicores / GPUs."""
+    """A pending job as the cycle sees it. Caps and usage in centicores / GPUs (usage is live for
+    unmanaged shows, whose triggers keep it; it lags for managed ones, whose Store is the truth)."""
 
     pk: str
     name: str
@@ -96,6 +112,10 @@ class JobWork:
     max_gpus: int
     cores: int
     gpus: int
+    folder_max_cores: int
+    folder_max_gpus: int
+    folder_cores: int
+    folder_gpus: int
     layers: list[LayerWork] = field(default_factory=list)
 
 
@@ -141,9 +161,17 @@ def fetch_pending(
     managed_only: bool,
     max_jobs: int,
     frames_per_layer: int,
+    max_frames: int | None = None,
     skips: Skips = Skips(),
 ) -> list[JobWork]:
-    """Pending jobs in dispatch order, each with its dispatchable layers and their first frames."""
+    """Pending jobs in dispatch order, each with its dispatchable layers and their first frames.
+
+    At most `max_frames` frames in all (the highest-priority ones), so a cycle that can only
+    book a few (caps nearly full) does not read thousands.
+    """
+    if max_frames is None:
+        max_frames = max_jobs * frames_per_layer * 16
+    max_jobs = min(max_jobs, max_frames)
     jobs: dict[str, JobWork] = {}
     layers: dict[str, LayerWork] = {}
     tag_cache: dict[str, frozenset[str]] = {}
@@ -161,9 +189,10 @@ def fetch_pending(
         )
         for r in cur.fetchall():
             (pk_job, job_name, pk_show, show_name, pk_folder, pk_facility, pk_dept, str_os, max_retries,
-             managed, priority, max_cores, max_gpus, cores, gpus, pk_layer, layer_name, cmd, rng, chunk,
-             cores_min, cores_max, mem_min, gpus_min, gpu_mem_min, threadable, str_tags, _order,
-             _rank) = r  # fmt: skip
+             managed, priority, max_cores, max_gpus, cores, gpus, f_max_cores, f_max_gpus, f_cores, f_gpus,
+             pk_layer, layer_name, cmd, rng, chunk,
+             cores_min, cores_max, mem_min, gpus_min, gpu_mem_min, threadable, str_tags,
+             _order) = r  # fmt: skip
             job = jobs.get(pk_job)
             if job is None:
                 job = jobs[pk_job] = JobWork(
@@ -182,6 +211,10 @@ def fetch_pending(
                     max_gpus=max_gpus,
                     cores=cores,
                     gpus=gpus,
+                    folder_max_cores=f_max_cores,
+                    folder_max_gpus=f_max_gpus,
+                    folder_cores=f_cores,
+                    folder_gpus=f_gpus,
                 )
             tags = tag_cache.get(str_tags)
             if tags is None:
@@ -207,7 +240,9 @@ def fetch_pending(
             layers[pk_layer] = layer
         if not layers:
             return []
-        cur.execute(WAITING_FRAMES_SQL, {"layers": list(layers), "per_layer": frames_per_layer})
+        cur.execute(
+            WAITING_FRAMES_SQL, {"layers": list(layers), "per_layer": frames_per_layer, "max_frames": max_frames}
+        )
         for pk_layer, pk_frame, version, name, number in cur.fetchall():
             layers[pk_layer].frames.append(FrameWork(pk_frame, version, name, number))
     return [job for job in jobs.values() if any(layer.frames for layer in job.layers)]

@@ -35,6 +35,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import psycopg
 
@@ -50,15 +51,19 @@ from dispatch.dispatcher import (
     find_written,
     write_batch,
 )
-from dispatch.feed import JobWork, LayerWork, Skips, fetch_pending, has_waiting_or_running
-from dispatch.launchers import Launcher
-from dispatch.placement import CENTI, HostView
+from dispatch.feed import JobWork, Skips, fetch_pending, has_waiting_or_running
+from dispatch.launchers import Launcher, get_launcher
+from dispatch.placement import CENTI, HostRec, HostView
 
 logger = logging.getLogger(__name__)
 
 SUBSCRIPTIONS_SQL = "SELECT pk_show, pk_alloc, int_burst, int_cores FROM subscription"
 
 _UNLIMITED_ROOM = 1 << 40
+_JOB_FOLDER_MAX = 100_000
+_MIN_FEED_FRAMES = 64
+# Bookings the batch writer refused: they were placed (so they count as what a cycle could book).
+_WRITE_REJECTIONS = ("frame", "proc", "host", "managed_flip", "database")
 _ALLOC_ATTEMPTS = 3  # a subscription rejection retries the frame on another allocation
 _NO_HOST = "no_host"
 _SKIP_LAYER = "skip_layer"
@@ -134,6 +139,8 @@ class DispatchLoop:
         self.batch_size = batch_size or conf.batch_size()
         self.max_jobs = max_jobs or conf.feed_max_jobs()
         self.frames_per_layer = frames_per_layer or conf.feed_frames_per_layer()
+        self.max_frames = conf.feed_max_frames()
+        self._feed_frames = self.max_frames  # adapted each cycle, see _dispatch
         self.completion_batch = conf.completion_batch_size()
         self.host_refresh_interval = (
             conf.host_refresh_interval() if host_refresh_interval is None else host_refresh_interval
@@ -156,6 +163,7 @@ class DispatchLoop:
         self._cluster_layers: dict[Cluster, set[str]] = {}
         self._blocked_jobs: dict[str, tuple[int, float]] = {}  # managed job -> (least whole cores, since)
         self._blocked_folders: dict[str, float] = {}  # managed folder -> since
+        self._job_folder: dict[str, str] = {}  # job -> folder, for the jobs the feed returned
         self._managed_seen: set[str] = set()
         # Work a database failure left open.
         self._pending_completions: list[Completion] = []
@@ -193,6 +201,27 @@ class DispatchLoop:
 
     def __exit__(self, *_exc: object) -> None:
         self.close()
+
+    def live_view(self) -> dict[str, object]:
+        """What ops see of the loop in the published live view (called from the publisher thread)."""
+        t = self.totals
+        return {
+            "cycles": self.cycles,
+            "booked": t.booked,
+            "completed": t.completed,
+            "rejected": dict(t.rejected),
+            "launch_failures": t.launch_failures,
+            "compensated": t.compensated,
+            "lost_released": t.lost_released,
+            "jobs_finished": t.jobs_finished,
+            "db_errors": t.db_errors,
+            "launcher": self.launcher.name,
+            "running": self.launcher.running(),
+            "hosts_in_view": len(self.view.hosts),
+            "sleeping_clusters": len(self._sleeping),
+            "blocked_jobs": len(self._blocked_jobs),
+            "managed_only": self.managed_only,
+        }
 
     def booking_window(self) -> float:
         """Seconds from the first booking cycle's start to the last booking COMMIT (0 if none)."""
@@ -298,7 +327,11 @@ class DispatchLoop:
             stats.completed += result.released
             stats.jobs_finished += len(result.finished_jobs)
             if result.released:
-                self._wake_all()
+                self._sleeping.clear()  # hosts have room again
+                for job in result.released_jobs:
+                    folder = self._job_folder.get(job)
+                    if folder is not None:
+                        self._blocked_folders.pop(folder, None)
 
     def _sweep_lost_hosts(self, conn: psycopg.Connection, stats: CycleStats) -> None:
         exclude = {b.pk_proc for b in self._pending_compensations} | {b.pk_proc for b in self._unresolved}
@@ -359,18 +392,24 @@ class DispatchLoop:
             managed_only=self.managed_only,
             max_jobs=self.max_jobs,
             frames_per_layer=self.frames_per_layer,
+            max_frames=self._feed_frames,
             skips=self._skips(now),
         )
         stats.seconds["feed"] += time.perf_counter() - t0
         if not jobs:
+            self._feed_frames = self.max_frames
             return
+        fetched = sum(len(layer.frames) for job in jobs for layer in job.layers)
+        if len(self._job_folder) > _JOB_FOLDER_MAX:
+            self._job_folder.clear()
+        for job in jobs:
+            self._job_folder[job.pk] = job.folder
         room = self._room_for_cycle(conn, jobs)
         batch: list[Booking] = []
-        tried: set[Cluster] = set()
         placed: set[Cluster] = set()
         no_host: set[Cluster] = set()
         try:
-            self._book_jobs(conn, jobs, room, batch, stats, tried, placed, no_host)
+            self._book_jobs(conn, jobs, room, batch, stats, placed, no_host)
             if batch:
                 bookings = batch[:]
                 batch.clear()
@@ -385,19 +424,28 @@ class DispatchLoop:
         until = time.monotonic() + self.saturated_sleep
         for cluster in no_host - placed:
             self._sleeping[cluster] = until
+        booked = stats.booked + sum(stats.rejected[t] for t in _WRITE_REJECTIONS)
+        if booked >= fetched:
+            # Everything read was booked: the read was the limit.
+            self._feed_frames = min(self.max_frames, self._feed_frames * 2)
+        else:
+            # Caps or hosts stopped the cycle: read about what it could book, with some slack.
+            self._feed_frames = max(_MIN_FEED_FRAMES, min(self.max_frames, 2 * booked + self.frames_per_layer))
 
     def _book_jobs(
         self,
         conn: psycopg.Connection,
         jobs: list[JobWork],
-        room: dict[tuple[str, str], int],
+        room: dict[Any, int],
         batch: list[Booking],
         stats: CycleStats,
-        tried: set[Cluster],
         placed: set[Cluster],
         no_host: set[Cluster],
     ) -> None:
+        full_folders: set[str] = set()
         for job in jobs:
+            if job.folder in full_folders:
+                continue
             managed = self.service.is_managed(job.show)
             if managed != job.managed_in_db or (self.managed_only and not managed):
                 # A flip in progress (the Store has not published it yet, or has already
@@ -406,15 +454,15 @@ class DispatchLoop:
                 continue
             if managed:
                 self._managed_seen.add(job.show)
-            self._book_job(conn, job, managed, room, batch, stats, tried, placed, no_host)
+            self._book_job(conn, job, managed, room, full_folders, batch, stats, placed, no_host)
 
-    def _room_for_cycle(self, conn: psycopg.Connection, jobs: list[JobWork]) -> dict[tuple[str, str], int]:
+    def _room_for_cycle(self, conn: psycopg.Connection, jobs: list[JobWork]) -> dict[Any, int]:
         """Whole cores each (show, alloc) may still book this cycle; decremented as we book.
 
         Managed shows: burst - booked from the Store. Others: int_burst - int_cores, which the
         database-enforced triggers keep exact, read fresh (the trigger has the last word).
         """
-        room: dict[tuple[str, str], int] = {}
+        room: dict[Any, int] = {}
         store = self.store
         unmanaged = []
         for show in {j.show for j in jobs}:
@@ -436,10 +484,10 @@ class DispatchLoop:
         conn: psycopg.Connection,
         job: JobWork,
         managed: bool,
-        room: dict[tuple[str, str], int],
+        room: dict[Any, int],
+        full_folders: set[str],
         batch: list[Booking],
         stats: CycleStats,
-        tried: set[Cluster],
         placed: set[Cluster],
         no_host: set[Cluster],
     ) -> None:
@@ -450,11 +498,22 @@ class DispatchLoop:
             cap = self.store.job_cap(job.pk)
             job_cap = cap[0] if cap else 0
             job_used = self.store.job_cores_in_use(job.pk)
+            folder_key: tuple[str, str] | None = None
         else:
             job_cap = job.max_cores // CENTI if job.max_cores > 0 else 0
             job_used = int(job.cores / CENTI)
+            # The folder's room this cycle, shared by its jobs (the trigger has the last word).
+            folder_key = ("folder", job.folder)
+            if folder_key not in room:
+                room[folder_key] = (
+                    int((job.folder_max_cores - job.folder_cores) / CENTI)
+                    if job.folder_max_cores > 0
+                    else _UNLIMITED_ROOM
+                )
         least_skipped = 0
         booked_any = False
+        view = self.view
+        tightest = view.fit == "tightest"
 
         def room_of(alloc: str) -> int:
             return room.get((show, alloc), 0)
@@ -465,13 +524,20 @@ class DispatchLoop:
                 self._cluster_layers.setdefault(cluster, set()).add(layer.pk)
                 continue
             demand = layer.demand
+            hint: HostRec | None = None
+            hint_generation = -1
             for frame in layer.frames:
                 stats.frames_considered += 1
-                tried.add(cluster)
                 outcome = _NO_HOST
                 booking = None
                 for _attempt in range(_ALLOC_ATTEMPTS):
-                    found = self.view.find(demand, layer.tags, facility=job.facility, os=job.os, room=room_of)
+                    found = None
+                    if hint is not None and hint_generation == view.generation:
+                        cores = view.fits(hint, demand, facility=job.facility, os=job.os, room=room_of)
+                        if cores:
+                            found = (hint, cores)
+                    if found is None:
+                        found = view.find(demand, layer.tags, facility=job.facility, os=job.os, room=room_of)
                     if found is None:
                         outcome = _NO_HOST
                         break
@@ -481,6 +547,10 @@ class DispatchLoop:
                         least_skipped = cores if not least_skipped else min(least_skipped, cores)
                         outcome = _SKIP_LAYER
                         break
+                    if folder_key is not None and room[folder_key] < cores:
+                        stats.rejected["folder_precheck"] += 1
+                        full_folders.add(job.folder)
+                        return
                     result = self.service.apply_booking(
                         BookingDelta(show, host.alloc, job.folder, job.pk, cores, demand.gpus)
                     )
@@ -493,7 +563,9 @@ class DispatchLoop:
                         if result.table in ("job", "job_gpus"):
                             self._blocked_jobs[job.pk] = (cores, time.monotonic())
                         else:
+                            # Until a frame of the folder completes (or the back-off ends).
                             self._blocked_folders[job.folder] = time.monotonic()
+                            full_folders.add(job.folder)
                         return
                     if self.managed_only and isinstance(result, NotManaged):
                         stats.skipped_flip += 1
@@ -511,14 +583,18 @@ class DispatchLoop:
                         result=result,
                         managed=isinstance(result, Applied),
                     )
-                    self.view.take(host, centi, demand.mem, demand.gpus, demand.gpu_mem)
+                    view.take(host, centi, demand.mem, demand.gpus, demand.gpu_mem)
+                    if tightest:
+                        hint, hint_generation = host, view.generation
                     room[(show, host.alloc)] = room_of(host.alloc) - cores
+                    if folder_key is not None:
+                        room[folder_key] -= cores
                     job_used += cores
                     break
                 if booking is None:
                     if outcome is _NO_HOST:
                         stats.no_host += 1
-                        anywhere = self.view.find(demand, layer.tags, facility=job.facility, os=job.os, room=_unlimited)
+                        anywhere = view.find(demand, layer.tags, facility=job.facility, os=job.os, room=_unlimited)
                         if anywhere is None:
                             # No host at all, whatever the caps: back off this cluster.
                             no_host.add(cluster)
@@ -609,4 +685,25 @@ def _unlimited(_alloc: str) -> int:
     return _UNLIMITED_ROOM
 
 
-__all__ = ["CycleStats", "DispatchLoop", "LayerWork"]
+def dispatch_main(
+    launcher: str | None = None, *, exit_when_idle: bool = False, **launcher_options: Any
+) -> Callable[[AccountingService, threading.Event], None]:
+    """The foreground of `run_scheduler`: `SchedulerProcess(...).run(dispatch_main("simulated"))`.
+
+    Runs the loop on the service once its bootstrap is done, publishes the loop's counters in
+    the live view, and with `exit_when_idle` stops the whole process (sets `stop`) once no frame
+    is WAITING or RUNNING.
+    """
+
+    def main(service: AccountingService, stop: threading.Event) -> None:
+        chosen = get_launcher(launcher or conf.launcher_name(), **launcher_options)
+        try:
+            with DispatchLoop(service, chosen) as loop:
+                service.view_providers["dispatch"] = loop.live_view
+                loop.run(stop, exit_when_idle=exit_when_idle)
+        finally:
+            chosen.close()
+            if exit_when_idle:
+                stop.set()
+
+    return main

@@ -128,6 +128,9 @@ class HostView:
         self.hosts: dict[str, HostRec] = {}
         self._by_tag: dict[str, dict[int, set[str]]] = {}
         self._max_cores = 0
+        # Bumped by every change other than `take`: while it holds, a host `find` chose for a
+        # layer is still that layer's best choice as long as it fits (see `fits`).
+        self.generation = 0
 
     # -- loading --------------------------------------------------------------------------
     def load(self, conn: psycopg.Connection) -> None:
@@ -138,6 +141,7 @@ class HostView:
         self.hosts.clear()
         self._by_tag.clear()
         self._max_cores = 0
+        self.generation += 1
         for row in rows:
             self._put(_host_from_row(row))
 
@@ -149,6 +153,7 @@ class HostView:
         with conn.cursor() as cur:
             cur.execute(HOSTS_BY_ID_SQL, {"stale_after": self.stale_after, "hosts": wanted})
             rows = cur.fetchall()
+        self.generation += 1
         for pk in wanted:
             self._drop(pk)
         for row in rows:
@@ -194,6 +199,19 @@ class HostView:
                         return host, cores
         return None
 
+    def fits(self, host: HostRec, demand: Demand, *, facility: str, os: str | None, room: Callable[[str], int]) -> int:
+        """Whole cores the frame would book on this host now, 0 if it does not fit.
+
+        With the tightest-fit policy, a host `find` returned for a layer stays the layer's best
+        choice while it fits and `generation` has not moved: `take` only ever lowers the idle
+        cores of the host it books, so every host a tighter search would visit first was
+        visited already and still fails. The loop uses this to place a layer's next frame
+        without a search.
+        """
+        if self.hosts.get(host.pk) is not host:
+            return 0
+        return self._fits(host, demand, facility, os, room)
+
     @staticmethod
     def _fits(host: HostRec, demand: Demand, facility: str, os: str | None, room: Callable[[str], int]) -> int:
         if host.facility != facility:
@@ -230,6 +248,7 @@ class HostView:
         host = self.hosts.get(pk)
         if host is None:
             return
+        self.generation += 1
         old = host.idle_whole_cores
         host.cores_idle += cores
         host.mem_idle += mem
@@ -246,6 +265,8 @@ class HostView:
         host) is memory a completion gave back, added to the cached free memory, since the
         agent's next report is what really refreshes int_mem_free.
         """
+        if rows:
+            self.generation += 1
         for pk, cores_idle, mem_idle, gpus_idle, gpu_mem_idle in rows:
             host = self.hosts.get(pk)
             if host is None:
@@ -260,6 +281,7 @@ class HostView:
             self._reindex(host, old)
 
     def drop(self, pk: str) -> None:
+        self.generation += 1
         self._drop(pk)
 
     # -- index internals ------------------------------------------------------------------

@@ -37,6 +37,14 @@ class Command(BaseCommand):
         parser.add_argument("--layers", type=int, default=4)
         parser.add_argument("--frames-per-layer", type=int, default=5)
         parser.add_argument("--unmanaged", action="store_true", help="database-enforced accounting")
+        parser.add_argument(
+            "--contended",
+            action="store_true",
+            help="one show, one allocation, one folder: every booking hits the same subscription and folder "
+            "caps (--sub-burst, --folder-max-cores, in cores)",
+        )
+        parser.add_argument("--sub-burst", type=int, default=600, help="cores (contended workload)")
+        parser.add_argument("--folder-max-cores", type=int, default=400, help="cores (contended workload)")
         parser.add_argument("--runtime", type=float, default=None, help="simulated max runtime (s); 0: at once")
         parser.add_argument("--batch-size", type=int, default=None)
         parser.add_argument("--repeat", type=int, default=1)
@@ -54,6 +62,15 @@ class Command(BaseCommand):
     def _one(self, opts: dict[str, Any], run: int) -> float:
         prefix = opts["prefix"]
         purge_farm(prefix)
+        contended = (
+            {
+                "allocs": 1,
+                "sub_burst": opts["sub_burst"] * 100,
+                "folder_max_cores": opts["folder_max_cores"] * 100,
+            }
+            if opts["contended"]
+            else {}
+        )
         spec = FarmSpec(
             prefix=prefix,
             hosts=opts["hosts"],
@@ -61,6 +78,7 @@ class Command(BaseCommand):
             layers=opts["layers"],
             frames_per_layer=opts["frames_per_layer"],
             managed=not opts["unmanaged"],
+            **contended,
         )
         seed = seed_farm(spec)
         frames = opts["jobs"] * opts["layers"] * opts["frames_per_layer"]
@@ -93,7 +111,8 @@ class Command(BaseCommand):
         window = loop.booking_window()
         rate = totals.booked / window if window > 0 else 0.0
         self.stdout.write(
-            f"run {run + 1}: {'unmanaged' if opts['unmanaged'] else 'managed'} farm {opts['hosts']} hosts, "
+            f"run {run + 1}: {'unmanaged' if opts['unmanaged'] else 'managed'}"
+            f"{' contended' if opts['contended'] else ''} farm {opts['hosts']} hosts, "
             f"{frames} frames ({seed.seconds:.1f}s to seed)"
         )
         self.stdout.write(f"throughput: {rate:.0f} frames/s over a {window:.2f}s booking window (wall {wall:.2f}s)")
