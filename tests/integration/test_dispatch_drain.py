@@ -8,8 +8,12 @@ the farm drains.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
+from accounting.scheduler import SchedulerOptions, SchedulerProcess
+from dispatch.loop import dispatch_main
 from tests.integration.dispatch_support import (
     Sampler,
     autocommit,
@@ -97,3 +101,35 @@ def test_managed_only_leaves_unmanaged_shows_alone() -> None:
             (True, "SUCCEEDED"): len(managed.job_ids) * 8,
             (False, "WAITING"): len(unmanaged.job_ids) * 8,
         }
+
+
+def test_dispatch_main_runs_in_the_scheduler_process_and_exits_when_idle() -> None:
+    """The wiring run_scheduler uses: SchedulerProcess(...).run(dispatch_main(...))."""
+    farm = seed("dmain", jobs=4)
+    process = SchedulerProcess(SchedulerOptions(bootstrap_timeout=30))
+    thread = threading.Thread(
+        target=process.run,
+        args=(dispatch_main("simulated", exit_when_idle=True, runtime_min=0.0, runtime_max=0.01),),
+        daemon=True,
+    )
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), "run_scheduler did not exit once the farm was drained"
+    with autocommit() as conn:
+        _assert_drained(conn, farm)
+    # The loop's counters are part of the service's live view (published every second).
+    assert process.service.view_providers["dispatch"]()["booked"] == 32
+
+
+def test_the_invariant_check_sees_a_breach() -> None:
+    """The sampler's query is the test oracle: it must report a proc over a job's cap."""
+    farm = seed("orcl", **{"jobs": 1, "job_max_cores": 100, "layer_cores_choices": (2,)})
+    with autocommit() as conn:
+        conn.execute(
+            "INSERT INTO proc (pk_proc, pk_host, pk_show, pk_job, pk_layer, pk_frame, int_cores_reserved,"
+            " int_mem_reserved) SELECT gen_random_uuid()::text, %s, j.pk_show, j.pk_job, f.pk_layer, f.pk_frame,"
+            " 200, 1 FROM frame f JOIN job j ON j.pk_job = f.pk_job LIMIT 1",
+            (farm.host_ids[0],),
+        )
+        found = {what for what, *_rest in violations(conn)}
+    assert {"job", "host_ledger", "running_vs_procs", "proc_frame_not_running"} <= found
