@@ -48,6 +48,12 @@ def cluster_saturated_sleep() -> float:
     return env_float("CUESCHED_CLUSTER_SATURATED_SLEEP", 5.0)
 
 
+def cap_retry() -> float:
+    """How soon a folder the Store refused is tried again. Our own completions release through
+    the listener, a few milliseconds later, so a refusal right after them is often stale."""
+    return env_float("CUESCHED_CAP_RETRY", 0.1)
+
+
 def idle_sleep() -> float:
     """The loop's pause when a cycle found nothing to do and no frame is due to complete."""
     return env_float("CUESCHED_DISPATCH_IDLE_SLEEP", 0.5)

@@ -151,6 +151,7 @@ class DispatchLoop:
         )
         self.saturated_sleep = conf.cluster_saturated_sleep() if saturated_sleep is None else saturated_sleep
         self.idle_sleep = conf.idle_sleep() if idle_sleep is None else idle_sleep
+        self.cap_retry = min(conf.cap_retry(), self.saturated_sleep)
         self.mem_used_start = conf.proc_mem_used_start()
         self._connect = connect or (lambda: acct_db.connect(autocommit=True, application_name="cuesched-dispatch"))
         self._conn: psycopg.Connection | None = None
@@ -260,7 +261,10 @@ class DispatchLoop:
                     logger.info("dispatch: nothing WAITING or RUNNING; exiting")
                     return self.totals
                 due = self.launcher.next_due()
-                stop.wait(self.idle_sleep if due is None else min(self.idle_sleep, max(due, 0.001)))
+                wait = self.idle_sleep if due is None else min(self.idle_sleep, max(due, 0.001))
+                if self._blocked_folders or self._blocked_jobs:
+                    wait = min(wait, self.cap_retry)  # a release may be on its way to the Store
+                stop.wait(wait)
         finally:
             self._drop_connection()
         return self.totals
@@ -381,7 +385,8 @@ class DispatchLoop:
             subs = self._subs.get(show, ())
             if not any(burst - booked >= 1 for booked, burst in (store.sub_counters(show, a) for a, _b, _c in subs)):
                 shows.append(show)
-        folders = [f for f, since in self._blocked_folders.items() if now - since <= self.saturated_sleep]
+        self._blocked_folders = {f: t for f, t in self._blocked_folders.items() if now - t <= self.cap_retry}
+        folders = list(self._blocked_folders)
         return Skips(jobs=jobs, shows=shows, folders=folders, layers=layers)
 
     def _dispatch(self, conn: psycopg.Connection, stats: CycleStats) -> None:
@@ -563,7 +568,7 @@ class DispatchLoop:
                         if result.table in ("job", "job_gpus"):
                             self._blocked_jobs[job.pk] = (cores, time.monotonic())
                         else:
-                            # Until a frame of the folder completes (or the back-off ends).
+                            # Until a frame of the folder completes, or cap_retry passes.
                             self._blocked_folders[job.folder] = time.monotonic()
                             full_folders.add(job.folder)
                         return
