@@ -77,6 +77,8 @@ WHERE j.pk_job = ANY(%s::text[]) AND j.str_state = 'PENDING'
 RETURNING j.pk_job
 """
 
+PROCS_OF_FRAMES_SQL = "SELECT pk_proc FROM proc WHERE pk_frame = ANY(%s::text[])"
+
 LOST_PROCS_SQL = """
 SELECT p.pk_proc, p.pk_frame, h.str_name
 FROM proc p JOIN host_stat hs ON hs.pk_host = p.pk_host JOIN host h ON h.pk_host = p.pk_host
@@ -188,3 +190,16 @@ def release_lost_hosts(
         logger.warning("lost host %s: releasing proc %s of frame %s, frame back to WAITING", host, pk_proc, pk_frame)
     result = complete(conn, [Completion(pk, EXIT_STATUS_DOWN_HOST, requeue=True) for pk, _f, _h in lost])
     return [row[0] for row in lost], result
+
+
+def kill_frames(conn: psycopg.Connection, frames: Sequence[str]) -> CompletionResult:
+    """Release the running frames' procs the completion way, frames back to WAITING (exit 301).
+
+    For the admin's kill: whoever kills also asks the launcher to stop the process, best
+    effort; when that process's own report arrives later, its proc is gone and it is a no-op.
+    A kill counts no retry (301 is on the no-retry list).
+    """
+    with conn.cursor() as cur:
+        cur.execute(PROCS_OF_FRAMES_SQL, (list(frames),))
+        procs = [row[0] for row in cur.fetchall()]
+    return complete(conn, [Completion(pk, EXIT_STATUS_KILLED, requeue=True) for pk in procs])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dispatch.completion import Completion, complete
+from dispatch.completion import EXIT_STATUS_KILLED, Completion, complete, kill_frames
 from tests.integration.dispatch_support import (
     ONE_CORE,
     autocommit,
@@ -91,3 +91,23 @@ def test_a_completion_for_a_proc_already_gone_releases_nothing() -> None:
         assert scalar(conn, "SELECT str_state FROM frame WHERE pk_frame = %s", (other_frame,)) == "EATEN"
         assert scalar(conn, "SELECT int_cores - int_cores_idle FROM host WHERE pk_host = %s", (other_host,)) == 0
         assert scalar(conn, "SELECT count(*) FROM proc") == 0
+
+
+def test_a_killed_frame_is_released_and_waits_again_without_a_retry() -> None:
+    seed("kil", **{**ONE_CORE, "jobs": 1, "frames_per_layer": 2})
+    with running_scheduler() as proc, autocommit() as conn:
+        launcher = fast_launcher(runtime_min=60.0, runtime_max=60.0)
+        with make_loop(proc.service, launcher) as loop:
+            assert loop.run_once().booked == 2
+            frame = scalar(conn, "SELECT pk_frame FROM proc LIMIT 1")
+            result = kill_frames(conn, [frame])
+            assert result.released == 1 and result.states == {"WAITING": 1}
+            row = conn.execute(
+                "SELECT str_state, int_exit_status, int_retries FROM frame WHERE pk_frame = %s", (frame,)
+            ).fetchone()
+            assert row == ("WAITING", EXIT_STATUS_KILLED, 0)
+            assert scalar(conn, "SELECT count(*) FROM proc WHERE pk_frame = %s", (frame,)) == 0
+            assert violations(conn) == []
+            # The loop books it again; the next start counts no retry either.
+            assert loop.run_once().booked == 1
+            assert scalar(conn, "SELECT int_retries FROM frame WHERE pk_frame = %s", (frame,)) == 0
