@@ -41,8 +41,8 @@ WITH fr AS (
   RETURNING f.pk_frame
 ), procs AS (
   INSERT INTO proc (pk_proc, pk_host, pk_show, pk_layer, pk_job, pk_frame, int_cores_reserved, int_mem_reserved)
-  SELECT gen_random_uuid()::text, pk_host, pk_show, pk_layer, pk_job, pk_frame, 100, 1024
-  FROM pairs WHERE pk_frame IN (SELECT pk_frame FROM started)
+  SELECT gen_random_uuid()::text, pairs.pk_host, pairs.pk_show, pairs.pk_layer, pairs.pk_job, pairs.pk_frame, 100, 1024
+  FROM pairs JOIN started USING (pk_frame)
   RETURNING pk_host
 )
 UPDATE host h SET int_cores_idle = h.int_cores_idle - agg.cores, int_mem_idle = h.int_mem_idle - agg.mem

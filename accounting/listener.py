@@ -18,13 +18,14 @@ import logging
 import random
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import psycopg
 
 from accounting import channels, db, metrics
-from accounting.store import Store
+from accounting.store import LimitChange, LimitKind, Store
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,24 @@ class ListenerStats:
     injected_drops: int = 0
     last_error: str | None = None
     last_reseed_seconds: float | None = None
+    # The latest applied cap changes (vertex, key, field, value, unix time), newest last: the
+    # ops console shows when the scheduler applied an operator's edit.
+    recent_caps: deque[tuple[str, str, str, int, float]] = field(default_factory=lambda: deque(maxlen=500))
+
+
+_CAP_FIELDS = {
+    LimitKind.SUB_BURST: ("sub", "burst"),
+    LimitKind.FOLDER_MAX_CORES: ("folder", "max_cores"),
+    LimitKind.FOLDER_MAX_GPUS: ("folder", "max_gpus"),
+    LimitKind.JOB_MAX_CORES: ("job", "max_cores"),
+    LimitKind.JOB_MAX_GPUS: ("job", "max_gpus"),
+}
+
+
+def _cap_record(change: LimitChange) -> tuple[str, str, str, int, float]:
+    vertex, name = _CAP_FIELDS[change.kind]
+    key = ":".join(change.key) if isinstance(change.key, tuple) else change.key
+    return (vertex, key, name, change.value, time.time())
 
 
 class Listener:
@@ -100,6 +119,7 @@ class Listener:
                 for change in notice.changes:
                     if self.store.apply_limit_change(change, notice.xid):
                         self.stats.limits_applied += 1
+                        self.stats.recent_caps.append(_cap_record(change))
                         outcome = "applied"
                     else:
                         self.stats.limits_skipped += 1

@@ -106,6 +106,8 @@ def build_view(service: AccountingService) -> dict[str, Any]:
             "last_error": ls.last_error,
             "last_reseed_seconds": ls.last_reseed_seconds,
         },
+        # Cap changes the listener applied, newest last: [vertex, key, field, value, unix time].
+        "recent_caps": list(ls.recent_caps),
         "recompute": None
         if rc is None
         else {
