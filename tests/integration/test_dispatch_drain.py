@@ -66,6 +66,29 @@ def test_managed_farm_drains_within_every_cap() -> None:
         assert {v for v in inflight.job.values()} <= {(0, 0)}
 
 
+def test_drain_with_failing_frames_and_failing_launches_stays_exact() -> None:
+    farm = seed("drf")
+    with running_scheduler() as proc, autocommit() as conn:
+        service = proc.service
+        launcher = fast_launcher(failure_rate=0.25, launch_failure_rate=0.15)
+        loop = make_loop(service, launcher, max_jobs=4, frames_per_layer=2, batch_size=9)
+        sampler = Sampler().start()
+        try:
+            totals = drain(loop)
+        finally:
+            sampler.stop()
+        assert sampler.breaches == []
+        assert totals.launch_failures > 0 and totals.compensated == totals.launch_failures
+        states = dict(conn.execute("SELECT str_state, count(*) FROM frame GROUP BY 1").fetchall())
+        assert set(states) <= {"SUCCEEDED", "DEAD"} and sum(states.values()) == 96
+        assert scalar(conn, "SELECT count(*) FROM job WHERE str_state <> 'FINISHED'") == 0
+        assert violations(conn) == []
+        assert scalar(conn, "SELECT count(*) FROM host WHERE int_cores_idle <> int_cores") == 0
+        wait_for(lambda: set(store_cores(service, farm).values()) == {0}, what="store counters back to 0")
+        inflight = service.store.inflight_snapshot()
+        assert {v for v in inflight.job.values()} <= {(0, 0)}
+
+
 def test_unmanaged_farm_drains_with_database_enforced_caps() -> None:
     farm = seed("dru", managed=False)
     with running_scheduler() as proc, autocommit() as conn:
