@@ -36,6 +36,8 @@ INSTALLED_APPS = [
     "pgtrigger",
     "dispatch",
     "accounting",
+    "pghistory",
+    "ops",
 ]
 
 MIDDLEWARE = [

@@ -1,0 +1,293 @@
+"""Every state change the ops console makes: one function each, one durable transaction each.
+
+Views, admin forms and tests call only these. Each one locks the row it changes, writes only
+the columns whose value really changes (`.update()`: never a whole-row save that would write
+a stale copy of a live counter such as `int_cores`), and runs inside `pghistory.context`, so
+the audit trail's triggers record who asked for the change (the database role is recorded
+for every writer, this one or any other).
+
+Units: callers pass WHOLE cores (what ops see on screen); the database stores centicores
+(cores x 100). GPUs are counts. For folder and job max cores/GPUs, -1 means unlimited (any
+value <= 0 does, for Cuebot and the Store; -1 is what we write). A subscription burst of 0
+rejects every booking of that (show, allocation); a negative burst is refused here.
+Validation lives in this module only; forms call `validate_*` to show the same messages.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import pghistory
+from django.core.exceptions import ValidationError
+from django.db import connection, transaction
+from django.utils import timezone
+
+from accounting.models import SETTINGS_ROW_ID, AccountingSettings
+from accounting.units import CENTICORES_PER_CORE, UNLIMITED, centicores_to_cores
+from dispatch.models import FolderResource, JobResource, Show, Subscription
+
+# What is booked right now, from the record of truth (non-local procs), in centicores / GPUs.
+SUB_BOOKED_SQL = """
+SELECT COALESCE(SUM(p.int_cores_reserved), 0)::bigint, COALESCE(SUM(p.int_gpus_reserved), 0)::bigint
+FROM proc p JOIN host h ON h.pk_host = p.pk_host
+WHERE p.pk_show = %s AND h.pk_alloc = %s AND NOT p.b_local
+"""
+FOLDER_BOOKED_SQL = """
+SELECT COALESCE(SUM(p.int_cores_reserved), 0)::bigint, COALESCE(SUM(p.int_gpus_reserved), 0)::bigint
+FROM proc p JOIN job j ON j.pk_job = p.pk_job
+WHERE j.pk_folder = %s AND NOT p.b_local
+"""
+JOB_BOOKED_SQL = """
+SELECT COALESCE(SUM(p.int_cores_reserved), 0)::bigint, COALESCE(SUM(p.int_gpus_reserved), 0)::bigint
+FROM proc p WHERE p.pk_job = %s AND NOT p.b_local
+"""
+SHOW_PROCS_SQL = """
+SELECT COUNT(*), COALESCE(SUM(p.int_cores_reserved), 0)::bigint, COALESCE(SUM(p.int_gpus_reserved), 0)::bigint
+FROM proc p WHERE p.pk_show = %s AND NOT p.b_local
+"""
+
+
+@dataclass(frozen=True)
+class Change:
+    """One column that changed, in database units (centicores for cores)."""
+
+    column: str
+    old: Any
+    new: Any
+
+
+@dataclass
+class ActionResult:
+    """What an action did: the row, the columns it wrote, warnings for the operator, and when."""
+
+    target: str
+    changes: list[Change] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    committed_at: float = 0.0
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.changes)
+
+
+def _actor_context(actor: Any, action: str) -> pghistory.context:
+    """The audit context: the console user when there is one (a command passes a name)."""
+    if actor is None:
+        return pghistory.context(action=action)
+    if isinstance(actor, str):
+        return pghistory.context(action=action, username=actor)
+    return pghistory.context(action=action, user=actor.pk, username=actor.get_username())
+
+
+# --- validation (whole cores on screen) ---------------------------------------------------
+
+
+def _whole(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ValidationError(f"{what} must be a whole number of cores, not {value!r}", code="whole")
+    return value
+
+
+def validate_burst(cores: Any, what: str = "burst") -> int:
+    """Burst/size in whole cores, >= 0 (0 rejects every booking); returns centicores."""
+    cores = _whole(cores, what)
+    if cores < 0:
+        raise ValidationError(f"{what} cannot be negative (0 stops every booking)", code="negative")
+    return cores * CENTICORES_PER_CORE
+
+
+def validate_max_cores(cores: Any, what: str = "max cores") -> int:
+    """Folder/job max cores in whole cores, -1 for unlimited; returns what the column stores."""
+    cores = _whole(cores, what)
+    if cores == UNLIMITED:
+        return UNLIMITED
+    if cores < 0:
+        raise ValidationError(f"{what} cannot be negative: use -1 for unlimited", code="negative")
+    return cores * CENTICORES_PER_CORE
+
+
+def validate_max_gpus(gpus: Any, what: str = "max GPUs") -> int:
+    """Folder/job max GPUs (a count), -1 for unlimited."""
+    gpus = _whole(gpus, what)
+    if gpus == UNLIMITED:
+        return UNLIMITED
+    if gpus < 0:
+        raise ValidationError(f"{what} cannot be negative: use -1 for unlimited", code="negative")
+    return gpus
+
+
+def cores(centicores: int) -> int:
+    """Centicores to whole cores, truncating toward zero (-250 -> -2), as everywhere else."""
+    return centicores_to_cores(centicores)
+
+
+def _booked(sql: str, *params: str) -> tuple[int, int]:
+    with connection.cursor() as cur:
+        cur.execute(sql, list(params))
+        cc, gpus = cur.fetchone()
+    return int(cc), int(gpus)
+
+
+def _write(model: Any, pk: str, current: dict[str, Any], wanted: dict[str, Any]) -> list[Change]:
+    """UPDATE only the columns whose value differs; returns what changed."""
+    changes = [Change(col, current[col], new) for col, new in wanted.items() if new != current[col]]
+    if changes:
+        model.objects.filter(pk=pk).update(**{c.column: c.new for c in changes})
+    return changes
+
+
+def _finish(result: ActionResult) -> ActionResult:
+    result.committed_at = time.time()
+    return result
+
+
+# --- the actions --------------------------------------------------------------------------
+
+
+def flip_show(show_id: str, managed: bool, *, actor: Any) -> ActionResult:
+    """Hand a show's accounting to the scheduler's Store (managed) or back to the database.
+
+    To managed: the database triggers stop enforcing the show at commit; the scheduler seeds
+    its caps and counters from the database and only then publishes the show as managed
+    (within its managed-shows TTL, ~30 s), and until then books nothing for it. To unmanaged:
+    the show's trigger rewrites the five accounting tables from SUM(proc) in this very
+    transaction and the database enforces every booking from commit on.
+    """
+    if not isinstance(managed, bool):
+        raise ValidationError("managed must be true or false", code="invalid")
+    result = ActionResult(target=show_id)
+    with transaction.atomic(durable=True), _actor_context(actor, "flip_show"):
+        show = Show.objects.select_for_update().only("b_scheduler_managed").get(pk=show_id)
+        result.changes = _write(
+            Show, show_id, {"b_scheduler_managed": show.b_scheduler_managed}, {"b_scheduler_managed": managed}
+        )
+        if result.changes and managed and not AccountingSettings.notifications_enabled():
+            result.warnings.append(
+                "Notifications are OFF: the scheduler learns of finished frames of this show only from its "
+                "recompute (~15 s) and of cap changes only from its limit reseed (~5 min)."
+            )
+    return _finish(result)
+
+
+def set_subscription(
+    sub_id: str, *, burst_cores: int | None = None, size_cores: int | None = None, actor: Any
+) -> ActionResult:
+    """Set a subscription's burst (the hard cap) and/or size, in whole cores."""
+    wanted: dict[str, int] = {}
+    if burst_cores is not None:
+        wanted["int_burst"] = validate_burst(burst_cores, "burst")
+    if size_cores is not None:
+        wanted["int_size"] = validate_burst(size_cores, "size")
+    result = ActionResult(target=sub_id)
+    with transaction.atomic(durable=True), _actor_context(actor, "set_subscription"):
+        sub = Subscription.objects.select_for_update().only("int_burst", "int_size", "show", "alloc").get(pk=sub_id)
+        current = {"int_burst": sub.int_burst, "int_size": sub.int_size}
+        result.changes = _write(Subscription, sub_id, current, wanted)
+        new_burst = wanted.get("int_burst")
+        if new_burst is not None and new_burst < sub.int_burst:
+            booked, _ = _booked(SUB_BOOKED_SQL, sub.show_id, sub.alloc_id)
+            if new_burst == 0:
+                result.warnings.append(
+                    f"A burst of 0 stops every new booking of this show on this allocation; "
+                    f"the {cores(booked)} cores running now keep running."
+                )
+            elif booked > new_burst:
+                result.warnings.append(
+                    f"The show books {cores(booked)} cores on this allocation now, above the new burst of "
+                    f"{cores(new_burst)}: it books nothing new here until {cores(booked - new_burst)} cores "
+                    "of running frames finish. Nothing running is stopped."
+                )
+    return _finish(result)
+
+
+def _max_warning(kind: str, booked_cc: int, booked_gpus: int, new: dict[str, int]) -> list[str]:
+    out = []
+    mc = new.get("int_max_cores")
+    if mc is not None and mc > 0 and booked_cc > mc:
+        out.append(
+            f"The {kind} books {cores(booked_cc)} cores now, above the new max of {cores(mc)}: it starts no new "
+            f"frame until {cores(booked_cc - mc)} cores of running frames finish. Nothing running is stopped."
+        )
+    mg = new.get("int_max_gpus")
+    if mg is not None and mg > 0 and booked_gpus > mg:
+        out.append(
+            f"The {kind} books {booked_gpus} GPUs now, above the new max of {mg}: it starts no new GPU frame "
+            f"until {booked_gpus - mg} GPUs are released. Nothing running is stopped."
+        )
+    for column, label in (("int_max_cores", "max cores"), ("int_max_gpus", "max GPUs")):
+        if new.get(column) == 0:
+            out.append(f"A {kind} {label} of 0 means unlimited (as -1), not 'nothing'.")
+    return out
+
+
+def _max_wanted(max_cores: int | None, max_gpus: int | None) -> dict[str, int]:
+    wanted: dict[str, int] = {}
+    if max_cores is not None:
+        wanted["int_max_cores"] = validate_max_cores(max_cores)
+    if max_gpus is not None:
+        wanted["int_max_gpus"] = validate_max_gpus(max_gpus)
+    return wanted
+
+
+def set_folder_caps(
+    folder_id: str, *, max_cores: int | None = None, max_gpus: int | None = None, actor: Any
+) -> ActionResult:
+    """Set a folder's max cores (whole cores, -1 unlimited) and/or max GPUs."""
+    wanted = _max_wanted(max_cores, max_gpus)
+    result = ActionResult(target=folder_id)
+    with transaction.atomic(durable=True), _actor_context(actor, "set_folder_caps"):
+        row = FolderResource.objects.select_for_update().only("int_max_cores", "int_max_gpus").get(folder_id=folder_id)
+        current = {"int_max_cores": row.int_max_cores, "int_max_gpus": row.int_max_gpus}
+        result.changes = _write(FolderResource, row.pk, current, wanted)
+        if result.changes:
+            result.warnings = _max_warning("folder", *_booked(FOLDER_BOOKED_SQL, folder_id), wanted)
+    return _finish(result)
+
+
+def set_job_caps(job_id: str, *, max_cores: int | None = None, max_gpus: int | None = None, actor: Any) -> ActionResult:
+    """Set a job's max cores (whole cores, -1 unlimited) and/or max GPUs."""
+    wanted = _max_wanted(max_cores, max_gpus)
+    result = ActionResult(target=job_id)
+    with transaction.atomic(durable=True), _actor_context(actor, "set_job_caps"):
+        row = JobResource.objects.select_for_update().only("int_max_cores", "int_max_gpus").get(job_id=job_id)
+        current = {"int_max_cores": row.int_max_cores, "int_max_gpus": row.int_max_gpus}
+        result.changes = _write(JobResource, row.pk, current, wanted)
+        if result.changes:
+            result.warnings = _max_warning("job", *_booked(JOB_BOOKED_SQL, job_id), wanted)
+    return _finish(result)
+
+
+def set_notifications(enabled: bool, *, actor: Any) -> ActionResult:
+    """The kill switch: on/off for every connection from the commit on (see AccountingSettings)."""
+    if not isinstance(enabled, bool):
+        raise ValidationError("enabled must be true or false", code="invalid")
+    result = ActionResult(target=str(SETTINGS_ROW_ID))
+    with transaction.atomic(durable=True), _actor_context(actor, "set_notifications"):
+        row = AccountingSettings.objects.select_for_update().filter(id=SETTINGS_ROW_ID).first()
+        if row is None:
+            AccountingSettings.objects.create(id=SETTINGS_ROW_ID, notify_enabled=enabled)
+            result.changes = [Change("notify_enabled", None, enabled)]
+        elif row.notify_enabled != enabled:
+            # .update() bypasses auto_now, so the timestamp is written explicitly.
+            AccountingSettings.objects.filter(id=SETTINGS_ROW_ID).update(
+                notify_enabled=enabled, ts_updated=timezone.now()
+            )
+            result.changes = [Change("notify_enabled", row.notify_enabled, enabled)]
+        if result.changes and not enabled:
+            result.warnings.append(
+                "Notifications are OFF: the scheduler corrects its counters only from its recompute (~15 s) and "
+                "its caps only from its limit reseed (~5 min); a lowered cap can be over-booked until then."
+            )
+    return _finish(result)
+
+
+def show_procs(show_id: str) -> tuple[int, int, int]:
+    """(procs, centicores, GPUs) the show runs now: what a flip confirmation page states."""
+    with connection.cursor() as cur:
+        cur.execute(SHOW_PROCS_SQL, [show_id])
+        n, cc, gpus = cur.fetchone()
+    return int(n), int(cc), int(gpus)
