@@ -5,14 +5,14 @@ frame was killed, its host declared lost, the row deleted by hand) makes the com
 logged no-op, so nothing is released twice and a late report of an old run cannot touch
 the frame's next run.
 
-One transaction per batch of completions, two statements:
+One transaction per batch of completions, three statements:
 1. delete the procs (the release trigger emits `acct_release` for managed shows, the
    database-enforced triggers decrement the tables of the others: nothing else notifies),
-   give their hosts the resources back (never above the host's total), and record each
-   frame's end: exit status, ts_stopped, version + 1, and its new state: SUCCEEDED on exit
-   0, WAITING while retries remain (int_retries < job.int_max_retries) or when requeued
-   (lost host, kill-and-retry), else DEAD;
-2. jobs that have no frame left to run (none WAITING, RUNNING, DEPEND or SETUP) become
+   and give their hosts the resources back (never above the host's total);
+2. record the end of the frames whose proc was deleted: exit status, ts_stopped, version + 1,
+   and the new state: SUCCEEDED on exit 0, WAITING while retries remain (int_retries <
+   job.int_max_retries) or when requeued (lost host, kill), else DEAD;
+3. jobs that have no frame left to run (none WAITING, RUNNING, DEPEND or SETUP) become
    FINISHED.
 """
 
@@ -32,7 +32,11 @@ logger = logging.getLogger(__name__)
 EXIT_STATUS_DOWN_HOST = 399  # Cuebot's status for a frame whose host went away (no retry counted)
 EXIT_STATUS_KILLED = 301
 
-COMPLETE_SQL = f"""
+# Statement 1: release (the proc delete fires the release / database-enforced triggers) and
+# give the hosts their resources back. Statement 2 ends the frames of the procs it deleted,
+# driven by arrays (an index lookup per frame): a join against the DELETE's RETURNING would be
+# planned for one row and nest-loop over the frame table.
+RELEASE_SQL = f"""
 WITH c AS (
   SELECT * FROM unnest(%(proc)b::text[], %(exit)b::int[], %(requeue)b::bool[]) AS c(pk_proc, exit_status, requeue)
 ),
@@ -47,25 +51,37 @@ back AS ({
         source="(SELECT pk_host, int_cores_reserved AS c, int_mem_reserved AS m, int_gpus_reserved::bigint AS g, "
         "int_gpu_mem_reserved AS gm FROM gone) AS x"
     )
-}),
-ended AS (
-  UPDATE frame f
-  SET str_state = CASE WHEN g.requeue THEN 'WAITING'
-                       WHEN g.exit_status = 0 THEN 'SUCCEEDED'
-                       WHEN f.int_retries < j.int_max_retries THEN 'WAITING'
-                       ELSE 'DEAD' END,
-      int_exit_status = g.exit_status, ts_stopped = now(), ts_updated = now(), ts_last_run = now(),
-      int_version = f.int_version + 1
-  FROM gone g JOIN job j ON j.pk_job = g.pk_job
-  WHERE f.pk_frame = g.pk_frame AND f.str_state = 'RUNNING'
-  RETURNING f.pk_frame, f.pk_job, f.str_state
-)
-SELECT 'p', pk_proc, pk_frame, pk_job, pk_host, int_mem_reserved, NULL::bigint, NULL::bigint, NULL::bigint
+})
+SELECT 'p', pk_proc, pk_frame, pk_job, pk_host, int_mem_reserved, exit_status::bigint, requeue::int::bigint,
+       NULL::bigint
 FROM gone
 UNION ALL
-SELECT 'f', pk_frame, str_state, NULL, NULL, NULL, NULL, NULL, NULL FROM ended
-UNION ALL
 SELECT 'h', pk_host, NULL, NULL, NULL, int_cores_idle, int_mem_idle, int_gpus_idle, int_gpu_mem_idle FROM back
+"""
+
+# By primary key, then by the exact row version seen (see dispatch.dispatcher.BOOK_SQL: no
+# estimate of how many frames are RUNNING is ever asked of the planner).
+END_FRAMES_SQL = """
+WITH target AS MATERIALIZED (
+  SELECT c.exit_status, c.requeue, x.fctid, x.max_retries
+  FROM unnest(%(frame)b::text[], %(exit)b::int[], %(requeue)b::bool[]) AS c(pk_frame, exit_status, requeue)
+  CROSS JOIN LATERAL (
+    SELECT f.ctid AS fctid, j.int_max_retries AS max_retries
+    FROM frame f JOIN job j ON j.pk_job = f.pk_job
+    WHERE f.pk_frame = c.pk_frame AND f.str_state = 'RUNNING'
+    LIMIT 1  -- a subquery per row (never flattened into a join): one index probe each
+  ) x
+)
+UPDATE frame f
+SET str_state = CASE WHEN t.requeue THEN 'WAITING'
+                     WHEN t.exit_status = 0 THEN 'SUCCEEDED'
+                     WHEN f.int_retries < t.max_retries THEN 'WAITING'
+                     ELSE 'DEAD' END,
+    int_exit_status = t.exit_status, ts_stopped = now(), ts_updated = now(), ts_last_run = now(),
+    int_version = f.int_version + 1
+FROM target t
+WHERE f.ctid = t.fctid
+RETURNING f.pk_frame, f.str_state
 """
 
 FINISH_JOBS_SQL = """
@@ -120,27 +136,34 @@ def complete(conn: psycopg.Connection, completions: Sequence[Completion]) -> Com
         cur.execute("BEGIN")
         try:
             cur.execute(
-                COMPLETE_SQL,
+                RELEASE_SQL,
                 {
                     "proc": [c.pk_proc for c in completions],
                     "exit": [c.exit_status for c in completions],
                     "requeue": [c.requeue for c in completions],
                 },
             )
-            rows = cur.fetchall()
             jobs_to_check: set[str] = set()
             gone: set[str] = set()
-            released: list[tuple[str, str, str]] = []  # (pk_proc, pk_frame, pk_job)
-            ended: dict[str, str] = {}  # pk_frame -> new state
-            for kind, key, a, b, c, d, e, f, g in rows:
+            released: list[tuple[str, str, str, int, bool]] = []  # (pk_proc, pk_frame, pk_job, exit, requeue)
+            for kind, key, a, b, c, d, e, f, g in cur.fetchall():
                 if kind == "p":
-                    released.append((key, a, b))
+                    released.append((key, a, b, e, bool(f)))
                     out.freed_mem[c] = out.freed_mem.get(c, 0) + d
-                elif kind == "f":
-                    ended[key] = a
                 else:
                     out.host_rows.append((key, d, e, f, g))
-            for pk_proc, pk_frame, job in released:
+            ended: dict[str, str] = {}  # pk_frame -> new state
+            if released:
+                cur.execute(
+                    END_FRAMES_SQL,
+                    {
+                        "frame": [r[1] for r in released],
+                        "exit": [r[3] for r in released],
+                        "requeue": [r[4] for r in released],
+                    },
+                )
+                ended = dict(cur.fetchall())
+            for pk_proc, pk_frame, job, _exit, _requeue in released:
                 gone.add(pk_proc)
                 out.released += 1
                 out.released_jobs.add(job)

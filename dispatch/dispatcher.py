@@ -15,7 +15,9 @@ kept row by row but executed set-based:
 4. host idle decrement aggregated per host, guarded so no idle value goes negative and the
    host is still OPEN, UP and heard from within the lost-host timeout.
 
-All three writes are one statement (data-modifying CTEs) inside a SAVEPOINT per group. A
+All three writes are one statement (data-modifying CTEs) inside a SAVEPOINT per group; each
+CTE reads the RETURNING of the one before, never a join of two CTEs (the planner estimates a
+data-modifying CTE at one row and would nest-loop such a join). A
 guard that fails only removes its bookings: the group is rolled back to the savepoint and
 written again without them (rare: the host view tracks our own bookings exactly). A trigger
 error (the database-enforced caps of unmanaged shows raise `check_violation`) splits the
@@ -82,32 +84,48 @@ shows AS (
   SELECT s.pk_show, s.b_scheduler_managed FROM show s
   WHERE s.pk_show IN (SELECT DISTINCT pk_show FROM b)
 ),
+-- The frames to start, found by primary key from the input (a LATERAL lookup per booking),
+-- then updated by the exact row version seen: a frame changed since (by anyone) has a new
+-- ctid and is skipped, which is the state/version guard without asking the planner to
+-- estimate how many frames are WAITING (its statistics lag far behind our own churn, and a
+-- wrong guess there turns the join quadratic).
+target AS MATERIALIZED (
+  SELECT b.*, x.fctid
+  FROM b
+  JOIN shows s ON s.pk_show = b.pk_show AND s.b_scheduler_managed = b.managed
+  CROSS JOIN LATERAL (
+    SELECT f.ctid AS fctid FROM frame f
+    WHERE f.pk_frame = b.pk_frame AND f.str_state = 'WAITING' AND f.int_version = b.version
+      AND NOT EXISTS (SELECT 1 FROM layer l WHERE l.pk_layer = f.pk_layer AND l.ts_start_after > now())
+    LIMIT 1  -- a subquery per row (never flattened into a join): one index probe each
+  ) x
+),
 started AS (
   UPDATE frame f
-  SET str_state = 'RUNNING', str_host = b.host_name, int_cores = b.cores, int_mem_reserved = b.mem,
-      int_gpus = b.gpus, int_gpu_mem_reserved = b.gpu_mem, ts_started = now(), ts_updated = now(),
+  SET str_state = 'RUNNING', str_host = t.host_name, int_cores = t.cores, int_mem_reserved = t.mem,
+      int_gpus = t.gpus, int_gpu_mem_reserved = t.gpu_mem, ts_started = now(), ts_updated = now(),
       ts_stopped = NULL, int_version = f.int_version + 1,
       int_retries = CASE WHEN f.int_exit_status IN {NO_RETRY_EXIT_STATUSES} THEN f.int_retries
                          ELSE f.int_retries + 1 END
-  FROM b JOIN shows s ON s.pk_show = b.pk_show AND s.b_scheduler_managed = b.managed
-  WHERE f.pk_frame = b.pk_frame AND f.str_state = 'WAITING' AND f.int_version = b.version
-    AND NOT EXISTS (SELECT 1 FROM layer l WHERE l.pk_layer = f.pk_layer AND l.ts_start_after > now())
-  RETURNING f.pk_frame, f.int_version
+  FROM target t
+  WHERE f.ctid = t.fctid
+  RETURNING f.pk_frame, f.int_version, t.pk_proc, t.pk_host, t.pk_show, t.pk_job, t.pk_layer, t.cores, t.mem,
+            t.gpus, t.gpu_mem
 ),
 procs AS (
   INSERT INTO proc (pk_proc, pk_host, pk_show, pk_job, pk_layer, pk_frame, int_cores_reserved,
                     int_mem_reserved, int_mem_pre_reserved, int_mem_used, int_gpus_reserved,
                     int_gpu_mem_reserved, int_gpu_mem_pre_reserved)
-  SELECT b.pk_proc, b.pk_host, b.pk_show, b.pk_job, b.pk_layer, b.pk_frame, b.cores, b.mem, b.mem,
-         LEAST(%(mem_used)s::bigint, b.mem), b.gpus, b.gpu_mem, b.gpu_mem
-  FROM b JOIN started st ON st.pk_frame = b.pk_frame
+  SELECT st.pk_proc, st.pk_host, st.pk_show, st.pk_job, st.pk_layer, st.pk_frame, st.cores, st.mem, st.mem,
+         LEAST(%(mem_used)s::bigint, st.mem), st.gpus, st.gpu_mem, st.gpu_mem
+  FROM started st
   ON CONFLICT (pk_frame) DO NOTHING
   RETURNING pk_frame
 ),
 need AS (
-  SELECT b.pk_host, SUM(b.cores) AS c, SUM(b.mem) AS m, SUM(b.gpus) AS g, SUM(b.gpu_mem) AS gm
-  FROM b JOIN started st ON st.pk_frame = b.pk_frame
-  GROUP BY b.pk_host
+  SELECT pk_host, SUM(cores) AS c, SUM(mem) AS m, SUM(gpus) AS g, SUM(gpu_mem) AS gm
+  FROM started
+  GROUP BY pk_host
 ),
 took AS (
   UPDATE host h
@@ -165,12 +183,21 @@ HOST_GIVE_BACK_SQL = HOST_GIVE_BACK_TEMPLATE.format(
 )
 
 COMPENSATE_CLEAR_FRAMES_SQL = f"""
+WITH target AS MATERIALIZED (
+  SELECT x.fctid
+  FROM unnest(%s::text[], %s::int[]) AS b(pk_frame, version)
+  CROSS JOIN LATERAL (
+    SELECT f.ctid AS fctid FROM frame f
+    WHERE f.pk_frame = b.pk_frame AND f.str_state = 'RUNNING' AND f.int_version = b.version
+      AND NOT EXISTS (SELECT 1 FROM proc p WHERE p.pk_frame = f.pk_frame)
+    LIMIT 1  -- a subquery per row (never flattened into a join): one index probe each
+  ) x
+)
 UPDATE frame f
 SET str_state = 'WAITING', int_exit_status = {EXIT_STATUS_FRAME_CLEARED}, ts_stopped = now(), ts_updated = now(),
     int_version = f.int_version + 1
-FROM unnest(%s::text[], %s::int[]) AS b(pk_frame, version)
-WHERE f.pk_frame = b.pk_frame AND f.str_state = 'RUNNING' AND f.int_version = b.version
-  AND NOT EXISTS (SELECT 1 FROM proc p WHERE p.pk_frame = f.pk_frame)
+FROM target t
+WHERE f.ctid = t.fctid
 RETURNING f.pk_frame, f.int_version
 """
 
