@@ -5,15 +5,17 @@ frame was killed, its host declared lost, the row deleted by hand) makes the com
 logged no-op, so nothing is released twice and a late report of an old run cannot touch
 the frame's next run.
 
-One transaction per batch of completions, three statements:
+One transaction per batch of completions, two statements:
 1. delete the procs (the release trigger emits `acct_release` for managed shows, the
    database-enforced triggers decrement the tables of the others: nothing else notifies),
-   and give their hosts the resources back (never above the host's total);
-2. record the end of the frames whose proc was deleted: exit status, ts_stopped, version + 1,
-   and the new state: SUCCEEDED on exit 0, WAITING while retries remain (int_retries <
+   give their hosts the resources back (never above the host's total), and record the end
+   of the frames whose proc was deleted: exit status, ts_stopped, version + 1, and the new
+   state: SUCCEEDED on exit 0, WAITING while retries remain (int_retries <
    job.int_max_retries) or when requeued (lost host, kill), else DEAD;
-3. jobs that have no frame left to run (none WAITING, RUNNING, DEPEND or SETUP) become
+2. jobs that have no frame left to run (none WAITING, RUNNING, DEPEND or SETUP) become
    FINISHED.
+`complete` runs them in a transaction of its own; `complete_in_transaction` inside the
+caller's (an action that releases procs as part of a larger change).
 """
 
 from __future__ import annotations
@@ -32,11 +34,14 @@ logger = logging.getLogger(__name__)
 EXIT_STATUS_DOWN_HOST = 399  # Cuebot's status for a frame whose host went away (no retry counted)
 EXIT_STATUS_KILLED = 301
 
-# Statement 1: release (the proc delete fires the release / database-enforced triggers) and
-# give the hosts their resources back. Statement 2 ends the frames of the procs it deleted,
-# driven by arrays (an index lookup per frame): a join against the DELETE's RETURNING would be
-# planned for one row and nest-loop over the frame table.
-RELEASE_SQL = f"""
+# Releases the procs (the DELETE fires the release / database-enforced triggers), gives the
+# hosts their resources back and ends the frames of the procs it deleted. Each frame is found
+# by primary key from the deleted proc (a LATERAL subquery, LIMIT 1: one index probe per row,
+# never flattened into a join) with its RUNNING guard, and updated by the exact row version
+# seen (ctid): no plan here depends on the planner's estimate of how many frames are RUNNING,
+# which lags far behind our own churn (a join planned on it matched 1,000 completions against
+# the whole frame table, quadratically).
+COMPLETE_SQL = f"""
 WITH c AS (
   SELECT * FROM unnest(%(proc)b::text[], %(exit)b::int[], %(requeue)b::bool[]) AS c(pk_proc, exit_status, requeue)
 ),
@@ -51,37 +56,35 @@ back AS ({
         source="(SELECT pk_host, int_cores_reserved AS c, int_mem_reserved AS m, int_gpus_reserved::bigint AS g, "
         "int_gpu_mem_reserved AS gm FROM gone) AS x"
     )
-})
-SELECT 'p', pk_proc, pk_frame, pk_job, pk_host, int_mem_reserved, exit_status::bigint, requeue::int::bigint,
-       NULL::bigint
-FROM gone
-UNION ALL
-SELECT 'h', pk_host, NULL, NULL, NULL, int_cores_idle, int_mem_idle, int_gpus_idle, int_gpu_mem_idle FROM back
-"""
-
-# By primary key, then by the exact row version seen (see dispatch.dispatcher.BOOK_SQL: no
-# estimate of how many frames are RUNNING is ever asked of the planner).
-END_FRAMES_SQL = """
-WITH target AS MATERIALIZED (
-  SELECT c.exit_status, c.requeue, x.fctid, x.max_retries
-  FROM unnest(%(frame)b::text[], %(exit)b::int[], %(requeue)b::bool[]) AS c(pk_frame, exit_status, requeue)
+}),
+target AS MATERIALIZED (
+  SELECT g.exit_status, g.requeue, x.fctid, x.max_retries
+  FROM gone g
   CROSS JOIN LATERAL (
     SELECT f.ctid AS fctid, j.int_max_retries AS max_retries
     FROM frame f JOIN job j ON j.pk_job = f.pk_job
-    WHERE f.pk_frame = c.pk_frame AND f.str_state = 'RUNNING'
-    LIMIT 1  -- a subquery per row (never flattened into a join): one index probe each
+    WHERE f.pk_frame = g.pk_frame AND f.str_state = 'RUNNING'
+    LIMIT 1
   ) x
+),
+ended AS (
+  UPDATE frame f
+  SET str_state = CASE WHEN t.requeue THEN 'WAITING'
+                       WHEN t.exit_status = 0 THEN 'SUCCEEDED'
+                       WHEN f.int_retries < t.max_retries THEN 'WAITING'
+                       ELSE 'DEAD' END,
+      int_exit_status = t.exit_status, ts_stopped = now(), ts_updated = now(), ts_last_run = now(),
+      int_version = f.int_version + 1
+  FROM target t
+  WHERE f.ctid = t.fctid
+  RETURNING f.pk_frame, f.str_state
 )
-UPDATE frame f
-SET str_state = CASE WHEN t.requeue THEN 'WAITING'
-                     WHEN t.exit_status = 0 THEN 'SUCCEEDED'
-                     WHEN f.int_retries < t.max_retries THEN 'WAITING'
-                     ELSE 'DEAD' END,
-    int_exit_status = t.exit_status, ts_stopped = now(), ts_updated = now(), ts_last_run = now(),
-    int_version = f.int_version + 1
-FROM target t
-WHERE f.ctid = t.fctid
-RETURNING f.pk_frame, f.str_state
+SELECT 'p', pk_proc, pk_frame, pk_job, pk_host, int_mem_reserved, NULL::bigint, NULL::bigint, NULL::bigint
+FROM gone
+UNION ALL
+SELECT 'f', pk_frame, str_state, NULL, NULL, NULL, NULL, NULL, NULL FROM ended
+UNION ALL
+SELECT 'h', pk_host, NULL, NULL, NULL, int_cores_idle, int_mem_idle, int_gpus_idle, int_gpu_mem_idle FROM back
 """
 
 FINISH_JOBS_SQL = """
@@ -129,54 +132,12 @@ class CompletionResult:
 
 def complete(conn: psycopg.Connection, completions: Sequence[Completion]) -> CompletionResult:
     """Apply completions in one transaction on an autocommit connection (idempotent by proc)."""
-    out = CompletionResult()
     if not completions:
-        return out
+        return CompletionResult()
     with conn.cursor() as cur:
         cur.execute("BEGIN")
         try:
-            cur.execute(
-                RELEASE_SQL,
-                {
-                    "proc": [c.pk_proc for c in completions],
-                    "exit": [c.exit_status for c in completions],
-                    "requeue": [c.requeue for c in completions],
-                },
-            )
-            jobs_to_check: set[str] = set()
-            gone: set[str] = set()
-            released: list[tuple[str, str, str, int, bool]] = []  # (pk_proc, pk_frame, pk_job, exit, requeue)
-            for kind, key, a, b, c, d, e, f, g in cur.fetchall():
-                if kind == "p":
-                    released.append((key, a, b, e, bool(f)))
-                    out.freed_mem[c] = out.freed_mem.get(c, 0) + d
-                else:
-                    out.host_rows.append((key, d, e, f, g))
-            ended: dict[str, str] = {}  # pk_frame -> new state
-            if released:
-                cur.execute(
-                    END_FRAMES_SQL,
-                    {
-                        "frame": [r[1] for r in released],
-                        "exit": [r[3] for r in released],
-                        "requeue": [r[4] for r in released],
-                    },
-                )
-                ended = dict(cur.fetchall())
-            for pk_proc, pk_frame, job, _exit, _requeue in released:
-                gone.add(pk_proc)
-                out.released += 1
-                out.released_jobs.add(job)
-                state = ended.get(pk_frame)
-                if state is None:
-                    logger.warning("completion: proc %s released, but its frame was not RUNNING", pk_proc)
-                    continue
-                out.states[state] = out.states.get(state, 0) + 1
-                if state in ("SUCCEEDED", "DEAD"):
-                    jobs_to_check.add(job)
-            if jobs_to_check:
-                cur.execute(FINISH_JOBS_SQL, (sorted(jobs_to_check),))
-                out.finished_jobs = [r[0] for r in cur.fetchall()]
+            out = complete_in_transaction(cur, completions)
             cur.execute("COMMIT")
         except BaseException:
             if not conn.broken:
@@ -185,9 +146,54 @@ def complete(conn: psycopg.Connection, completions: Sequence[Completion]) -> Com
                 except psycopg.Error:
                     logger.debug("rollback after a failed completion batch failed too", exc_info=True)
             raise
-    out.missing_procs = [c.pk_proc for c in completions if c.pk_proc not in gone]
     for pk in out.missing_procs:
         logger.info("completion: proc %s is already gone; nothing to release", pk)
+    return out
+
+
+def complete_in_transaction(cur: psycopg.Cursor[Any], completions: Sequence[Completion]) -> CompletionResult:
+    """The completion statements on a cursor inside a transaction the caller owns and commits.
+
+    For an action that releases procs as part of a larger change (a job kill). The cursor must
+    bind parameters server-side (a psycopg cursor, not Django's), since the arrays go binary.
+    """
+    out = CompletionResult()
+    if not completions:
+        return out
+    cur.execute(
+        COMPLETE_SQL,
+        {
+            "proc": [c.pk_proc for c in completions],
+            "exit": [c.exit_status for c in completions],
+            "requeue": [c.requeue for c in completions],
+        },
+    )
+    released: list[tuple[str, str, str]] = []  # (pk_proc, pk_frame, pk_job)
+    ended: dict[str, str] = {}  # pk_frame -> new state
+    for kind, key, a, b, c, d, e, f, g in cur.fetchall():
+        if kind == "p":
+            released.append((key, a, b))
+            out.freed_mem[c] = out.freed_mem.get(c, 0) + d
+        elif kind == "f":
+            ended[key] = a
+        else:
+            out.host_rows.append((key, d, e, f, g))
+    jobs_to_check: set[str] = set()
+    for pk_proc, pk_frame, job in released:
+        out.released += 1
+        out.released_jobs.add(job)
+        state = ended.get(pk_frame)
+        if state is None:
+            logger.warning("completion: proc %s released, but its frame was not RUNNING", pk_proc)
+            continue
+        out.states[state] = out.states.get(state, 0) + 1
+        if state in ("SUCCEEDED", "DEAD"):
+            jobs_to_check.add(job)
+    if jobs_to_check:
+        cur.execute(FINISH_JOBS_SQL, (sorted(jobs_to_check),))
+        out.finished_jobs = [r[0] for r in cur.fetchall()]
+    gone = {r[0] for r in released}
+    out.missing_procs = [c.pk_proc for c in completions if c.pk_proc not in gone]
     return out
 
 
