@@ -1,17 +1,26 @@
-"""Plain Django admin over every farm table (the ops console of a later issue builds on it).
+"""Django admin over every farm table; the ops console (`ops`) builds on it.
 
 Counters that triggers, the dispatcher or the recompute own (frame counts, booked totals,
 host idle) are read-only here, and an edit saves only the fields the form changed: a form
 loaded a minute ago must never write its stale copy of a live counter back.
+
+Caps (subscription burst/size, folder and job max cores/GPUs) are shown and edited in whole
+cores through `ops.caps_admin.CapsAdminMixin`, which saves them through `accounting.actions`;
+a show's managed flag changes only through the flip confirmation (`ops`).
 """
 
 from __future__ import annotations
 
-from django.contrib import admin
-from django.db.models import Model
-from django.forms import ModelForm
-from django.http import HttpRequest
+from typing import Any
 
+from django.contrib import admin
+from django.db.models import Model, QuerySet
+from django.forms import ModelForm
+from django.http import HttpRequest, HttpResponse
+from django.urls import reverse
+from django.utils.html import format_html
+
+from accounting import actions
 from dispatch.models import (
     Alloc,
     Dept,
@@ -33,6 +42,9 @@ from dispatch.models import (
     Show,
     Subscription,
 )
+from ops import admin_views as ops_views
+from ops import permissions as ops_permissions
+from ops.caps_admin import CapsAdminMixin
 
 STAT_COUNTS = (
     "int_waiting_count",
@@ -100,9 +112,34 @@ class ShowAdmin(FarmAdmin):
         "b_booking_enabled",
         "b_dispatch_enabled",
         "int_default_max_cores",
+        "console",
     )
     list_filter = ("b_scheduler_managed", "b_active", "b_paused")
     search_fields = ("str_name", "pk_show")
+    # The ownership flag changes only through the flip confirmation (accounting.actions.flip_show).
+    live_fields = ("b_scheduler_managed",)
+    actions = ("flip_to_scheduler", "flip_to_database")
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Model | None = None) -> list[str]:
+        fields = super().get_readonly_fields(request, obj)
+        return fields if "b_scheduler_managed" in fields else [*fields, "b_scheduler_managed"]
+
+    @admin.display(description="ops console")
+    def console(self, obj: Show) -> str:
+        live = reverse("admin:ops_show_live", args=[obj.pk])
+        flip = reverse("admin:ops_show_flip", args=[obj.pk])
+        return format_html('<a href="{}">live counters</a> · <a href="{}">flip…</a>', live, flip)
+
+    def has_flip_permission(self, request: HttpRequest) -> bool:
+        return ops_permissions.can_flip(request.user)
+
+    @admin.action(description="Make selected shows scheduler-managed…", permissions=["flip"])
+    def flip_to_scheduler(self, request: HttpRequest, queryset: QuerySet[Show]) -> HttpResponse | None:
+        return ops_views.flip_many(request, list(queryset), True)
+
+    @admin.action(description="Hand selected shows back to the database…", permissions=["flip"])
+    def flip_to_database(self, request: HttpRequest, queryset: QuerySet[Show]) -> HttpResponse | None:
+        return ops_views.flip_many(request, list(queryset), False)
 
 
 @admin.register(Alloc)
@@ -115,13 +152,31 @@ class AllocAdmin(FarmAdmin):
 
 
 @admin.register(Subscription)
-class SubscriptionAdmin(FarmAdmin):
-    list_display = ("pk_subscription", "show", "alloc", "int_size", "int_burst", "int_cores", "int_gpus")
+class SubscriptionAdmin(CapsAdminMixin, FarmAdmin):
+    list_display = ("show", "alloc", "int_burst", "int_size", "booked", "scheduler")
+    list_display_links = ("show",)
+    list_editable = ("int_burst", "int_size")
     list_filter = ("show__b_scheduler_managed", "alloc")
     search_fields = ("show__str_name", "alloc__str_name", "pk_subscription")
     raw_id_fields = ("show", "alloc")
     list_select_related = ("show", "alloc")
     live_fields = BOOKED
+    cap_model, cap_vertex, cap_columns = "subscription", "sub", ("int_burst", "int_size")
+
+    def cap_key(self, obj: Subscription) -> str:
+        return f"{obj.show_id}:{obj.alloc_id}"
+
+    def cap_show(self, obj: Subscription) -> Show:
+        return obj.show
+
+    def apply_caps(self, obj: Subscription, cores: dict[str, int], actor: Any) -> actions.ActionResult:
+        return actions.set_subscription(
+            obj.pk, burst_cores=cores.get("int_burst"), size_cores=cores.get("int_size"), actor=actor
+        )
+
+    @admin.display(description="booked (table)")
+    def booked(self, obj: Subscription) -> str:
+        return f"{actions.cores(obj.int_cores)} cores, {obj.int_gpus} GPUs"
 
 
 @admin.register(Point)
@@ -144,32 +199,77 @@ class FolderAdmin(FarmAdmin):
 
 
 @admin.register(FolderResource)
-class FolderResourceAdmin(FarmAdmin):
-    list_display = ("folder", "folder__show", "int_max_cores", "int_max_gpus", "int_cores", "int_gpus")
+class FolderResourceAdmin(CapsAdminMixin, FarmAdmin):
+    list_display = ("folder", "folder__show", "int_max_cores", "int_max_gpus", "booked", "scheduler")
+    list_display_links = ("folder",)
+    list_editable = ("int_max_cores", "int_max_gpus")
     list_filter = ("folder__show__b_scheduler_managed",)
     search_fields = ("folder__str_name", "folder__show__str_name", "pk_folder_resource")
     raw_id_fields = ("folder",)
     list_select_related = ("folder", "folder__show")
     live_fields = BOOKED
+    cap_model, cap_vertex, cap_columns = "folderresource", "folder", ("int_max_cores", "int_max_gpus")
+
+    def cap_key(self, obj: FolderResource) -> str:
+        return obj.folder_id
+
+    def cap_show(self, obj: FolderResource) -> Show:
+        return obj.folder.show
+
+    def apply_caps(self, obj: FolderResource, cores: dict[str, int], actor: Any) -> actions.ActionResult:
+        return actions.set_folder_caps(
+            obj.folder_id, max_cores=cores.get("int_max_cores"), max_gpus=cores.get("int_max_gpus"), actor=actor
+        )
+
+    @admin.display(description="booked (table)")
+    def booked(self, obj: FolderResource) -> str:
+        return f"{actions.cores(obj.int_cores)} cores, {obj.int_gpus} GPUs"
 
 
 @admin.register(Job)
 class JobAdmin(FarmAdmin):
-    list_display = ("str_name", "show", "folder", "str_state", "b_paused", "str_os", "ts_started")
+    list_display = ("str_name", "show", "folder", "str_state", "b_paused", "str_os", "ts_started", "console")
     list_filter = ("str_state", "b_paused", "show__b_scheduler_managed")
     search_fields = ("str_name", "str_show", "str_shot", "str_user", "pk_job")
     raw_id_fields = ("folder", "show", "facility", "dept")
     list_select_related = ("show", "folder")
 
+    @admin.display(description="ops console")
+    def console(self, obj: Job) -> str:
+        return format_html(
+            '<a href="{}">why not booking?</a> · <a href="{}?job__pk_job={}">caps</a>',
+            reverse("admin:ops_job_why", args=[obj.pk]),
+            reverse("admin:dispatch_jobresource_changelist"),
+            obj.pk,
+        )
+
 
 @admin.register(JobResource)
-class JobResourceAdmin(FarmAdmin):
-    list_display = ("job", "int_priority", "int_max_cores", "int_max_gpus", "int_cores", "int_gpus")
+class JobResourceAdmin(CapsAdminMixin, FarmAdmin):
+    list_display = ("job", "int_priority", "int_max_cores", "int_max_gpus", "booked", "scheduler")
+    list_display_links = ("job",)
+    list_editable = ("int_max_cores", "int_max_gpus")
     list_filter = ("job__str_state", "job__show__b_scheduler_managed")
     search_fields = ("job__str_name", "pk_job_resource")
     raw_id_fields = ("job",)
-    list_select_related = ("job",)
+    list_select_related = ("job", "job__show")
     live_fields = BOOKED
+    cap_model, cap_vertex, cap_columns = "jobresource", "job", ("int_max_cores", "int_max_gpus")
+
+    def cap_key(self, obj: JobResource) -> str:
+        return obj.job_id
+
+    def cap_show(self, obj: JobResource) -> Show:
+        return obj.job.show
+
+    def apply_caps(self, obj: JobResource, cores: dict[str, int], actor: Any) -> actions.ActionResult:
+        return actions.set_job_caps(
+            obj.job_id, max_cores=cores.get("int_max_cores"), max_gpus=cores.get("int_max_gpus"), actor=actor
+        )
+
+    @admin.display(description="booked (table)")
+    def booked(self, obj: JobResource) -> str:
+        return f"{actions.cores(obj.int_cores)} cores, {obj.int_gpus} GPUs"
 
 
 @admin.register(JobStat)
@@ -220,11 +320,17 @@ class LayerStatAdmin(FarmAdmin):
 
 @admin.register(Frame)
 class FrameAdmin(BigTableAdmin):
-    list_display = ("str_name", "job", "str_state", "int_version", "int_retries", "str_host", "ts_updated")
+    list_display = ("str_name", "job", "str_state", "int_version", "int_retries", "str_host", "ts_updated", "why")
     list_filter = ("str_state",)
     search_fields = ("str_name", "str_host", "job__str_name", "pk_frame")
     raw_id_fields = ("layer", "job")
     list_select_related = ("job",)
+
+    @admin.display(description="ops console")
+    def why(self, obj: Frame) -> str:
+        if obj.str_state != "WAITING":
+            return ""
+        return format_html('<a href="{}">why not booking?</a>', reverse("admin:ops_frame_why", args=[obj.pk]))
 
 
 @admin.register(Host)

@@ -1,0 +1,132 @@
+"""The ops console in the admin: its pages (custom views through `get_urls`) and the audit trail.
+
+`Console` has no table; its admin entry is the console's door on the admin index, and its
+URLs carry the console pages. Every page goes through `admin_site.admin_view` (login, staff,
+CSRF) and then the console's own permission check (`ops.permissions`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from django.contrib import admin
+from django.http import HttpRequest, HttpResponse
+from django.urls import path, reverse
+from django.utils.html import format_html
+
+from ops import admin_views, permissions
+from ops.admin_views import COLUMN_LABELS, shown_value
+from ops.models import Console, FolderCapEvent, JobCapEvent, ShowManagedEvent, SubscriptionCapEvent
+
+
+@admin.register(Console)
+class ConsoleAdmin(admin.ModelAdmin):
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return permissions.can_view(request.user)
+
+    def has_module_permission(self, request: HttpRequest) -> bool:
+        return permissions.can_view(request.user)
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
+        return self._guard(admin_views.overview)(request)
+
+    def _guard(self, view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
+        def checked(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+            permissions.require(permissions.can_view(request.user))
+            return view(request, *args, **kwargs)
+
+        return self.admin_site.admin_view(checked)
+
+    def get_urls(self) -> list[Any]:
+        g = self._guard
+        return [
+            path("", g(admin_views.overview), name="ops_console_overview"),
+            path("show/<str:pk>/", g(admin_views.show_live), name="ops_show_live"),
+            path("show/<str:pk>/flip/", g(admin_views.flip), name="ops_show_flip"),
+            path("job/<str:pk>/why/", g(admin_views.why_job), name="ops_job_why"),
+            path("frame/<str:pk>/why/", g(admin_views.why_frame), name="ops_frame_why"),
+            path("audit/", g(admin_views.audit), name="ops_audit"),
+            path("notifications/", g(admin_views.kill_switch), name="ops_kill_switch"),
+            *super().get_urls(),
+        ]
+
+
+class EventAdmin(admin.ModelAdmin):
+    """Read-only history rows, filterable by time, database role and label."""
+
+    columns: list[str] = []
+    kind = ""
+    list_filter = ("pgh_created_at", "db_role")
+    date_hierarchy = "pgh_created_at"
+    list_select_related = ("pgh_context",)
+    search_fields = ("pgh_obj_id",)
+
+    def get_list_display(self, request: HttpRequest) -> tuple[str, ...]:
+        return ("pgh_created_at", "target", "change", "who", "db_role")
+
+    @admin.display(description="object")
+    def target(self, obj: Any) -> str:
+        label, url = admin_views.event_target(self.kind, obj)
+        return format_html('<a href="{}">{}</a>', url, label)
+
+    @admin.display(description="old → new")
+    def change(self, obj: Any) -> str:
+        parts = []
+        for c in self.columns:
+            old, new = getattr(obj, "old_" + c), getattr(obj, c)
+            if old != new:
+                parts.append(f"{COLUMN_LABELS[c]}: {shown_value(c, old)} → {shown_value(c, new)}")
+        return "; ".join(parts)
+
+    @admin.display(description="user")
+    def who(self, obj: Any) -> str:
+        meta = obj.pgh_context.metadata if obj.pgh_context_id else {}
+        return meta.get("username") or "—"
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
+        extra = {"ops_audit_url": reverse("admin:ops_audit")}
+        return super().changelist_view(request, {**(extra_context or {}), **extra})
+
+
+@admin.register(SubscriptionCapEvent)
+class SubscriptionCapEventAdmin(EventAdmin):
+    kind = "sub"
+    columns = ["int_burst", "int_size"]
+
+
+@admin.register(FolderCapEvent)
+class FolderCapEventAdmin(EventAdmin):
+    kind = "folder"
+    columns = ["int_max_cores", "int_max_gpus"]
+
+
+@admin.register(JobCapEvent)
+class JobCapEventAdmin(EventAdmin):
+    kind = "job"
+    columns = ["int_max_cores", "int_max_gpus"]
+
+
+@admin.register(ShowManagedEvent)
+class ShowManagedEventAdmin(EventAdmin):
+    kind = "flip"
+    columns = ["b_scheduler_managed"]
+    search_fields = ("pk_show", "str_name")

@@ -1,0 +1,347 @@
+"""The console's own admin pages (mounted by `ops.admin.ConsoleAdmin.get_urls`).
+
+Every page is server-rendered and works without JavaScript; the live pages refresh their
+`data-live` sections every few seconds with a tiny inline script (a `<noscript>` meta
+refresh otherwise). Reads: the scheduler's published view and the database. Writes: only
+through `accounting.actions`, on POST, after the permission check; CSRF is Django's.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from itertools import islice
+from typing import Any
+
+from django.contrib import admin, messages
+from django.db.models import Q
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
+from django.shortcuts import render
+from django.urls import reverse
+from django.utils import timezone
+from django.views.decorators.http import require_http_methods
+
+from accounting import actions
+from accounting.units import centicores_to_cores, centicores_to_cores_cap
+from cuesched_project import conf
+from dispatch.models import Folder, Job, Show, Subscription
+from ops import counters, permissions, status, why
+from ops.forms import AuditFilterForm, FlipForm, KillSwitchForm
+from ops.models import FolderCapEvent, JobCapEvent, ShowManagedEvent, SubscriptionCapEvent
+
+
+def refresh_seconds() -> float:
+    """How often the live sections of a console page refresh themselves."""
+    return conf.env_float("CUESCHED_OPS_REFRESH_SECONDS", 5.0)
+
+
+def _context(request: HttpRequest, title: str, **extra: Any) -> dict[str, Any]:
+    context = admin.site.each_context(request)
+    context.update(
+        title=title,
+        refresh_ms=int(refresh_seconds() * 1000),
+        is_nav_sidebar_enabled=False,
+        can_flip=permissions.can_flip(request.user),
+        can_edit_caps=permissions.can_edit_caps(request.user),
+        can_set_kill_switch=permissions.can_set_kill_switch(request.user),
+        **extra,
+    )
+    return context
+
+
+def _scheduler_context(view: dict[str, Any] | None) -> dict[str, Any]:
+    sched = status.scheduler_status(view)
+    listener = (view or {}).get("listener") or {}
+    recompute = (view or {}).get("recompute")
+    loops = (view or {}).get("loops") or {}
+    dispatch = ((view or {}).get("extra") or {}).get("dispatch")
+    return {
+        "sched": sched,
+        "listener": listener,
+        "recompute": recompute,
+        "recompute_ago": status.ago(recompute.get("at")) if recompute else "never",
+        "loops": [{"name": k, **v, "ago": status.ago(v.get("last_run"))} for k, v in sorted(loops.items())],
+        "dispatch": dispatch,
+        "started_ago": status.ago((view or {}).get("started_at")),
+    }
+
+
+def _recent_caps(view: dict[str, Any] | None, limit: int = 12) -> list[dict[str, Any]]:
+    recs = (view or {}).get("recent_caps") or []
+    return [
+        {"vertex": v, "key": k, "field": f, "value": val, "ago": status.ago(at)}
+        for v, k, f, val, at in islice(reversed(recs), limit)
+    ]
+
+
+# --- pages --------------------------------------------------------------------------------
+
+
+def overview(request: HttpRequest) -> HttpResponse:
+    view = status.view_for(request)
+    shows = counters.farm_overview(view)
+    published = (view or {}).get("managed_shows") or {}
+    for show in shows:
+        show.flip = status.flip_status(view, show.pk, show.managed)  # type: ignore[attr-defined]
+        show.published = show.pk in published  # type: ignore[attr-defined]
+    context = _context(
+        request,
+        "Farm overview",
+        live_page=True,
+        shows=shows,
+        recent_caps=_recent_caps(view),
+        recent_audit=list(islice(audit_events(), 10)),
+        **_scheduler_context(view),
+    )
+    return render(request, "ops/overview.html", context)
+
+
+def show_live(request: HttpRequest, pk: str) -> HttpResponse:
+    view = status.view_for(request)
+    try:
+        data = counters.show_counters(view, pk)
+    except IndexError as exc:
+        raise Http404("no such show") from exc
+    context = _context(
+        request,
+        f"Live counters: {data.name}",
+        live_page=True,
+        show=data,
+        flip=status.flip_status(view, pk, data.managed),
+        **_scheduler_context(view),
+    )
+    return render(request, "ops/show.html", context)
+
+
+@require_http_methods(["GET", "POST"])
+def flip(request: HttpRequest, pk: str) -> HttpResponse:
+    permissions.require(permissions.can_flip(request.user))
+    show = Show.objects.filter(pk=pk).only("pk_show", "str_name", "b_scheduler_managed").first()
+    if show is None:
+        raise Http404("no such show")
+    if request.method == "POST":
+        form = FlipForm(request.POST)
+        if form.is_valid():
+            target = form.cleaned_data["managed"]
+            result = actions.flip_show(pk, target, actor=request.user)
+            owner = "the scheduler's Store" if target else "the database"
+            if result.changed:
+                messages.success(request, f"{show.str_name}: accounting now owned by {owner}.")
+            else:
+                messages.info(request, f"{show.str_name} was already owned by {owner}; nothing changed.")
+            for warning in result.warnings:
+                messages.warning(request, warning)
+            return HttpResponseRedirect(reverse("admin:ops_show_live", args=[pk]))
+    target = request.GET.get("managed", "true" if not show.b_scheduler_managed else "false") == "true"
+    n_procs, cc, gpus = actions.show_procs(pk)
+    view = status.view_for(request)
+    context = _context(
+        request,
+        f"Flip {show.str_name}",
+        show=show,
+        target=target,
+        form=FlipForm(initial={"managed": "true" if target else "false", "confirm": True}),
+        procs=n_procs,
+        proc_cores=centicores_to_cores(cc),
+        proc_gpus=gpus,
+        subs=counters.sub_rows(view, pk),
+        ttl=conf.managed_shows_ttl(),
+        notify_on=status.notifications_on(),
+        sched=status.scheduler_status(view),
+    )
+    return render(request, "ops/flip_confirm.html", context)
+
+
+def flip_many(request: HttpRequest, shows: list[Show], target: bool) -> HttpResponse | None:
+    """The change-list action: a confirmation page, then one flip per show (each its own transaction)."""
+    permissions.require(permissions.can_flip(request.user))
+    if request.POST.get("confirm") == "yes":
+        done = 0
+        for show in shows:
+            result = actions.flip_show(show.pk, target, actor=request.user)
+            done += result.changed
+            for warning in result.warnings:
+                messages.warning(request, f"{show.str_name}: {warning}")
+        owner = "the scheduler's Store" if target else "the database"
+        messages.success(request, f"{done} show(s) flipped to {owner}; {len(shows) - done} already were.")
+        return None
+    rows = []
+    for show in shows:
+        n, cc, gpus = actions.show_procs(show.pk)
+        rows.append({"show": show, "procs": n, "cores": centicores_to_cores(cc), "gpus": gpus})
+    context = _context(
+        request,
+        "Flip shows",
+        rows=rows,
+        target=target,
+        ttl=conf.managed_shows_ttl(),
+        notify_on=status.notifications_on(),
+        action=request.POST.get("action"),
+        selected=[s.pk for s in shows],
+        action_checkbox_name=admin.helpers.ACTION_CHECKBOX_NAME,
+    )
+    return render(request, "ops/flip_many_confirm.html", context)
+
+
+def why_job(request: HttpRequest, pk: str) -> HttpResponse:
+    view = status.view_for(request)
+    try:
+        result = why.explain_job(pk, view)
+    except LookupError as exc:
+        raise Http404("no such job") from exc
+    return render(request, "ops/why.html", _context(request, f"Why is {result.job_name} not booking?", why=result))
+
+
+def why_frame(request: HttpRequest, pk: str) -> HttpResponse:
+    view = status.view_for(request)
+    try:
+        result = why.explain_frame(pk, view)
+    except LookupError as exc:
+        raise Http404("no such frame") from exc
+    name = (result.frame or {}).get("name", pk)
+    return render(request, "ops/why.html", _context(request, f"Why is frame {name} not booking?", why=result))
+
+
+@require_http_methods(["GET", "POST"])
+def kill_switch(request: HttpRequest) -> HttpResponse:
+    permissions.require(permissions.can_set_kill_switch(request.user))
+    if request.method == "POST":
+        form = KillSwitchForm(request.POST)
+        if form.is_valid():
+            result = actions.set_notifications(form.cleaned_data["enabled"], actor=request.user)
+            state = "on" if form.cleaned_data["enabled"] else "OFF"
+            messages.success(request, f"Accounting notifications are {state}.")
+            for warning in result.warnings:
+                messages.warning(request, warning)
+            return HttpResponseRedirect(reverse("admin:ops_console_overview"))
+    target = request.GET.get("enabled", "false" if status.notifications_on() else "true") == "true"
+    from accounting.admin import OFF_MEANS
+
+    context = _context(
+        request,
+        "Notifications kill switch",
+        target=target,
+        off_means=OFF_MEANS,
+        form=KillSwitchForm(initial={"enabled": "true" if target else "false", "confirm": True}),
+    )
+    return render(request, "ops/kill_switch_confirm.html", context)
+
+
+# --- the audit trail ----------------------------------------------------------------------
+
+EVENT_KINDS = {
+    "sub": (SubscriptionCapEvent, ["int_burst", "int_size"]),
+    "folder": (FolderCapEvent, ["int_max_cores", "int_max_gpus"]),
+    "job": (JobCapEvent, ["int_max_cores", "int_max_gpus"]),
+    "flip": (ShowManagedEvent, ["b_scheduler_managed"]),
+}
+COLUMN_LABELS = {
+    "int_burst": "burst",
+    "int_size": "size",
+    "int_max_cores": "max cores",
+    "int_max_gpus": "max GPUs",
+    "b_scheduler_managed": "managed",
+}
+
+
+def shown_value(column: str, value: Any) -> str:
+    if value is None:
+        return "—"
+    if column == "b_scheduler_managed":
+        return "scheduler" if value else "database"
+    if column in ("int_burst", "int_size"):
+        return f"{centicores_to_cores(value)} cores"
+    if column == "int_max_cores":
+        cores = centicores_to_cores_cap(value)
+        return "unlimited" if cores <= 0 else f"{cores} cores"
+    return "unlimited" if value <= 0 else f"{value} GPUs"
+
+
+def target_names(kind: str, events: list[Any]) -> dict[str, str]:
+    """Readable names of the objects a batch of events is about (rows may be gone: then the id)."""
+    if kind == "sub":
+        ids = {e.pk_subscription for e in events}
+        rows = Subscription.objects.filter(pk__in=ids).values_list("pk", "show__str_name", "alloc__str_name")
+        return {pk: f"{show} @ {alloc}" for pk, show, alloc in rows}
+    if kind == "folder":
+        return dict(Folder.objects.filter(pk__in={e.folder_id for e in events}).values_list("pk", "str_name"))
+    if kind == "job":
+        return dict(Job.objects.filter(pk__in={e.job_id for e in events}).values_list("pk", "str_name"))
+    return {}
+
+
+def event_target(kind: str, event: Any, names: dict[str, str] | None = None) -> tuple[str, str]:
+    """A label and an admin link for the object an event is about."""
+    names = names if names is not None else target_names(kind, [event])
+    if kind == "sub":
+        pk = event.pk_subscription
+        return f"subscription {names.get(pk, pk)}", reverse("admin:dispatch_subscription_change", args=[pk])
+    if kind == "folder":
+        pk = event.folder_id
+        return f"folder {names.get(pk, pk)}", reverse("admin:dispatch_folder_change", args=[pk])
+    if kind == "job":
+        pk = event.job_id
+        return f"job {names.get(pk, pk)}", reverse("admin:dispatch_job_change", args=[pk])
+    return f"show {event.str_name}", reverse("admin:ops_show_live", args=[event.pk_show])
+
+
+def _matching(kind: str, q: str) -> Q:
+    """Events whose object's id or name contains `q`."""
+    if kind == "flip":
+        return Q(pk_show__icontains=q) | Q(str_name__icontains=q)
+    if kind == "sub":
+        shows = Show.objects.filter(str_name__icontains=q).values("pk")
+        return Q(pgh_obj_id__icontains=q) | Q(show__in=shows)
+    if kind == "folder":
+        return Q(pgh_obj_id__icontains=q) | Q(folder__in=Folder.objects.filter(str_name__icontains=q).values("pk"))
+    return Q(pgh_obj_id__icontains=q) | Q(job__in=Job.objects.filter(str_name__icontains=q).values("pk"))
+
+
+def audit_events(
+    kind: str = "", who: str = "", q: str = "", days: int | None = None, limit: int = 200
+) -> list[dict[str, Any]]:
+    """The merged audit trail, newest first: one entry per changed column."""
+    out: list[dict[str, Any]] = []
+    for name, (model, columns) in EVENT_KINDS.items():
+        if kind and kind != name:
+            continue
+        qs = model.objects.select_related("pgh_context")
+        if who:
+            qs = qs.filter(Q(db_role__icontains=who) | Q(pgh_context__metadata__username__icontains=who))
+        if q:
+            qs = qs.filter(_matching(name, q))
+        if days:
+            qs = qs.filter(pgh_created_at__gte=timezone.now() - dt.timedelta(days=days))
+        events = list(qs.order_by("-pgh_created_at", "-pgh_id")[:limit])
+        names = target_names(name, events)
+        for event in events:
+            meta = event.pgh_context.metadata if event.pgh_context_id else {}
+            label, url = event_target(name, event, names)
+            for column in columns:
+                old, new = getattr(event, f"old_{column}"), getattr(event, column)
+                if old == new:
+                    continue
+                out.append(
+                    {
+                        "at": event.pgh_created_at,
+                        "kind": name,
+                        "object": label,
+                        "url": url,
+                        "field": COLUMN_LABELS[column],
+                        "old": shown_value(column, old),
+                        "new": shown_value(column, new),
+                        "user": meta.get("username") or "",
+                        "action": meta.get("action") or "",
+                        "role": event.db_role,
+                    }
+                )
+    out.sort(key=lambda e: e["at"], reverse=True)
+    return out[:limit]
+
+
+def audit(request: HttpRequest) -> HttpResponse:
+    form = AuditFilterForm(request.GET or None)
+    filters: dict[str, Any] = {}
+    if form.is_valid():
+        filters = {k: v for k, v in form.cleaned_data.items() if v}
+    context = _context(request, "Audit trail", form=form, events=audit_events(**filters))
+    return render(request, "ops/audit.html", context)

@@ -1,0 +1,181 @@
+"""What the farm admin's cap pages need from the console: whole-core fields, actions, status.
+
+`CapsAdminMixin` goes on the Subscription, FolderResource and JobResource admins (in
+`dispatch.admin`): their cap columns are shown and edited in whole cores, inline on the change
+list (`list_editable`) and on the change form; a save goes through `accounting.actions` (only
+the changed cap columns, with the operator recorded for the audit trail, warnings shown);
+and a "scheduler" column and panel say whether the running scheduler enforces the new value
+yet, and since when. Everything else on these rows is read-only except for superusers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextvars import ContextVar
+from typing import Any
+
+from django.contrib import messages
+from django.core.exceptions import ObjectDoesNotExist, ValidationError
+from django.db.models import Model
+from django.forms import ModelForm
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.urls import reverse
+from django.utils.html import format_html, format_html_join
+
+from accounting import actions
+from ops import admin_views, permissions, status
+from ops.forms import cap_formfield, db_to_cores
+
+_VIEW: ContextVar[dict[str, Any] | None] = ContextVar("ops_live_view", default=None)
+_FULL: ContextVar[bool] = ContextVar("ops_full_status", default=False)
+_CAP_NAMES = {"int_burst": "burst", "int_size": "size", "int_max_cores": "max cores", "int_max_gpus": "max GPUs"}
+
+
+class CapsAdminMixin:
+    """Mixed into a FarmAdmin for a cap table; subclasses say which vertex and how to act."""
+
+    cap_model = ""  # "subscription", "folderresource", "jobresource"
+    cap_vertex = ""  # "sub", "folder", "job"
+    cap_columns: tuple[str, ...] = ()
+
+    # -- the per-row data the status needs ------------------------------------------------
+    def cap_key(self, obj: Any) -> str:
+        raise NotImplementedError
+
+    def cap_show(self, obj: Any) -> Any:
+        raise NotImplementedError
+
+    def apply_caps(self, obj: Any, cores: dict[str, int], actor: Any) -> actions.ActionResult:
+        raise NotImplementedError
+
+    # -- fields -----------------------------------------------------------------------------
+    def formfield_for_dbfield(self, db_field: Any, request: HttpRequest, **kwargs: Any) -> Any:
+        field = cap_formfield(self.cap_model, db_field.name)
+        if field is not None:
+            return field
+        return super().formfield_for_dbfield(db_field, request, **kwargs)  # type: ignore[misc]
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Model | None = None) -> list[str]:
+        fields = list(super().get_readonly_fields(request, obj))  # type: ignore[misc]
+        if obj is not None and not request.user.is_superuser:
+            editable = set(self.cap_columns)
+            fields += [f.name for f in obj._meta.concrete_fields if f.name not in editable and f.name not in fields]
+        return [*fields, "scheduler"] if obj is not None else fields
+
+    def has_change_permission(self, request: HttpRequest, obj: Model | None = None) -> bool:
+        return super().has_change_permission(request, obj) and permissions.can_edit_caps(request.user)  # type: ignore[misc]
+
+    # -- saving -----------------------------------------------------------------------------
+    def save_model(self, request: HttpRequest, obj: Any, form: ModelForm, change: bool) -> None:
+        if not change:
+            obj.save()
+            return
+        caps = [c for c in form.changed_data if c in self.cap_columns]
+        editable = {f.name for f in obj._meta.concrete_fields}
+        others = [c for c in form.changed_data if c in editable and c not in self.cap_columns]
+        if others:
+            obj.save(update_fields=others)
+        if not caps:
+            return
+        # The admin saves inside its own transaction.atomic(); an action is a durable transaction
+        # of its own, so it runs once the admin's block has committed (see _run_pending).
+        cores = {c: db_to_cores(c, form.cleaned_data[c]) for c in caps}
+        request.__dict__.setdefault("_ops_pending", []).append((obj, cores))
+        request._ops_caps_saved = True  # type: ignore[attr-defined]
+
+    def _run_pending(self, request: HttpRequest) -> None:
+        for obj, cores in request.__dict__.pop("_ops_pending", []):
+            try:
+                result = self.apply_caps(obj, cores, request.user)
+            except (ValidationError, ObjectDoesNotExist) as exc:
+                messages.error(request, f"{obj}: not saved: {exc}")
+                continue
+            for warning in result.warnings:
+                messages.warning(request, warning)
+
+    def changeform_view(
+        self,
+        request: HttpRequest,
+        object_id: str | None = None,
+        form_url: str = "",
+        extra_context: dict[str, Any] | None = None,
+    ) -> HttpResponse:
+        response = super().changeform_view(request, object_id, form_url, extra_context)  # type: ignore[misc]
+        self._run_pending(request)
+        return response
+
+    def response_change(self, request: HttpRequest, obj: Any) -> HttpResponse:
+        response = super().response_change(request, obj)  # type: ignore[misc]
+        if getattr(request, "_ops_caps_saved", False) and "_continue" not in request.POST:
+            # Back to the form: its "scheduler" panel shows when the new cap is applied.
+            messages.info(request, "The scheduler panel below shows when the running scheduler applies it.")
+            opts = obj._meta
+            return HttpResponseRedirect(reverse(f"admin:{opts.app_label}_{opts.model_name}_change", args=[obj.pk]))
+        return response
+
+    # -- the scheduler status ---------------------------------------------------------------
+    def _with_view(self, request: HttpRequest, call: Callable[[], HttpResponse], *, full: bool) -> HttpResponse:
+        token, full_token = _VIEW.set(status.view_for(request)), _FULL.set(full)
+        try:
+            response = call()
+            if hasattr(response, "render"):
+                response.render()
+            return response
+        finally:
+            _VIEW.reset(token)
+            _FULL.reset(full_token)
+
+    def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
+        extra = {**(extra_context or {}), "refresh_ms": int(admin_views.refresh_seconds() * 1000)}
+        response = self._with_view(
+            request,
+            lambda: super(CapsAdminMixin, self).changelist_view(request, extra),  # type: ignore[misc]
+            full=False,
+        )
+        self._run_pending(request)
+        return response
+
+    def change_view(
+        self, request: HttpRequest, object_id: str, form_url: str = "", extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        extra = {**(extra_context or {}), "refresh_ms": int(admin_views.refresh_seconds() * 1000)}
+        return self._with_view(
+            request,
+            lambda: super(CapsAdminMixin, self).change_view(request, object_id, form_url, extra),  # type: ignore[misc]
+            full=True,
+        )
+
+    def cap_statuses(self, obj: Any) -> list[tuple[str, status.CapStatus]]:
+        view = _VIEW.get()
+        show = self.cap_show(obj)
+        return [
+            (
+                column,
+                status.cap_status(
+                    view,
+                    vertex=self.cap_vertex,
+                    key=self.cap_key(obj),
+                    column=column,
+                    db_value=getattr(obj, column),
+                    show_id=show.pk,
+                    show_managed=show.b_scheduler_managed,
+                ),
+            )
+            for column in self.cap_columns
+        ]
+
+    def scheduler(self, obj: Any) -> str:
+        """Per enforced cap: a badge and a short word on the change list, the full sentence on the form."""
+        rows = [(c, s) for c, s in self.cap_statuses(obj) if s.state != "not-enforced"]
+        full = _FULL.get()
+        return format_html(
+            '<div id="cap-status-{}" data-live class="ops-cap-status">{}</div>',
+            obj.pk,
+            format_html_join(
+                "",
+                '<div><span class="badge {}" title="{}">{}</span> <span class="ops-note">{}: {}</span></div>',
+                ((s.state, s.message, s.state, _CAP_NAMES.get(c, c), s.message if full else s.short) for c, s in rows),
+            ),
+        )
+
+    scheduler.short_description = "scheduler"  # type: ignore[attr-defined]

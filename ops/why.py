@@ -1,0 +1,406 @@
+"""Why is this job (or this WAITING frame) not booking?
+
+Two sources, both shown:
+
+* **the scheduler's own record**: the dispatch loop publishes its most recent rejection per
+  job in the live view (`extra.dispatch.blocked[job] = {reason, message, unblock, at}`);
+  when present it is the authoritative answer for the scheduler's last attempt;
+* **computed from the database now**, the same rules the feed and placement apply: job not
+  PENDING or paused, show inactive, no WAITING frame, frames waiting on dependencies, a
+  start-after time, job/folder/subscription caps reached (Store figures for managed shows,
+  trigger-kept figures otherwise, with SUM(proc) beside them), and no bookable host (UP,
+  OPEN, pinged recently, one of the layer's tags, the job's facility and OS, enough idle
+  cores, memory and GPUs, on an allocation the show still has burst room on).
+
+Each reason has numbers and what would unblock it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.db import connection
+
+from accounting.units import centicores_to_cores
+from dispatch import conf as dispatch_conf
+from dispatch.feed import FRAME_READY
+from dispatch.placement import parse_tags
+
+CENTI = 100
+KB_PER_GB = 1024 * 1024
+
+JOB_SQL = """
+SELECT j.pk_job, j.str_name, j.str_state, j.b_paused, j.pk_show, s.str_name, s.b_scheduler_managed, s.b_active,
+       j.pk_folder, f.str_name, j.pk_facility, j.str_os,
+       jr.int_max_cores, jr.int_max_gpus, jr.int_cores, jr.int_gpus,
+       fr.int_max_cores, fr.int_max_gpus, fr.int_cores, fr.int_gpus,
+       js.int_waiting_count, js.int_running_count, js.int_depend_count
+FROM job j JOIN show s ON s.pk_show = j.pk_show JOIN folder f ON f.pk_folder = j.pk_folder
+JOIN job_resource jr ON jr.pk_job = j.pk_job JOIN folder_resource fr ON fr.pk_folder = j.pk_folder
+JOIN job_stat js ON js.pk_job = j.pk_job
+WHERE j.pk_job = %(job)s
+"""
+# Layers with WAITING frames: how many, how many are ready (no unmet dependency), and the demand.
+LAYERS_SQL = f"""
+SELECT l.pk_layer, l.str_name, l.str_tags, l.int_cores_min, l.int_mem_min, l.int_gpus_min, l.int_gpu_mem_min,
+       l.b_threadable, l.ts_start_after, l.ts_start_after > now(),
+       COUNT(*) AS waiting, COUNT(*) FILTER (WHERE {FRAME_READY}) AS ready
+FROM layer l JOIN frame f ON f.pk_layer = l.pk_layer AND f.str_state = 'WAITING'
+WHERE l.pk_job = %(job)s AND (%(layer)s::text IS NULL OR l.pk_layer = %(layer)s)
+GROUP BY l.pk_layer
+ORDER BY MIN(l.int_dispatch_order), l.pk_layer
+"""
+BOOKED_SQL = """
+SELECT COALESCE(SUM(p.int_cores_reserved) FILTER (WHERE p.pk_job = %(job)s), 0)::bigint,
+       COALESCE(SUM(p.int_gpus_reserved) FILTER (WHERE p.pk_job = %(job)s), 0)::bigint,
+       COALESCE(SUM(p.int_cores_reserved), 0)::bigint, COALESCE(SUM(p.int_gpus_reserved), 0)::bigint
+FROM proc p JOIN job j ON j.pk_job = p.pk_job
+WHERE j.pk_folder = %(folder)s AND NOT p.b_local
+"""
+SUBS_SQL = """
+SELECT sub.pk_alloc, a.str_name, sub.int_burst, sub.int_cores,
+       COALESCE((SELECT SUM(p.int_cores_reserved) FROM proc p JOIN host h ON h.pk_host = p.pk_host
+                 WHERE p.pk_show = sub.pk_show AND h.pk_alloc = sub.pk_alloc AND NOT p.b_local), 0)::bigint
+FROM subscription sub JOIN alloc a ON a.pk_alloc = sub.pk_alloc
+WHERE sub.pk_show = %(show)s
+ORDER BY a.str_name
+"""
+# Every host that carries one of the layer's tags, with what placement checks.
+HOSTS_SQL = """
+SELECT h.pk_host, h.str_name, h.pk_alloc, a.pk_facility, hs.str_os, hs.str_state, h.str_lock_state,
+       hs.ts_ping >= now() - make_interval(secs => %(stale_after)s),
+       h.int_cores, h.int_cores_idle, LEAST(h.int_mem_idle, hs.int_mem_free), h.int_gpus_idle,
+       LEAST(h.int_gpu_mem_idle, hs.int_gpu_mem_free)
+FROM host h JOIN host_stat hs ON hs.pk_host = h.pk_host JOIN alloc a ON a.pk_alloc = h.pk_alloc
+WHERE EXISTS (SELECT 1 FROM host_tag t WHERE t.pk_host = h.pk_host AND t.str_tag = ANY(%(tags)s::text[]))
+"""
+FRAME_SQL = """
+SELECT f.pk_frame, f.str_name, f.str_state, f.int_depend_count, f.pk_job, f.pk_layer, f.str_host
+FROM frame f WHERE f.pk_frame = %(frame)s
+"""
+
+
+@dataclass(frozen=True)
+class Reason:
+    code: str
+    message: str
+    unblock: str
+    source: str = "computed"  # or "scheduler"
+    at: float | None = None
+
+    @property
+    def ago(self) -> str:
+        from ops.status import ago
+
+        return ago(self.at)
+
+
+@dataclass
+class Why:
+    job: str
+    job_name: str
+    show: str
+    show_name: str
+    managed: bool
+    state: str
+    running: int
+    waiting: int
+    reasons: list[Reason] = field(default_factory=list)
+    recorded: Reason | None = None
+    frame: dict[str, Any] | None = None
+
+    @property
+    def primary(self) -> Reason | None:
+        return self.recorded or (self.reasons[0] if self.reasons else None)
+
+    @property
+    def blocked(self) -> bool:
+        return self.primary is not None and self.primary.code != "ok"
+
+
+def _one(sql: str, params: dict[str, Any]) -> tuple[Any, ...] | None:
+    with connection.cursor() as cur:
+        cur.execute(sql, params)
+        return cur.fetchone()
+
+
+def _all(sql: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+    with connection.cursor() as cur:
+        cur.execute(sql, params)
+        return cur.fetchall()
+
+
+def _gb(kb: int) -> str:
+    value = kb / KB_PER_GB
+    return f"{value:.0f} GB" if value >= 10 or value == int(value) else f"{value:.1f} GB"
+
+
+def _whole_cores_needed(cores_min: int, threadable: bool) -> int:
+    """The least whole cores one frame books (placement's index floor; 0/negative: whole host, >= 1)."""
+    if not threadable or cores_min <= 0:
+        return 1
+    return max(1, cores_min // CENTI)
+
+
+def recorded_reason(view: dict[str, Any] | None, job: str) -> Reason | None:
+    """The dispatch loop's most recent rejection for this job, if it publishes one."""
+    blocked = (((view or {}).get("extra") or {}).get("dispatch") or {}).get("blocked") or {}
+    entry = blocked.get(job)
+    if not isinstance(entry, dict):
+        return None
+    return Reason(
+        code=str(entry.get("reason", "blocked")),
+        message=str(entry.get("message", "")),
+        unblock=str(entry.get("unblock", "")),
+        source="scheduler",
+        at=entry.get("at"),
+    )
+
+
+def explain_job(job: str, view: dict[str, Any] | None, *, layer: str | None = None) -> Why:
+    row = _one(JOB_SQL, {"job": job})
+    if row is None:
+        raise LookupError(job)
+    (pk_job, name, state, paused, show, show_name, managed, active, folder, folder_name, facility, job_os,
+     j_max, j_max_gpus, j_cores, j_gpus, f_max, f_max_gpus, f_cores, f_gpus,
+     waiting, running, depend) = row  # fmt: skip
+    why = Why(pk_job, name, show, show_name, managed, state, int(running), int(waiting))
+    why.recorded = recorded_reason(view, job)
+    add = why.reasons.append
+
+    if state != "PENDING":
+        add(Reason("not_pending", f"The job is {state}: only PENDING jobs book.", "Nothing to book."))
+    if paused:
+        add(Reason("paused", "The job is paused.", "Unpause the job."))
+    if not active:
+        add(Reason("show_inactive", f"Show {show_name} is inactive.", "Activate the show."))
+    layers = _all(LAYERS_SQL, {"job": job, "layer": layer})
+    if not layers:
+        if depend:
+            add(
+                Reason(
+                    "dependency",
+                    f"No frame is WAITING: {depend} frame(s) wait on dependencies (DEPEND).",
+                    "The frames they depend on must finish first.",
+                )
+            )
+        elif state == "PENDING":
+            add(Reason("no_waiting", f"No frame is WAITING ({running} running).", "Nothing left to book."))
+        return _finish(why, view)
+    ready_layers = [r for r in layers if r[11] > 0 and not r[9]]
+    if not any(r[11] > 0 for r in layers):
+        total = sum(r[10] for r in layers)
+        add(
+            Reason(
+                "dependency",
+                f"All {total} WAITING frame(s) have unmet dependencies.",
+                "The frames they depend on must finish first.",
+            )
+        )
+    elif not ready_layers:
+        starts = min(r[8] for r in layers if r[8] is not None)
+        add(
+            Reason(
+                "start_after",
+                f"Every layer with ready frames starts after {starts:%Y-%m-%d %H:%M:%S} UTC.",
+                "Wait, or clear the layer's start-after time.",
+            )
+        )
+    if why.reasons:
+        return _finish(why, view)
+
+    # Caps: the smallest frame of any ready layer is what must still fit.
+    need = min(_whole_cores_needed(r[3], r[7]) for r in ready_layers)
+    need_gpus = min(int(r[5]) for r in ready_layers)
+    booked = _one(BOOKED_SQL, {"job": job, "folder": folder}) or (0, 0, 0, 0)
+    db_job, db_job_gpus, db_folder, db_folder_gpus = (int(v) for v in booked)
+    store_job = ((view or {}).get("job") or {}).get(job) if managed else None
+    store_folder = ((view or {}).get("folder") or {}).get(folder) if managed else None
+    job_cores = store_job["cores"] if store_job else centicores_to_cores(db_job if managed else j_cores)
+    job_gpus = store_job["gpus"] if store_job else (db_job_gpus if managed else j_gpus)
+    folder_cores = store_folder["cores"] if store_folder else centicores_to_cores(db_folder if managed else f_cores)
+    folder_gpus = store_folder["gpus"] if store_folder else (db_folder_gpus if managed else f_gpus)
+    _cap_reason(why, "job", f"job {name}", job_cores, j_max, need, centicores_to_cores(db_job), "max cores")
+    _cap_reason(
+        why, "folder", f"folder {folder_name}", folder_cores, f_max, need, centicores_to_cores(db_folder), "max cores"
+    )
+    if need_gpus > 0:
+        _gpu_reason(why, "job", f"job {name}", job_gpus, j_max_gpus, need_gpus)
+        _gpu_reason(why, "folder", f"folder {folder_name}", folder_gpus, f_max_gpus, need_gpus)
+
+    subs = _all(SUBS_SQL, {"show": show})
+    store_subs = (view or {}).get("sub") or {}
+    room: dict[str, int] = {}
+    sub_text = []
+    for alloc, alloc_name, burst, t_cores, db_cc in subs:
+        entry = store_subs.get(f"{show}:{alloc}") if managed else None
+        used = entry["cores"] if entry else centicores_to_cores(db_cc if managed else t_cores)
+        cap = centicores_to_cores(burst)
+        room[alloc] = cap - used
+        sub_text.append(f"{alloc_name} {used}/{cap}")
+    if not subs:
+        why.reasons.append(
+            Reason(
+                "no_subscription",
+                f"Show {show_name} has no subscription: it may book on no allocation.",
+                "Add a subscription with a burst for an allocation that has hosts.",
+            )
+        )
+    elif all(r < need for r in room.values()):
+        why.reasons.append(
+            Reason(
+                "subscription_burst",
+                f"Subscription at burst: {', '.join(sub_text)} cores; the smallest frame needs {need}.",
+                "Raise the burst, or wait for frames of this show to finish.",
+            )
+        )
+    if why.reasons:
+        return _finish(why, view)
+
+    host_reason = _host_reason(ready_layers[0], facility, job_os, {a for a, r in room.items() if r >= need})
+    if host_reason is not None:
+        why.reasons.append(host_reason)
+    return _finish(why, view)
+
+
+def _cap_reason(why: Why, vertex: str, label: str, used: int, max_cc: int, need: int, db: int, what: str) -> None:
+    if max_cc <= 0:
+        return
+    cap = centicores_to_cores(max_cc)
+    if used + need <= cap:
+        return
+    figures = f"{used}/{cap} cores" + ("" if used == db else f" (SUM(proc): {db})")
+    if used >= cap:
+        message = f"The {label} is at its {what}: {figures}."
+    else:
+        message = f"The {label} has {cap - used} core(s) left under its {what} ({figures}); a frame needs {need}."
+    why.reasons.append(
+        Reason(
+            f"{vertex}_max_cores",
+            message,
+            f"Raise the {vertex}'s max cores, or wait for its running frames to finish.",
+        )
+    )
+
+
+def _gpu_reason(why: Why, vertex: str, label: str, used: int, cap: int, need: int) -> None:
+    if cap <= 0 or used + need <= cap:
+        return
+    why.reasons.append(
+        Reason(
+            f"{vertex}_max_gpus",
+            f"The {label} is at its max GPUs: {used}/{cap}; a frame needs {need}.",
+            f"Raise the {vertex}'s max GPUs, or wait for its GPU frames to finish.",
+        )
+    )
+
+
+def _host_reason(layer: tuple[Any, ...], facility: str, job_os: str | None, allocs: set[str]) -> Reason | None:
+    """Narrow the hosts that carry a tag of the layer, rule by rule; report the rule that empties it."""
+    _pk_layer, lname, str_tags, cores_min, mem_min, gpus_min, gpu_mem_min, threadable = layer[:8]
+    tags = sorted(parse_tags(str_tags))
+    need = _whole_cores_needed(cores_min, threadable)
+    demand = [f"{need} core(s)", f"{_gb(mem_min)} free"]
+    if gpus_min:
+        demand.append(f"{gpus_min} GPU(s)")
+    tag_text = ", ".join(f"`{t}`" for t in tags) or "(none)"
+    what = f"{' and '.join(demand)} and tag {tag_text}"
+    unblock_free = "Wait for running frames to free a host, or add hosts with that tag."
+    if not tags:
+        return Reason("no_tags", f"Layer {lname} has no tags: no host can match it.", "Give the layer a host tag.")
+    hosts = _all(HOSTS_SQL, {"tags": tags, "stale_after": dispatch_conf.lost_host_timeout()})
+    steps: list[tuple[str, Any, str]] = [
+        (
+            f"no host carries tag {tag_text}",
+            lambda h: True,
+            "Tag hosts for this layer, or change the layer's tags.",
+        ),
+        (
+            f"no UP and OPEN host with tag {tag_text} has pinged recently",
+            lambda h: h[5] == "UP" and h[6] == "OPEN" and h[7],
+            "Bring a host with that tag up, or unlock one.",
+        ),
+        (
+            f"no UP/OPEN host with tag {tag_text} is in the job's facility" + (f" and runs {job_os}" if job_os else ""),
+            lambda h: h[3] == facility and (job_os is None or h[4] == job_os),
+            "Add hosts in this facility (and OS), or change the job's OS.",
+        ),
+        (
+            f"no host with tag {tag_text} is on an allocation the show has burst room on",
+            lambda h: h[2] in allocs,
+            "Raise the burst of the show's subscription on the hosts' allocation, or subscribe it there.",
+        ),
+        (
+            f"no host with {need} idle core(s) and tag {tag_text}",
+            lambda h: h[9] >= need * CENTI and h[8] >= need * CENTI,
+            unblock_free,
+        ),
+        (f"no host with {what}", lambda h: h[10] >= mem_min, unblock_free),
+        (f"no host with {what}", lambda h: h[11] >= gpus_min and h[12] >= gpu_mem_min, unblock_free),
+    ]
+    remaining = list(hosts)
+    for text, keep, unblock in steps:
+        before = remaining
+        remaining = [h for h in remaining if keep(h)]
+        if not remaining:
+            detail = ""
+            if before and "free" in text:
+                best = max(h[10] for h in before)
+                detail = f" ({len(before)} candidate host(s); the most free memory is {_gb(best)})"
+            elif before and "idle core" in text:
+                best = max(h[9] for h in before) // CENTI
+                detail = f" ({len(before)} candidate host(s); the most idle cores is {best})"
+            elif before:
+                detail = f" ({len(before)} host(s) passed the previous checks)"
+            return Reason("no_host", f"Layer {lname}: {text}{detail}.", unblock)
+    return None
+
+
+def _finish(why: Why, view: dict[str, Any] | None) -> Why:
+    if not why.reasons and why.recorded is None:
+        if view is None or view.get("stale"):
+            why.reasons.append(
+                Reason(
+                    "scheduler_down",
+                    "Nothing in the database blocks this job, but no scheduler is running (or its view is stale).",
+                    "Start the scheduler (`manage.py run_scheduler`).",
+                )
+            )
+        else:
+            why.reasons.append(
+                Reason(
+                    "ok",
+                    "Nothing blocks this job now: a frame fits its caps and a host; the scheduler books it on "
+                    "its next cycle (higher-priority jobs go first).",
+                    "",
+                )
+            )
+    return why
+
+
+def explain_frame(frame: str, view: dict[str, Any] | None) -> Why:
+    row = _one(FRAME_SQL, {"frame": frame})
+    if row is None:
+        raise LookupError(frame)
+    pk, name, state, depend_count, job, layer, host = row
+    info = {"pk": pk, "name": name, "state": state, "depend": depend_count, "layer": layer, "host": host}
+    if state != "WAITING":
+        why = explain_job(job, view)
+        where = f" on {host}" if host else ""
+        why.reasons = [Reason("frame_state", f"Frame {name} is {state}{where}, not WAITING.", "Nothing to book.")]
+        why.recorded = None
+    elif depend_count:
+        why = explain_job(job, view)
+        why.reasons.insert(
+            0,
+            Reason(
+                "dependency",
+                f"Frame {name} waits on {depend_count} unmet dependency(ies).",
+                "The frames it depends on must finish first.",
+            ),
+        )
+    else:
+        why = explain_job(job, view, layer=layer)
+    why.frame = info
+    return why
