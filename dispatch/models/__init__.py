@@ -1,5 +1,7 @@
 """The Cuebot-mapped farm tables, one module per family."""
 
+from dispatch.models.api_tokens import ApiToken
+from dispatch.models.depends import Depend
 from dispatch.models.hosts import Host, HostStat, HostTag
 from dispatch.models.jobs import Frame, Job, JobResource, JobStat, Layer, LayerResource, LayerStat
 from dispatch.models.org import Alloc, Dept, Facility, Folder, FolderResource, Point, Show, Subscription
@@ -7,6 +9,8 @@ from dispatch.models.procs import Proc
 
 __all__ = [
     "Alloc",
+    "ApiToken",
+    "Depend",
     "Dept",
     "Facility",
     "Folder",

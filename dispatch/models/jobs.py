@@ -11,6 +11,7 @@ from __future__ import annotations
 from django.db import models
 
 from accounting import triggers as accounting_triggers
+from dispatch.models import depends as depend_triggers
 from dispatch.models import triggers as schema_triggers
 from dispatch.models.base import fk, now_default, one_to_one, pk_field
 
@@ -229,7 +230,7 @@ class Frame(models.Model):
             ),
             models.Index(fields=["job", "str_state"], name="i_frame_pk_job_state"),
         ]
-        triggers = schema_triggers.frame_stat_triggers()
+        triggers = [*schema_triggers.frame_stat_triggers(), *depend_triggers.frame_depend_triggers()]
 
     def __str__(self) -> str:
         return self.str_name

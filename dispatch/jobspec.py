@@ -1,0 +1,622 @@
+"""The job spec a pipeline tool writes (JSON), and its validation into a plan the submit writes.
+
+    {
+      "show": "demo", "name": "demo-sh010-light_v3", "user": "alice",
+      "folder": "lighting", "facility": "local", "dept": "lighting", "shot": "sh010",
+      "priority": 100, "max_retries": 3, "os": "linux", "max_cores": 200, "max_gpus": 4,
+      "paused": false,
+      "layers": [
+        {"name": "sim", "command": "sim -s #FRAME_START# -e #FRAME_END#", "range": "1-100",
+         "chunk_size": 10, "cores": 4, "memory": "8GB"},
+        {"name": "render", "command": "render -f #IFRAME# #JOB#", "range": "1-100x1",
+         "cores": 2, "memory": "16GB", "gpus": 1, "gpu_memory": "8GB", "tags": ["gpu"],
+         "threadable": true, "depends": [{"layer": "sim", "type": "frame"}]},
+        {"name": "movie", "command": "make_movie", "range": "1", "memory": "512MB",
+         "depends": [{"layer": "render", "type": "layer"}]}
+      ]
+    }
+
+Required: `show`, `name`, `layers`, and per layer `name`, `command`, `range`. Everything else
+has a default:
+
+* `user`: the submitter (the API's token user, the command's `--user` or login name);
+* `folder`: the show's default folder (b_default, else its only top-level folder). A folder
+  is never created here: a misspelt name would otherwise start an uncapped folder that
+  escapes its group's caps. A nested folder may be named by path (`"lighting/hero"`);
+* `facility`: the default facility (b_default), else the only one; `dept`: the folder's,
+  else the default one, else the only one;
+* `priority`: the folder's job priority if it sets one, else 1; `max_retries`: 3;
+* `max_cores` (whole cores) / `max_gpus`: the folder's job caps if it sets them, else the
+  show's `int_default_max_cores` / `int_default_max_gpus`; -1 means unlimited;
+* layer `chunk_size` 1, `cores` 1 (whole cores, >= 1), `memory` "4GB", `gpus` 0,
+  `gpu_memory` "0GB", `threadable` true, `depends` none;
+* layer `tags` (a list, or one string joined by `|`): the tags of the allocations the show
+  subscribes to in the job's facility, so the layer can run on any host the show may use.
+
+Memory takes a unit (KB, MB, GB, TB, binary: 1GB = 1024 MB; "1.5GB" is fine): a bare number
+is an error, since MB-versus-KB mistakes are the costliest kind. A dependency is
+`{"layer": NAME, "type": "frame" | "layer"}`: `frame` (frame by frame) lets frame N start once
+the other layer's frame N is done; `layer` waits for the whole other layer (dispatch.models.depends).
+
+Validation reports every error at once, each naming its field, and writes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.db import connection
+
+from dispatch.frameset import Chunk, FrameRangeError, chunk_frames, parse_frames
+from dispatch.models import Dept, Facility, Folder, Job, Show
+from dispatch.models.depends import FRAME_BY_FRAME, LAYER_ON_LAYER
+
+CENTICORES_PER_CORE = 100
+UNLIMITED = -1
+KB_PER_UNIT = {"K": 1, "M": 1024, "G": 1024**2, "T": 1024**3}
+MAX_MEMORY_KB = 1024**4  # 1 PB: anything larger is a typo
+MAX_FRAMES_PER_JOB = 200_000  # frame rows (after chunking) one submission may write
+MAX_LAYERS = 500
+MAX_CORES = 100_000
+DEFAULT_MEMORY_KB = 4 * 1024**2
+DEFAULT_MAX_RETRIES = 3
+
+NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
+USER_RE = re.compile(r"^[A-Za-z0-9_.@+\-]+$")
+TAG_RE = re.compile(r"^[^|\s]+$")
+_MEMORY_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT])(?:i?B)?\s*$", re.IGNORECASE)
+
+DEPEND_KINDS = {"frame": FRAME_BY_FRAME, "layer": LAYER_ON_LAYER}
+
+JOB_KEYS = {
+    "show": "show name (required)",
+    "name": "job name (required, unique)",
+    "layers": "list of layers (required)",
+    "user": "owner",
+    "folder": "folder (group) name or path",
+    "facility": "facility name",
+    "dept": "department name",
+    "shot": "shot",
+    "priority": "dispatch priority",
+    "max_retries": "retries per frame",
+    "os": "required host OS",
+    "max_cores": "job core cap (whole cores, -1 unlimited)",
+    "max_gpus": "job GPU cap (-1 unlimited)",
+    "paused": "submit paused",
+}
+LAYER_KEYS = {
+    "name",
+    "command",
+    "range",
+    "chunk_size",
+    "cores",
+    "memory",
+    "gpus",
+    "gpu_memory",
+    "tags",
+    "threadable",
+    "depends",
+}
+DEPEND_KEYS = {"layer", "type"}
+
+
+class SpecError(Exception):
+    """The spec cannot be submitted; `errors` lists every reason, one message each."""
+
+    def __init__(self, errors: list[str]) -> None:
+        super().__init__("; ".join(errors))
+        self.errors = errors
+
+
+@dataclass(frozen=True)
+class DependPlan:
+    on: str  # the layer depended on
+    kind: str  # LAYER_ON_LAYER or FRAME_BY_FRAME
+
+
+@dataclass
+class LayerPlan:
+    """A validated layer, in database units (centicores, KB)."""
+
+    name: str
+    command: str
+    range: str
+    chunk_size: int
+    cores: int
+    memory: int
+    gpus: int
+    gpu_memory: int
+    tags: list[str]
+    threadable: bool
+    depends: list[DependPlan]
+    chunks: list[Chunk]
+    order: int  # int_dispatch_order, 1-based in spec order
+
+    @property
+    def str_tags(self) -> str:
+        return " | ".join(self.tags)
+
+
+@dataclass
+class JobPlan:
+    """A validated job, its rows resolved; what `actions.submit_job` writes."""
+
+    name: str
+    user: str
+    show: Show
+    folder: Folder
+    facility: Facility
+    dept: Dept
+    shot: str
+    priority: int
+    max_retries: int
+    os: str | None
+    max_cores: int  # centicores, -1 unlimited
+    max_gpus: int
+    paused: bool
+    layers: list[LayerPlan] = field(default_factory=list)
+
+    @property
+    def frame_count(self) -> int:
+        return sum(len(layer.chunks) for layer in self.layers)
+
+
+def load_spec(text: str | bytes) -> dict[str, Any]:
+    """Decode a spec document; a SpecError says where the JSON is broken."""
+    try:
+        spec = json.loads(text)
+    except UnicodeDecodeError:
+        raise SpecError(["the spec is not UTF-8 text"]) from None
+    except json.JSONDecodeError as exc:
+        raise SpecError([f"the spec is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}"]) from None
+    if not isinstance(spec, dict):
+        raise SpecError([f"the spec must be a JSON object, not {type(spec).__name__}"])
+    return spec
+
+
+def parse_memory(value: Any, *, allow_zero: bool = False) -> int:
+    """'4GB' / '512MB' / '1.5G' / '2048KB' -> KB (binary units, rounded up). ValueError says why."""
+    if isinstance(value, bool) or isinstance(value, int | float):
+        raise ValueError(f"{value!r} has no unit: write e.g. '4GB' or '512MB'")
+    if not isinstance(value, str):
+        raise ValueError(f"must be a string with a unit such as '4GB', not {value!r}")
+    m = _MEMORY_RE.match(value)
+    if m is None:
+        if re.fullmatch(r"\s*\d+(\.\d+)?\s*", value):
+            raise ValueError(f"{value!r} has no unit: write e.g. '4GB' or '512MB'")
+        raise ValueError(f"{value!r} is not a memory size: write a number and KB, MB, GB or TB, e.g. '4GB'")
+    kb = math.ceil(float(m.group(1)) * KB_PER_UNIT[m.group(2).upper()])
+    if kb <= 0 and not allow_zero:
+        raise ValueError(f"{value!r} must be more than 0")
+    if kb > MAX_MEMORY_KB:
+        raise ValueError(f"{value!r} is more than 1 PB")
+    return kb
+
+
+# --- field readers: each appends its message to `errors` and returns a value or None -------------
+
+
+class _Reader:
+    def __init__(self, data: dict[str, Any], where: str, errors: list[str]) -> None:
+        self.data = data
+        self.where = where
+        self.errors = errors
+
+    def error(self, key: str | None, message: str) -> None:
+        self.errors.append(f"{self.where}{'.' + key if key else ''}: {message}")
+
+    def text(
+        self, key: str, *, required: bool = False, max_len: int = 4000, pattern: re.Pattern[str] | None = None
+    ) -> str | None:
+        value = self.data.get(key)
+        if value is None:
+            if required:
+                self.error(key, "is required")
+            return None
+        if not isinstance(value, str):
+            self.error(key, f"must be a string, not {value!r}")
+            return None
+        if not value.strip():
+            self.error(key, "must not be empty")
+            return None
+        if len(value) > max_len:
+            self.error(key, f"is longer than {max_len} characters")
+            return None
+        if pattern is not None and not pattern.match(value):
+            self.error(key, f"{value!r} may only contain letters, digits and {_allowed(pattern)}")
+            return None
+        return value
+
+    def integer(self, key: str, default: int | None, *, low: int, high: int, hint: str = "") -> int | None:
+        value = self.data.get(key)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int):
+            self.error(key, f"must be a whole number, not {value!r}")
+            return None
+        if not low <= value <= high:
+            self.error(key, hint or f"must be between {low} and {high}, not {value}")
+            return None
+        return value
+
+    def flag(self, key: str, default: bool) -> bool:
+        value = self.data.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            self.error(key, f"must be true or false, not {value!r}")
+            return default
+        return value
+
+    def unknown_keys(self, allowed: set[str] | dict[str, str]) -> None:
+        for key in sorted(set(self.data) - set(allowed)):
+            self.error(None, f"unknown field {key!r} (known: {', '.join(sorted(allowed))})")
+
+
+def _allowed(pattern: re.Pattern[str]) -> str:
+    return {NAME_RE.pattern: "_ . -", USER_RE.pattern: "_ . @ + -"}.get(pattern.pattern, "no spaces")
+
+
+def _cap(reader: _Reader, key: str, *, centi: bool) -> int | None:
+    """A job cap: -1 (unlimited) or >= 1; returns what the column stores."""
+    value = reader.integer(key, None, low=-1, high=10**7, hint="must be -1 (unlimited) or a number >= 1")
+    if value is None:
+        return None
+    if value == 0:
+        reader.error(key, "must be -1 (unlimited) or a number >= 1; 0 would read as unlimited")
+        return None
+    if value < 0:
+        return UNLIMITED
+    return value * CENTICORES_PER_CORE if centi else value
+
+
+# --- the layers -----------------------------------------------------------------------------
+
+
+def _plan_layer(data: Any, index: int, errors: list[str]) -> LayerPlan | None:
+    if not isinstance(data, dict):
+        errors.append(f"layers[{index}]: must be an object, not {data!r}")
+        return None
+    name = data.get("name")
+    where = f"layer {name!r}" if isinstance(name, str) and name.strip() else f"layers[{index}]"
+    r = _Reader(data, where, errors)
+    before = len(errors)
+    r.unknown_keys(LAYER_KEYS)
+    name = r.text("name", required=True, max_len=200, pattern=NAME_RE)
+    command = r.text("command", required=True)
+    range_spec = r.text("range", required=True)
+    chunk_size = r.integer("chunk_size", 1, low=1, high=1_000_000, hint="must be a whole number >= 1")
+    cores = r.integer("cores", 1, low=1, high=MAX_CORES, hint=f"must be a whole number of cores from 1 to {MAX_CORES}")
+    gpus = r.integer("gpus", 0, low=0, high=1000)
+    threadable = r.flag("threadable", True)
+    memory = _memory(r, "memory", DEFAULT_MEMORY_KB, allow_zero=False)
+    gpu_memory = _memory(r, "gpu_memory", 0, allow_zero=True)
+    tags = _tags(r)
+    depends = _depends(r)
+    chunks: list[Chunk] = []
+    if range_spec is not None:
+        try:
+            frames = parse_frames(range_spec)
+        except FrameRangeError as exc:
+            r.error("range", str(exc))
+        else:
+            if chunk_size is not None:
+                chunks = chunk_frames(frames, chunk_size)
+    if len(errors) > before:
+        return None
+    assert name and command and range_spec and chunk_size and cores and memory is not None
+    assert gpus is not None and gpu_memory is not None and tags is not None and depends is not None
+    return LayerPlan(
+        name=name,
+        command=command,
+        range=range_spec.strip(),
+        chunk_size=chunk_size,
+        cores=cores * CENTICORES_PER_CORE,
+        memory=memory,
+        gpus=gpus,
+        gpu_memory=gpu_memory,
+        tags=tags,
+        threadable=threadable,
+        depends=depends,
+        chunks=chunks,
+        order=index + 1,
+    )
+
+
+def _memory(r: _Reader, key: str, default: int, *, allow_zero: bool) -> int | None:
+    value = r.data.get(key)
+    if value is None:
+        return default
+    try:
+        return parse_memory(value, allow_zero=allow_zero)
+    except ValueError as exc:
+        r.error(key, str(exc))
+        return None
+
+
+def _tags(r: _Reader) -> list[str] | None:
+    """[] means 'not given' (the submit fills in the show's allocation tags)."""
+    value = r.data.get("tags")
+    if value is None:
+        return []
+    if isinstance(value, str):
+        items: list[Any] = [t.strip() for t in value.split("|")]
+    elif isinstance(value, list):
+        items = value
+    else:
+        r.error("tags", f"must be a list of tags or a string of tags joined by '|', not {value!r}")
+        return None
+    tags: list[str] = []
+    for item in items:
+        if not isinstance(item, str) or not TAG_RE.match(item) or len(item) > 45:
+            r.error("tags", f"{item!r} is not a tag (1-45 characters, no spaces or '|')")
+            return None
+        if item not in tags:
+            tags.append(item)
+    if not tags:
+        r.error("tags", "is empty: leave it out to use the show's allocation tags")
+        return None
+    return tags
+
+
+def _depends(r: _Reader) -> list[DependPlan] | None:
+    value = r.data.get("depends")
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        r.error("depends", f'must be a list of {{"layer": NAME, "type": "frame" | "layer"}}, not {value!r}')
+        return None
+    out: list[DependPlan] = []
+    ok = True
+    for i, item in enumerate(value):
+        d = _Reader(item if isinstance(item, dict) else {}, f"{r.where}.depends[{i}]", r.errors)
+        if not isinstance(item, dict):
+            d.error(None, f'must be {{"layer": NAME, "type": "frame" | "layer"}}, not {item!r}')
+            ok = False
+            continue
+        d.unknown_keys(DEPEND_KEYS)
+        on = d.text("layer", required=True, max_len=200)
+        kind = item.get("type")
+        if kind not in DEPEND_KINDS:
+            d.error("type", f"must be 'frame' (frame by frame) or 'layer' (the whole layer), not {kind!r}")
+            ok = False
+            continue
+        if on is None:
+            ok = False
+            continue
+        plan = DependPlan(on=on, kind=DEPEND_KINDS[kind])
+        if any(p.on == on for p in out):
+            d.error("layer", f"depends on {on!r} more than once")
+            ok = False
+            continue
+        out.append(plan)
+    return out if ok else None
+
+
+def _check_graph(layers: list[LayerPlan], errors: list[str]) -> None:
+    names = {layer.name for layer in layers}
+    graph: dict[str, list[str]] = {}
+    for layer in layers:
+        for dep in layer.depends:
+            if dep.on not in names:
+                known = ", ".join(sorted(names))
+                errors.append(f"layer {layer.name!r}.depends: unknown layer {dep.on!r} (layers: {known})")
+            elif dep.on == layer.name:
+                errors.append(f"layer {layer.name!r}.depends: a layer cannot depend on itself")
+            else:
+                graph.setdefault(layer.name, []).append(dep.on)
+    for cycle in _cycles(graph):
+        errors.append(f"dependency cycle: {' -> '.join(cycle)}")
+
+
+def _cycles(graph: dict[str, list[str]]) -> list[list[str]]:
+    """One path per distinct cycle (as a set of layers), found by depth-first search."""
+    state: dict[str, int] = {}  # 1 on the stack, 2 finished
+    stack: list[str] = []
+    found: list[list[str]] = []
+    seen: set[frozenset[str]] = set()
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in graph.get(node, ()):
+            if state.get(nxt) == 1:
+                cycle = [*stack[stack.index(nxt) :], nxt]
+                key = frozenset(cycle)
+                if key not in seen:
+                    seen.add(key)
+                    found.append(cycle)
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    return found
+
+
+# --- the database side ----------------------------------------------------------------------
+
+
+ALLOC_TAGS_SQL = """
+SELECT DISTINCT a.str_tag FROM subscription s JOIN alloc a ON a.pk_alloc = s.pk_alloc
+WHERE s.pk_show = %s AND a.pk_facility = %s AND a.str_tag IS NOT NULL AND a.str_tag <> ''
+ORDER BY a.str_tag
+"""
+
+
+def _one_by_name(model: type, name: str | None, what: str, errors: list[str]) -> Any:
+    """The row named `name`; else the b_default one; else the only one; else an error."""
+    if name is not None:
+        row = model.objects.filter(str_name=name).first()
+        if row is None:
+            known = list(model.objects.order_by("str_name").values_list("str_name", flat=True)[:20])
+            errors.append(f"{what}: unknown {what} {name!r} (known: {', '.join(known) or 'none'})")
+        return row
+    default = model.objects.filter(b_default=True).order_by("str_name").first()
+    if default is not None:
+        return default
+    only = list(model.objects.all()[:2])
+    if len(only) == 1:
+        return only[0]
+    errors.append(f"{what}: none given and there is no default {what}: name one")
+    return None
+
+
+def _folder(show: Show, path: str | None, errors: list[str]) -> Folder | None:
+    folders = list(Folder.objects.filter(show=show).only("pk_folder", "str_name", "parent_folder_id", "b_default"))
+    if path is None:
+        default = [f for f in folders if f.b_default] or [f for f in folders if f.parent_folder_id is None]
+        if len(default) == 1:
+            return default[0]
+        errors.append(f"folder: none given and show {show.str_name!r} has no single default folder: name one")
+        return None
+    parts = [p for p in path.split("/") if p]
+    candidates = [f for f in folders if f.str_name == parts[-1]] if parts else []
+    if len(parts) > 1:
+        by_pk = {f.pk_folder: f for f in folders}
+
+        def path_of(f: Folder) -> list[str]:
+            names = [f.str_name]
+            while f.parent_folder_id is not None and f.parent_folder_id in by_pk:
+                f = by_pk[f.parent_folder_id]
+                names.append(f.str_name)
+            return names[::-1]
+
+        candidates = [f for f in candidates if path_of(f)[-len(parts) :] == parts]
+    if len(candidates) == 1:
+        return candidates[0]
+    if not candidates:
+        known = ", ".join(sorted({f.str_name for f in folders})) or "none"
+        errors.append(f"folder: show {show.str_name!r} has no folder {path!r} (folders: {known})")
+    else:
+        errors.append(f"folder: {path!r} names {len(candidates)} folders of show {show.str_name!r}: give its path")
+    return None
+
+
+def plan_job(spec: Any, *, user: str | None) -> JobPlan:
+    """Validate a decoded spec against the database; raises SpecError listing every problem.
+
+    `user` is the owner when the spec names none. Reads only; the caller writes the plan
+    (`actions.submit_job`), in the same transaction so the checks still hold at commit.
+    """
+    errors: list[str] = []
+    if not isinstance(spec, dict):
+        raise SpecError([f"the spec must be a JSON object, not {type(spec).__name__}"])
+    r = _Reader(spec, "job", errors)
+    r.unknown_keys(JOB_KEYS)
+    show_name = r.text("show", required=True, max_len=512)
+    name = r.text("name", required=True, max_len=255, pattern=NAME_RE)
+    owner = r.text("user", max_len=32, pattern=USER_RE)
+    if owner is None and "user" not in spec:
+        owner = user
+        if owner is None:
+            r.error("user", "is required (no submitting user is known)")
+        elif not USER_RE.match(owner) or len(owner) > 32:
+            r.error("user", f"the submitting user {owner!r} cannot own a job (up to 32 of letters, digits, _.@+-)")
+            owner = None
+    folder_path = r.text("folder", max_len=1000)
+    facility_name = r.text("facility", max_len=36)
+    dept_name = r.text("dept", max_len=36)
+    shot = r.text("shot", max_len=64) or ""
+    priority = r.integer("priority", None, low=0, high=1_000_000)
+    max_retries = r.integer("max_retries", DEFAULT_MAX_RETRIES, low=0, high=100)
+    os_name = r.text("os", max_len=12)
+    max_cores = _cap(r, "max_cores", centi=True)
+    max_gpus = _cap(r, "max_gpus", centi=False)
+    paused = r.flag("paused", False)
+
+    layers: list[LayerPlan] = []
+    raw_layers = spec.get("layers")
+    if raw_layers is None:
+        r.error("layers", "is required: a list of at least one layer")
+    elif not isinstance(raw_layers, list) or not raw_layers:
+        r.error("layers", "must be a list of at least one layer")
+    elif len(raw_layers) > MAX_LAYERS:
+        r.error("layers", f"has more than {MAX_LAYERS} layers")
+    else:
+        names: dict[str, int] = {}
+        for i, raw in enumerate(raw_layers):
+            layer = _plan_layer(raw, i, errors)
+            raw_name = raw.get("name") if isinstance(raw, dict) else None
+            if isinstance(raw_name, str):
+                if raw_name in names:
+                    errors.append(f"layers[{i}]: duplicate layer name {raw_name!r} (also layers[{names[raw_name]}])")
+                else:
+                    names[raw_name] = i
+            if layer is not None:
+                layers.append(layer)
+        if len(layers) == len(raw_layers):
+            _check_graph(layers, errors)
+            total = sum(len(layer.chunks) for layer in layers)
+            if total > MAX_FRAMES_PER_JOB:
+                r.error("layers", f"make {total} frames; one job may have at most {MAX_FRAMES_PER_JOB}")
+
+    # The database: show, folder, facility, dept, name, default tags.
+    show = folder = facility = dept = None
+    if show_name is not None:
+        show = Show.objects.filter(str_name=show_name).first()
+        if show is None:
+            errors.append(f"show: unknown show {show_name!r}")
+        elif not show.b_active:
+            errors.append(f"show: show {show_name!r} is not active")
+    facility = _one_by_name(Facility, facility_name, "facility", errors)
+    if show is not None:
+        folder = _folder(show, folder_path, errors)
+    if dept_name is None and folder is not None and folder.dept_id is not None:
+        dept = Dept.objects.filter(pk=folder.dept_id).first()
+    if dept is None:
+        dept = _one_by_name(Dept, dept_name, "dept", errors)
+    if name is not None and Job.objects.filter(str_name=name).exists():
+        errors.append(f"name: a job named {name!r} already exists")
+    if show is not None and facility is not None and any(not layer.tags for layer in layers):
+        tags = _alloc_tags(show, facility)
+        for layer in layers:
+            if layer.tags:
+                continue
+            if tags:
+                layer.tags = list(tags)
+            else:
+                errors.append(
+                    f"layer {layer.name!r}.tags: none given, and show {show.str_name!r} subscribes to no "
+                    f"allocation in facility {facility.str_name!r} to take them from"
+                )
+    if errors:
+        raise SpecError(errors)
+    assert show is not None and folder is not None and facility is not None and dept is not None
+    assert name is not None and owner is not None and max_retries is not None
+
+    if priority is None:
+        priority = folder.int_job_priority if folder.int_job_priority >= 0 else 1
+    if max_cores is None:
+        max_cores = folder.int_job_max_cores if folder.int_job_max_cores > 0 else show.int_default_max_cores
+    if max_gpus is None:
+        max_gpus = folder.int_job_max_gpus if folder.int_job_max_gpus > 0 else show.int_default_max_gpus
+    return JobPlan(
+        name=name,
+        user=owner,
+        show=show,
+        folder=folder,
+        facility=facility,
+        dept=dept,
+        shot=shot,
+        priority=priority,
+        max_retries=max_retries,
+        os=os_name,
+        max_cores=max_cores,
+        max_gpus=max_gpus,
+        paused=paused,
+        layers=layers,
+    )
+
+
+def _alloc_tags(show: Show, facility: Facility) -> list[str]:
+    with connection.cursor() as cur:
+        cur.execute(ALLOC_TAGS_SQL, [show.pk_show, facility.pk_facility])
+        return [row[0] for row in cur.fetchall()]
