@@ -116,6 +116,11 @@ def simulated_launch_failure_rate() -> float:
     return env_float("CUESCHED_SIM_LAUNCH_FAILURE_RATE", 0.0)
 
 
+def simulated_heartbeat() -> bool:
+    """The simulated launcher pings every UP host (no agent does): off to let a host go silent."""
+    return env_bool("CUESCHED_SIM_HEARTBEAT", True)
+
+
 def simulated_seed() -> int | None:
     raw = env_str("CUESCHED_SIM_SEED", "")
     return int(raw) if raw else None

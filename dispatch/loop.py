@@ -290,6 +290,7 @@ class DispatchLoop:
             self._complete(conn, stats)
             now = time.monotonic()
             if now - self._lost_swept_at >= self.lost_host_sweep_interval:
+                self.launcher.heartbeat(conn)
                 self._sweep_lost_hosts(conn, stats)
                 self._lost_swept_at = now
             if now - self._hosts_loaded_at >= self.host_refresh_interval:

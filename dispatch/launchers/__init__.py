@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    import psycopg
+
     from dispatch.completion import Completion
     from dispatch.dispatcher import Booking
 
@@ -48,6 +50,11 @@ class Launcher(Protocol):
 
     def kill(self, pk_proc: str) -> None:
         """Best effort: stop a running frame (its release goes through the completion path)."""
+        ...
+
+    def heartbeat(self, conn: psycopg.Connection) -> None:
+        """Called before each lost-host sweep. Real agents heartbeat host_stat.ts_ping themselves
+        and do nothing here; a launcher whose hosts have no agent (simulated) pings for them."""
         ...
 
     def close(self) -> None: ...

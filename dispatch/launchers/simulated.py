@@ -5,6 +5,10 @@ uniformly from [runtime_min, runtime_max] seconds (both 0: it completes at the n
 it exits 1 with probability `failure_rate` (to exercise retries), and a launch fails with
 probability `launch_failure_rate` (to exercise compensation). Completions go back through
 the normal completion path, so releases really come from the proc delete trigger.
+
+No agent runs either, so nothing would refresh host_stat.ts_ping and every seeded host would
+be declared lost after the lost-host timeout: the launcher pings every UP host itself before
+each lost-host sweep (`heartbeat=False` turns that off, to let a test silence a host).
 """
 
 from __future__ import annotations
@@ -17,12 +21,18 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+import psycopg
+
 from dispatch import conf
 from dispatch.completion import Completion
 from dispatch.launchers import register
 
 if TYPE_CHECKING:
     from dispatch.dispatcher import Booking
+
+
+# The simulated agents are all alive: every UP host pings (only rows that need it are written).
+PING_HOSTS_SQL = "UPDATE host_stat SET ts_ping = now() WHERE str_state = 'UP' AND ts_ping < now() - interval '1 second'"
 
 
 @register("simulated")
@@ -39,6 +49,7 @@ class SimulatedLauncher:
         seed: int | None = None,
         fail_launch: Callable[[Booking], bool] | None = None,
         exit_status: Callable[[Booking], int | None] | None = None,
+        heartbeat: bool | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.runtime_min = conf.simulated_runtime_min() if runtime_min is None else runtime_min
@@ -54,6 +65,7 @@ class SimulatedLauncher:
         self.fail_launch = fail_launch
         self.exit_status = exit_status
         self._clock = clock
+        self.pings_hosts = conf.simulated_heartbeat() if heartbeat is None else heartbeat
         self._lock = threading.Lock()
         self._heap: list[tuple[float, int, str, int]] = []
         self._seq = itertools.count()
@@ -111,6 +123,11 @@ class SimulatedLauncher:
         with self._lock:
             if any(entry[2] == pk_proc for entry in self._heap):
                 self._killed.add(pk_proc)
+
+    def heartbeat(self, conn: psycopg.Connection) -> None:
+        if self.pings_hosts:
+            with conn.cursor() as cur:
+                cur.execute(PING_HOSTS_SQL)
 
     def close(self) -> None:
         with self._lock:

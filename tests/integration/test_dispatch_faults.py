@@ -69,7 +69,8 @@ def test_lost_host_frames_return_to_waiting_and_procs_are_released() -> None:
     farm = seed("lost", **{**ONE_CORE, "hosts": 2, "allocs": 1, "manual_tags": 0, "jobs": 2, "frames_per_layer": 3})
     with running_scheduler() as proc, autocommit() as conn, listening(("acct_release",)) as releases:
         service = proc.service
-        loop = make_loop(service, fast_launcher(**LONG), lost_host_timeout=30, lost_host_sweep_interval=0)
+        launcher = fast_launcher(heartbeat=False, **LONG)  # no simulated agent pings for the silent host
+        loop = make_loop(service, launcher, lost_host_timeout=30, lost_host_sweep_interval=0)
         with loop:
             assert loop.run_once().booked == 6
             lost_host, lost_procs = conn.execute(
@@ -99,6 +100,18 @@ def test_lost_host_frames_return_to_waiting_and_procs_are_released() -> None:
                 loop.run_once()
             assert scalar(conn, "SELECT count(*) FROM proc WHERE pk_host = %s", (lost_host,)) == 0
             assert scalar(conn, "SELECT count(*) FROM frame WHERE str_state = 'RUNNING'") == 6
+
+
+def test_the_simulated_launcher_pings_for_its_hosts_so_none_is_lost() -> None:
+    """Seeded hosts have no agent: without the simulated pings they would all be lost."""
+    seed("ping", **{**ONE_CORE, "jobs": 1, "frames_per_layer": 2})
+    with running_scheduler() as proc, autocommit() as conn:
+        conn.execute("UPDATE host_stat SET ts_ping = now() - interval '1 hour'")
+        loop = make_loop(proc.service, fast_launcher(**LONG), lost_host_timeout=30, lost_host_sweep_interval=0)
+        with loop:
+            stats = loop.run_once()
+        assert stats.booked == 2 and stats.lost_released == 0
+        assert scalar(conn, "SELECT count(*) FROM host_stat WHERE ts_ping < now() - interval '30 seconds'") == 0
 
 
 def test_the_loop_survives_its_connection_being_killed_mid_drain() -> None:
