@@ -69,7 +69,7 @@ class EventAdmin(admin.ModelAdmin):
     list_filter = ("pgh_created_at", "db_role")
     date_hierarchy = "pgh_created_at"
     list_select_related = ("pgh_context",)
-    search_fields = ("pgh_obj_id",)
+    search_fields: tuple[str, ...] = ()
 
     def get_list_display(self, request: HttpRequest) -> tuple[str, ...]:
         return ("pgh_created_at", "target", "change", "who", "db_role")
@@ -110,18 +110,21 @@ class EventAdmin(admin.ModelAdmin):
 @admin.register(SubscriptionCapEvent)
 class SubscriptionCapEventAdmin(EventAdmin):
     kind = "sub"
+    search_fields = ("pk_subscription", "show__str_name", "alloc__str_name")
     columns = ["int_burst", "int_size"]
 
 
 @admin.register(FolderCapEvent)
 class FolderCapEventAdmin(EventAdmin):
     kind = "folder"
+    search_fields = ("pk_folder_resource", "folder__str_name")
     columns = ["int_max_cores", "int_max_gpus"]
 
 
 @admin.register(JobCapEvent)
 class JobCapEventAdmin(EventAdmin):
     kind = "job"
+    search_fields = ("pk_job_resource", "job__str_name")
     columns = ["int_max_cores", "int_max_gpus"]
 
 

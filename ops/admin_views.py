@@ -289,11 +289,13 @@ def _matching(kind: str, q: str) -> Q:
     if kind == "flip":
         return Q(pk_show__icontains=q) | Q(str_name__icontains=q)
     if kind == "sub":
-        shows = Show.objects.filter(str_name__icontains=q).values("pk")
-        return Q(pgh_obj_id__icontains=q) | Q(show__in=shows)
+        shows = Show.objects.filter(Q(str_name__icontains=q) | Q(pk__icontains=q)).values("pk")
+        return Q(pk_subscription__icontains=q) | Q(show__in=shows)
     if kind == "folder":
-        return Q(pgh_obj_id__icontains=q) | Q(folder__in=Folder.objects.filter(str_name__icontains=q).values("pk"))
-    return Q(pgh_obj_id__icontains=q) | Q(job__in=Job.objects.filter(str_name__icontains=q).values("pk"))
+        folders = Folder.objects.filter(Q(str_name__icontains=q) | Q(pk__icontains=q)).values("pk")
+        return Q(pk_folder_resource__icontains=q) | Q(folder__in=folders)
+    jobs = Job.objects.filter(Q(str_name__icontains=q) | Q(pk__icontains=q)).values("pk")
+    return Q(pk_job_resource__icontains=q) | Q(job__in=jobs)
 
 
 def audit_events(

@@ -96,3 +96,14 @@ def require(allowed: bool) -> None:
     """Refuse the request (403) unless `allowed`; views call this before any write."""
     if not allowed:
         raise PermissionDenied
+
+
+def ensure_groups() -> None:
+    """Create or complete the two groups from GROUP_PERMISSIONS (the migration does this once;
+    a flushed test database or a hand-edited group is repaired by calling it again)."""
+    from django.contrib.auth.models import Group, Permission
+
+    for name, perms in GROUP_PERMISSIONS.items():
+        group, _ = Group.objects.get_or_create(name=name)
+        wanted = [Permission.objects.get(content_type__app_label=app, codename=code) for app, code in perms]
+        group.permissions.set(wanted)
