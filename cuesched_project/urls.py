@@ -1,10 +1,11 @@
-"""URL routes: the Django admin is the ops console."""
+"""URL routes: the Django admin is the ops console; /api/ is the JSON API (dispatch.api)."""
 
 from django.contrib import admin
-from django.urls import path
+from django.urls import include, path
 from django.views.generic import RedirectView
 
 urlpatterns = [
     path("", RedirectView.as_view(url="/admin/", permanent=False)),
     path("admin/", admin.site.urls),
+    path("api/", include("dispatch.urls")),
 ]

@@ -21,7 +21,7 @@ AdminAction = Callable[[admin.ModelAdmin, HttpRequest, QuerySet[Job]], None]
 
 def _job_action(run: Callable[..., job_actions.JobActionResult], label: str, done: str) -> AdminAction:
     def action(modeladmin: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Job]) -> None:
-        jobs = list(queryset.only("pk_job", "str_name"))
+        jobs = list(queryset.select_related(None).only("pk_job", "str_name"))
         total = sum(run(job, actor=request.user).changed for job in jobs)
         modeladmin.message_user(request, f"{done}: {total} (over {len(jobs)} selected jobs)", messages.SUCCESS)
 

@@ -167,10 +167,13 @@ class JobPlan:
 
 def load_spec(text: str | bytes) -> dict[str, Any]:
     """Decode a spec document; a SpecError says where the JSON is broken."""
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError:
+            raise SpecError(["the spec is not UTF-8 text"]) from None
     try:
         spec = json.loads(text)
-    except UnicodeDecodeError:
-        raise SpecError(["the spec is not UTF-8 text"]) from None
     except json.JSONDecodeError as exc:
         raise SpecError([f"the spec is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}"]) from None
     if not isinstance(spec, dict):

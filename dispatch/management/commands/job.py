@@ -1,0 +1,84 @@
+"""`manage.py job ACTION JOB ...`: control a job by id or name (calls dispatch.actions).
+
+job pause JOB | job resume JOB | job kill JOB
+job retry JOB [FRAME ...] [--layer L]     DEAD frames (all, or the named ones) run again
+job eat JOB [FRAME ...] [--layer L]       WAITING/DEAD/DEPEND frames done without running
+job priority JOB N
+job max-cores JOB N                       whole cores, -1 for unlimited
+job show JOB                              state, counters and caps as JSON
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+from argparse import ArgumentParser
+from typing import Any
+
+from django.core.exceptions import ValidationError
+from django.core.management.base import BaseCommand, CommandError
+
+from dispatch import actions
+from dispatch.api import describe_job
+
+
+class Command(BaseCommand):
+    help = "Pause, resume, kill, retry, eat, set the priority or max cores of a job (by id or name)."
+
+    def add_arguments(self, parser: ArgumentParser) -> None:
+        sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+        for name, text in (("pause", "stop starting frames"), ("resume", "start frames again"),
+                           ("kill", "finish the job now, stopping its running frames"),
+                           ("show", "print the job as JSON")):  # fmt: skip
+            sub.add_parser(name, help=text).add_argument("job", help="job id or name")
+        for name, text in (("retry", "run DEAD frames again"), ("eat", "mark frames done without running")):
+            p = sub.add_parser(name, help=text)
+            p.add_argument("job", help="job id or name")
+            p.add_argument("frames", nargs="*", help="frame names (0001-layer) or ids; default: all")
+            p.add_argument("--layer", help="only this layer")
+        p = sub.add_parser("priority", help="set the dispatch priority")
+        p.add_argument("job", help="job id or name")
+        p.add_argument("value", type=int)
+        p = sub.add_parser("max-cores", help="set the job's core cap in whole cores (-1 unlimited)")
+        p.add_argument("job", help="job id or name")
+        p.add_argument("value", type=int)
+
+    def handle(self, *args: Any, action: str, job: str, **options: Any) -> None:
+        actor = f"cli:{getpass.getuser()}"
+        try:
+            target = actions.resolve_job(job)
+            if action == "show":
+                self.stdout.write(json.dumps(describe_job(target), indent=2))
+                return
+            if action in ("pause", "resume", "kill"):
+                run = {"pause": actions.pause_job, "resume": actions.resume_job, "kill": actions.kill_job}[action]
+                result = run(target, actor=actor)
+            elif action in ("retry", "eat"):
+                run_frames = actions.retry_frames if action == "retry" else actions.eat_frames
+                result = run_frames(target, options["frames"] or None, layer=options["layer"], actor=actor)
+            elif action == "priority":
+                result = actions.set_priority(target, options["value"], actor=actor)
+            else:
+                result = actions.set_max_cores(target, options["value"], actor=actor)
+        except actions.JobNotFound as exc:
+            raise CommandError(str(exc)) from None
+        except ValidationError as exc:
+            raise CommandError("; ".join(exc.messages)) from None
+        self.stdout.write(_describe(target.str_name, result))
+
+
+def _describe(name: str, result: actions.JobActionResult) -> str:
+    d = result.detail
+    if result.action in ("pause", "resume"):
+        done = "paused" if result.action == "pause" else "resumed"
+        return f"{name}: {done}" if result.changed else f"{name}: already {done}"
+    if result.action == "kill":
+        return f"{name}: killed ({d['released']} running frames released, {d['eaten']} frames eaten)"
+    if result.action == "retry":
+        return f"{name}: {result.changed} frames to retry" + (" (job reopened)" if d.get("reopened") else "")
+    if result.action == "eat":
+        return f"{name}: {result.changed} frames eaten" + (" (job finished)" if d.get("finished") else "")
+    if result.action == "priority":
+        return f"{name}: priority {d['priority']}" + ("" if result.changed else " (unchanged)")
+    warnings = "".join(f"\nwarning: {w}" for w in d.get("warnings", ()))
+    return f"{name}: max cores {d['max_cores']}" + ("" if result.changed else " (unchanged)") + warnings

@@ -1,0 +1,13 @@
+"""The JSON API's routes, included under /api/ (see dispatch.api for the contract)."""
+
+from django.urls import path
+
+from dispatch import api
+
+app_name = "api"
+
+urlpatterns = [
+    path("jobs", api.submit, name="jobs"),
+    path("jobs/<str:ref>", api.job_detail, name="job"),
+    path("jobs/<str:ref>/<str:action>", api.job_action, name="job-action"),
+]
