@@ -1,0 +1,207 @@
+"""Submitted jobs on the real runtime: the Store caps a new job at once, dependencies run in order
+on the simulated launcher, and a kill releases every proc (the Store and SUM(proc) agree)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import psycopg
+import pytest
+
+from accounting.service import AccountingService
+from dispatch.actions import kill_job, submit_job
+from dispatch.seeding import FarmSpec, seed_farm, show_name
+from tests.integration.dispatch_support import (
+    autocommit,
+    drain,
+    fast_launcher,
+    make_loop,
+    scalar,
+    violations,
+    wait_for,
+)
+from tests.integration.runtime_support import running_scheduler
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def _farm(prefix: str, *, managed: bool = True, hosts: int = 3, cores: int = 8) -> str:
+    """Show, one allocation (its tag on every host), root folder; no jobs. Returns the show name."""
+    spec = FarmSpec(
+        prefix=prefix,
+        managed=managed,
+        jobs=0,
+        hosts=hosts,
+        allocs=1,
+        manual_tags=0,
+        host_cores_choices=(cores,),
+        host_mem_gb_choices=(32,),
+    )
+    seed_farm(spec)
+    return show_name(prefix, 0)
+
+
+def _job(show: str, name: str, frames: int, **overrides: Any) -> dict[str, Any]:
+    layer = {"name": "main", "command": "true", "range": f"1-{frames}", "cores": 1, "memory": "1GB"}
+    return {"show": show, "name": name, "user": "alice", "layers": [layer], **overrides}
+
+
+def _store_agrees_with_procs(conn: psycopg.Connection, service: AccountingService, jobs: list[str]) -> bool:
+    """The Store's live cores equal SUM(proc) for the subscription, folder and these jobs."""
+    snap = service.store.audit_snapshot()
+    rows = conn.execute(
+        "SELECT j.pk_show, h.pk_alloc, j.pk_folder, p.pk_job, p.int_cores_reserved FROM proc p"
+        " JOIN host h ON h.pk_host = p.pk_host JOIN job j ON j.pk_job = p.pk_job WHERE NOT p.b_local"
+    ).fetchall()
+    want: dict[tuple[str, Any], int] = {}
+    for show, alloc, folder, job, cc in rows:
+        for key in (("sub", (show, alloc)), ("folder", folder), ("job", job)):
+            want[key] = want.get(key, 0) + cc // 100
+    for job in jobs:
+        want.setdefault(("job", job), 0)
+    for (kind, key), cores in want.items():
+        got = getattr(snap, kind).get(key, (0, 0))[0]
+        if got != cores:
+            return False
+    for (show, alloc), (cores, _gpus) in snap.sub.items():
+        if want.get(("sub", (show, alloc)), 0) != cores:
+            return False
+    return True
+
+
+def test_a_job_with_dependencies_runs_in_dependency_order_and_finishes() -> None:
+    show = _farm("sdo")
+    spec = {
+        "show": show,
+        "name": "sdo-shot-v1",
+        "user": "alice",
+        "max_cores": 6,
+        "max_gpus": 2,
+        "layers": [
+            {"name": "sim", "command": "sim #FRAMESPEC#", "range": "1-6", "chunk_size": 3, "memory": "1GB"},
+            {"name": "render", "command": "render #IFRAME#", "range": "1-6", "memory": "1GB",
+             "depends": [{"layer": "sim", "type": "frame"}]},
+            {"name": "movie", "command": "movie", "range": "1", "memory": "1GB",
+             "depends": [{"layer": "render", "type": "layer"}]},
+        ],
+    }  # fmt: skip
+    with running_scheduler() as proc, autocommit() as conn:
+        service = proc.service
+        result = submit_job(spec, user="alice")
+        job = result.job_id
+        # The job_resource insert and cap update notifications cap the job in the Store at once.
+        wait_for(lambda: service.store.job_cap(job) == (6, 2), what="the job's caps in the Store")
+
+        seen: list[tuple[str, int, bool]] = []
+
+        def launched(booking: Any) -> int:
+            """At each launch, are the frames this one depends on done? (read from the database)."""
+            layer, number = booking.layer.name, booking.frame.number
+            if layer == "sim":
+                ready = True
+            elif layer == "render":
+                sim = "0001-sim" if number <= 3 else "0004-sim"
+                ready = scalar(conn, "SELECT str_state FROM frame WHERE pk_job = %s AND str_name = %s", (job, sim)) == (
+                    "SUCCEEDED"
+                )
+            else:
+                ready = (
+                    scalar(
+                        conn,
+                        "SELECT count(*) FROM frame f JOIN layer l ON l.pk_layer = f.pk_layer"
+                        " WHERE f.pk_job = %s AND l.str_name = 'render' AND f.str_state <> 'SUCCEEDED'",
+                        (job,),
+                    )
+                    == 0
+                )
+            seen.append((layer, number, ready))
+            return 0
+
+        loop = make_loop(service, fast_launcher(exit_status=launched), max_jobs=5, frames_per_layer=4)
+        totals = drain(loop)
+
+        assert sorted((layer, n) for layer, n, _ready in seen) == sorted(
+            [("sim", 1), ("sim", 4)] + [("render", n) for n in range(1, 7)] + [("movie", 1)]
+        )
+        assert [s for s in seen if not s[2]] == []  # nothing started before what it waits for
+        assert seen[-1][0] == "movie"
+        assert totals.booked == totals.completed == 9
+        states = dict(conn.execute("SELECT str_state, count(*) FROM frame WHERE pk_job = %s GROUP BY 1", (job,)))
+        assert states == {"SUCCEEDED": 9}
+        assert scalar(conn, "SELECT str_state FROM job WHERE pk_job = %s", (job,)) == "FINISHED"
+        assert scalar(conn, "SELECT count(*) FROM depend WHERE b_active OR ts_satisfied IS NULL") == 0
+        assert violations(conn) == []
+        wait_for(lambda: _store_agrees_with_procs(conn, service, [job]), what="Store = SUM(proc)")
+
+
+@pytest.mark.parametrize("managed", [True, False], ids=["managed", "database-enforced"])
+def test_kill_of_a_running_job_releases_every_proc(managed: bool) -> None:
+    show = _farm("skl" if managed else "sku", managed=managed)
+    with running_scheduler() as proc, autocommit() as conn:
+        service = proc.service
+        victim = submit_job(_job(show, "victim", 6), user="alice").job_id
+        other = submit_job(_job(show, "bystander", 3), user="bob").job_id
+        launcher = fast_launcher(runtime_min=60.0, runtime_max=60.0)
+        with make_loop(service, launcher) as loop:
+            assert loop.run_once().booked == 9
+            assert scalar(conn, "SELECT count(*) FROM proc WHERE pk_job = %s", (victim,)) == 6
+
+            result = kill_job(victim, launcher=launcher)
+
+            assert result.detail["released"] == 6 and result.detail["finished"]
+            assert scalar(conn, "SELECT count(*) FROM proc WHERE pk_job = %s", (victim,)) == 0
+            assert scalar(conn, "SELECT count(*) FROM proc WHERE pk_job = %s", (other,)) == 3  # untouched
+            rows = conn.execute("SELECT str_state, int_exit_status FROM frame WHERE pk_job = %s", (victim,)).fetchall()
+            assert set(rows) == {("EATEN", 301)}
+            assert scalar(conn, "SELECT str_state FROM job WHERE pk_job = %s", (victim,)) == "FINISHED"
+            assert violations(conn) == []  # host ledger, RUNNING = procs, caps
+            if managed:
+                wait_for(lambda: _store_agrees_with_procs(conn, service, [victim, other]), what="Store = SUM(proc)")
+                assert service.store.audit_snapshot().job[other][0] == 3
+            else:
+                # The database-enforced totals moved with the proc deletes.
+                assert scalar(conn, "SELECT int_cores FROM job_resource WHERE pk_job = %s", (victim,)) == 0
+                assert scalar(conn, "SELECT int_cores FROM job_resource WHERE pk_job = %s", (other,)) == 300
+                assert scalar(conn, "SELECT SUM(int_cores) FROM subscription") == scalar(
+                    conn, "SELECT SUM(int_cores_reserved) FROM proc"
+                )
+            assert launcher.running() == 3  # the launcher stopped the six
+            assert loop.run_once().booked == 0  # nothing of the killed job starts again
+
+
+def test_a_kill_racing_the_loop_leaves_nothing_of_the_job_running() -> None:
+    show = _farm("skr", hosts=4, cores=4)
+    with running_scheduler() as proc, autocommit() as conn:
+        service = proc.service
+        victim = submit_job(_job(show, "victim", 150), user="alice").job_id
+        other = submit_job(_job(show, "bystander", 30, priority=0), user="bob").job_id
+        # Short frames, small batches: the loop keeps booking the victim while the kill runs.
+        launcher = fast_launcher(runtime_min=0.005, runtime_max=0.03)
+        loop = make_loop(service, launcher, batch_size=3, frames_per_layer=6)
+        out: dict[str, Any] = {}
+        thread = threading.Thread(target=lambda: out.setdefault("totals", drain(loop)), daemon=True)
+        thread.start()
+        wait_for(
+            lambda: (
+                scalar(conn, "SELECT count(*) FROM frame WHERE pk_job = %s AND str_state = 'SUCCEEDED'", (victim,))
+                >= 10
+            ),
+            timeout=30,
+            what="the victim to be half-way",
+        )
+        killed = kill_job(victim)  # from this thread and connection, as the API or the admin would
+        assert killed.detail["eaten"] > 0  # it was killed half-way (usually with frames running too)
+        # A booking either committed before the kill's statements (then it was released) or
+        # failed its WAITING guard after: nothing of the victim runs once the kill returns.
+        assert scalar(conn, "SELECT count(*) FROM proc WHERE pk_job = %s", (victim,)) == 0
+        assert scalar(conn, "SELECT count(*) FROM frame WHERE pk_job = %s AND str_state = 'RUNNING'", (victim,)) == 0
+        thread.join(60)
+        assert "totals" in out, "the loop did not drain"
+        states = dict(conn.execute("SELECT str_state, count(*) FROM frame WHERE pk_job = %s GROUP BY 1", (victim,)))
+        assert set(states) == {"SUCCEEDED", "EATEN"} and sum(states.values()) == 150
+        assert dict(conn.execute("SELECT str_state, count(*) FROM frame WHERE pk_job = %s GROUP BY 1", (other,))) == {
+            "SUCCEEDED": 30
+        }
+        assert violations(conn) == []
+        wait_for(lambda: _store_agrees_with_procs(conn, service, [victim, other]), what="Store = SUM(proc)")
