@@ -9,8 +9,10 @@ from typing import Any
 import psycopg
 import pytest
 
+from accounting.channels import parse_limit_change
+from accounting.notify import LIMIT_CHANNEL
 from accounting.service import AccountingService
-from dispatch.actions import kill_job, submit_job
+from dispatch.actions import kill_job, retry_frames, submit_job
 from dispatch.seeding import FarmSpec, seed_farm, show_name
 from tests.integration.dispatch_support import (
     autocommit,
@@ -21,6 +23,7 @@ from tests.integration.dispatch_support import (
     violations,
     wait_for,
 )
+from tests.integration.notify_listener import listening
 from tests.integration.runtime_support import running_scheduler
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -205,3 +208,65 @@ def test_a_kill_racing_the_loop_leaves_nothing_of_the_job_running() -> None:
         }
         assert violations(conn) == []
         wait_for(lambda: _store_agrees_with_procs(conn, service, [victim, other]), what="Store = SUM(proc)")
+
+
+def test_the_last_two_frames_of_a_layer_finishing_at_once_release_the_layer_that_waits() -> None:
+    """Two transactions end the last two frames of a layer concurrently: exactly the one that
+    commits second sees the layer complete (their layer_stat updates serialise)."""
+    show = _farm("slr", hosts=0)
+    spec = {
+        "show": show,
+        "name": "race",
+        "user": "alice",
+        "layers": [
+            {"name": "a", "command": "true", "range": "1-3"},
+            {"name": "b", "command": "true", "range": "1", "depends": [{"layer": "a", "type": "layer"}]},
+        ],
+    }
+    job = submit_job(spec, user="alice").job_id
+    finish = "UPDATE frame SET str_state = 'SUCCEEDED' WHERE pk_job = %s AND str_name = %s"
+    with autocommit() as setup:
+        setup.execute(finish, (job, "0001-a"))
+    with autocommit() as first, autocommit() as second, autocommit() as watch:
+        first.execute("BEGIN")
+        first.execute(finish, (job, "0002-a"))
+        pid = scalar(second, "SELECT pg_backend_pid()")
+        errors: list[BaseException] = []
+
+        def other() -> None:
+            try:
+                with second.transaction():
+                    second.execute(finish, (job, "0003-a"))
+            except BaseException as exc:  # pragma: no cover - reported below
+                errors.append(exc)
+
+        thread = threading.Thread(target=other, daemon=True)
+        thread.start()
+        wait_for(
+            lambda: scalar(watch, "SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", (pid,)) == "Lock",
+            what="the second transaction to wait for the first",
+        )
+        first.execute("COMMIT")
+        thread.join(10)
+        assert not thread.is_alive() and errors == []
+        assert scalar(watch, "SELECT str_state FROM frame WHERE pk_job = %s AND str_name = '0001-b'", (job,)) == (
+            "WAITING"
+        )
+        assert scalar(watch, "SELECT count(*) FROM depend WHERE b_active") == 0
+
+
+def test_retrying_a_finished_job_announces_its_caps_again() -> None:
+    """The Store drops the caps of finished jobs; a reopened job's caps go out on the channel."""
+    show = _farm("srt", hosts=0)
+    job = submit_job(_job(show, "again", 2, max_cores=3, max_gpus=1), user="alice").job_id
+    with autocommit() as conn:
+        conn.execute("UPDATE frame SET str_state = 'DEAD' WHERE pk_job = %s", (job,))
+        conn.execute("UPDATE job SET str_state = 'FINISHED' WHERE pk_job = %s", (job,))
+    with listening((LIMIT_CHANNEL,)) as listener:
+        assert retry_frames(job).detail == {"reopened": True}
+        [payload] = listener.sent_before_sentinel(LIMIT_CHANNEL)
+    notice = parse_limit_change(payload)
+    assert [(c.key, c.value) for c in notice.changes] == [(job, 3), (job, 1)]
+    with listening((LIMIT_CHANNEL,)) as listener:
+        assert retry_frames(job).changed == 0  # nothing dead, nothing reopened: nothing sent
+        assert listener.sent_before_sentinel(LIMIT_CHANNEL) == []
