@@ -58,7 +58,9 @@ def _scheduler_context(view: dict[str, Any] | None) -> dict[str, Any]:
         "sched": sched,
         "listener": listener,
         "recompute": recompute,
-        "recompute_ago": status.ago(recompute.get("at")) if recompute else "never",
+        "recompute_ago": (status.ago(recompute["at"]) if recompute.get("at") else "bootstrap seed only")
+        if recompute
+        else "never",
         "loops": [{"name": k, **v, "ago": status.ago(v.get("last_run"))} for k, v in sorted(loops.items())],
         "dispatch": dispatch,
         "started_ago": status.ago((view or {}).get("started_at")),

@@ -61,7 +61,7 @@ def scheduler_status(view: dict[str, Any] | None) -> SchedulerStatus:
         return SchedulerStatus(
             "absent",
             "No scheduler has published a live view: it is not running (start `manage.py run_scheduler`). "
-            "Store counters below are missing; database figures are current.",
+            "Store figures are missing; database figures are current.",
         )
     age = float(view["age_seconds"])
     common = {"age_seconds": age, "heartbeat": view.get("heartbeat"), "pid": view.get("pid")}

@@ -1,0 +1,144 @@
+"""The ops console in a real browser (headless Chromium), against the live server and a running
+scheduler: log in, flip a show through its confirmation, lower a job cap and see the scheduler
+apply it, watch the live page update by itself, read why a job at its cap is not booking.
+Screenshots of the key pages go to artifacts/screenshots/."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.contrib.auth.models import Group
+from playwright.sync_api import Page, expect
+
+from dispatch.models import JobResource, Show
+from ops import permissions
+from tests.integration.runtime_support import autocommit_conn, make_farm, running_scheduler
+
+pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
+
+PASSWORD = "ops-browser-test"
+TIMEOUT_MS = 15_000
+
+
+@pytest.fixture(autouse=True)
+def fast_loops(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pages refresh every second; the scheduler picks up flips quickly."""
+    monkeypatch.setenv("CUESCHED_OPS_REFRESH_SECONDS", "1")
+    monkeypatch.setenv("CUESCHED_MANAGED_SHOWS_TTL", "0.5")
+
+
+@pytest.fixture
+def operator_login() -> tuple[str, str]:
+    permissions.ensure_groups()
+    user = get_user_model().objects.create_user("olga", password=PASSWORD, is_staff=True)
+    user.groups.add(Group.objects.get(name=permissions.OPERATORS))
+    return "olga", PASSWORD
+
+
+def log_in(page: Page, live_server: Any, login: tuple[str, str]) -> None:
+    page.goto(f"{live_server.url}/admin/")
+    expect(page).to_have_url(re.compile(r"/admin/login/"))
+    page.fill("#id_username", login[0])
+    page.fill("#id_password", login[1])
+    page.click("input[type=submit]")
+    expect(page.locator("#site-name")).to_contain_text("cuesched ops")
+    expect(page.locator("#user-tools")).to_contain_text("olga")
+
+
+def shoot(page: Page, directory: Path, name: str) -> None:
+    page.screenshot(path=str(directory / f"{name}.png"), full_page=True)
+
+
+def test_log_in_and_flip_a_show_with_confirmation(
+    page: Page, live_server: Any, operator_login: tuple[str, str], screenshot_dir: Path
+) -> None:
+    with autocommit_conn() as conn:
+        farm = make_farm(conn, "brflip", managed=False, burst_cores=40)
+        for _ in range(3):
+            farm.add_proc(conn, cores=4)
+    with running_scheduler(publish_interval=0.2):
+        log_in(page, live_server, operator_login)
+        page.goto(f"{live_server.url}/admin/ops/console/")
+        row = page.locator(f'tr[data-show="{farm.show}"]')
+        expect(row).to_contain_text("database")
+        shoot(page, screenshot_dir, "01-farm-overview")
+        row.get_by_role("link", name="flip…").click()
+
+        expect(page.locator("#flip-procs")).to_have_text("3 proc(s)")
+        expect(page.locator("#content")).to_contain_text("seeds its caps and its counters")
+        shoot(page, screenshot_dir, "02-flip-confirmation")
+        assert not Show.objects.get(pk=farm.show).b_scheduler_managed  # nothing happens before the click
+        page.click("#confirm-flip")
+
+        expect(page.locator(".messagelist")).to_contain_text("accounting now owned by the scheduler's Store")
+        expect(page.locator("#ops-flip")).to_contain_text("published this show as managed", timeout=TIMEOUT_MS)
+        assert Show.objects.get(pk=farm.show).b_scheduler_managed
+        shoot(page, screenshot_dir, "03-show-after-flip")
+
+
+def test_lower_a_job_cap_and_see_it_applied_by_the_running_scheduler(
+    page: Page, live_server: Any, operator_login: tuple[str, str], screenshot_dir: Path
+) -> None:
+    with autocommit_conn() as conn:
+        farm = make_farm(conn, "brcap", managed=True, job_max_cores=40)
+    job = farm.jobs[0]
+    with running_scheduler(publish_interval=0.2) as proc:
+        log_in(page, live_server, operator_login)
+        page.goto(f"{live_server.url}/admin/dispatch/jobresource/?job__pk_job={job}")
+        field = page.locator("input[name=form-0-int_max_cores]")
+        expect(field).to_have_value("40")
+        field.fill("12")
+        page.click("input[name=_save]")
+        expect(page.locator(".messagelist")).to_contain_text("was changed successfully")
+        status = page.locator('[id^="cap-status-"]').first
+        expect(status).to_contain_text(re.compile(r"max cores: applied \d+ s ago"), timeout=TIMEOUT_MS)
+        shoot(page, screenshot_dir, "04-job-cap-applied")
+        assert JobResource.objects.get(job_id=job).int_max_cores == 1200
+        assert proc.service.store.caps().job[job][0] == 12
+
+
+def test_the_live_page_updates_by_itself(
+    page: Page, live_server: Any, operator_login: tuple[str, str], screenshot_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CUESCHED_RECOMPUTE_INTERVAL", "600")  # the Store must not catch up during the test
+    with autocommit_conn() as conn:
+        farm = make_farm(conn, "brlive", managed=True, burst_cores=20)
+        with running_scheduler(publish_interval=0.2):
+            log_in(page, live_server, operator_login)
+            page.goto(f"{live_server.url}/admin/ops/console/show/{farm.show}/")
+            first_sub = page.locator("#subs-table tbody tr").first
+            sum_cell, drift_cell = first_sub.locator("td").nth(3), first_sub.locator("td").nth(9)
+            expect(sum_cell).to_have_text("0")
+            expect(drift_cell.locator(".drift-bad")).to_have_count(0)
+            page.evaluate("window.__notReloaded = true")
+            for _ in range(4):
+                farm.add_proc(conn, cores=4)  # written behind the scheduler's back: only SUM(proc) moves
+            expect(sum_cell).to_have_text("16", timeout=TIMEOUT_MS)
+            # The Store (booked 0) disagrees with the record of truth: the drift is flagged.
+            expect(drift_cell.locator(".drift-bad")).to_have_text("-16")
+            expect(first_sub.locator("td").nth(4)).to_have_text("4")  # procs
+            assert page.evaluate("window.__notReloaded") is True  # swapped in place, no reload
+            expect(page.locator("#ops-refreshed")).to_contain_text("updated")
+            shoot(page, screenshot_dir, "05-live-show-counters-drift")
+
+
+def test_why_a_job_at_its_cap_is_not_booking(
+    page: Page, live_server: Any, operator_login: tuple[str, str], screenshot_dir: Path
+) -> None:
+    with autocommit_conn() as conn:
+        conn.execute("DELETE FROM cuesched_scheduler_state")  # no scheduler has run (a flush keeps this table)
+        farm = make_farm(conn, "brwhy", managed=False, job_max_cores=8)
+        farm.add_proc(conn, cores=4)
+        farm.add_proc(conn, cores=4)
+    log_in(page, live_server, operator_login)
+    page.goto(f"{live_server.url}/admin/ops/console/show/{farm.show}/")
+    page.locator(f'tr[data-job="{farm.jobs[0]}"]').get_by_role("link", name="why not booking?").click()
+    reason = page.locator(".why-computed").first
+    expect(reason).to_contain_text("is at its max cores: 8/8 cores")
+    expect(reason).to_contain_text("Raise the job's max cores, or wait for its running frames to finish.")
+    expect(page.locator("#ops-banners")).to_contain_text("Scheduler not running.")
+    shoot(page, screenshot_dir, "06-why-not-booking")
