@@ -67,6 +67,31 @@ _WRITE_REJECTIONS = ("frame", "proc", "host", "managed_flip", "database")
 _ALLOC_ATTEMPTS = 3  # a subscription rejection retries the frame on another allocation
 _NO_HOST = "no_host"
 _SKIP_LAYER = "skip_layer"
+_WHY_MAX = 5000
+
+# LimitExceeded.table -> (reason, what is capped, the unit, what would unblock it).
+_CAP_WHY = {
+    "subscription": (
+        "subscription_burst",
+        "subscription at burst",
+        "cores",
+        "raise the subscription burst, or wait for frames to finish",
+    ),
+    "folder": (
+        "folder_max_cores",
+        "folder at max cores",
+        "cores",
+        "raise the folder's max cores, or wait for its frames to finish",
+    ),
+    "job": (
+        "job_max_cores",
+        "job at max cores",
+        "cores",
+        "raise the job's max cores, or wait for its frames to finish",
+    ),
+    "folder_gpus": ("folder_max_gpus", "folder at max GPUs", "GPUs", "raise the folder's max GPUs"),
+    "job_gpus": ("job_max_gpus", "job at max GPUs", "GPUs", "raise the job's max GPUs"),
+}
 
 Cluster = tuple[str, str, frozenset[str]]  # (facility, show, layer tags)
 
@@ -166,6 +191,8 @@ class DispatchLoop:
         self._blocked_folders: dict[str, float] = {}  # managed folder -> since
         self._job_folder: dict[str, str] = {}  # job -> folder, for the jobs the feed returned
         self._managed_seen: set[str] = set()
+        # Why each job did not book at the last attempt, for the ops console (bounded).
+        self.why: dict[str, dict[str, object]] = {}
         # Work a database failure left open.
         self._pending_completions: list[Completion] = []
         self._pending_compensations: list[Booking] = []
@@ -222,7 +249,16 @@ class DispatchLoop:
             "sleeping_clusters": len(self._sleeping),
             "blocked_jobs": len(self._blocked_jobs),
             "managed_only": self.managed_only,
+            "blocked": dict(self.why),
         }
+
+    def _record_why(self, job: str, reason: str, message: str, unblock: str) -> None:
+        """Remember the latest reason a job did not book (the ops console's 'why not booking')."""
+        why = self.why
+        why.pop(job, None)
+        why[job] = {"reason": reason, "message": message, "unblock": unblock, "at": time.time()}
+        if len(why) > _WHY_MAX:
+            del why[next(iter(why))]  # the oldest entry
 
     def booking_window(self) -> float:
         """Seconds from the first booking cycle's start to the last booking COMMIT (0 if none)."""
@@ -550,11 +586,24 @@ class DispatchLoop:
                     host, cores = found
                     if job_cap > 0 and job_used + cores > job_cap:
                         stats.rejected["job_precheck"] += 1
+                        self._record_why(
+                            job.pk,
+                            "job_max_cores",
+                            f"job at max cores {job_used}/{job_cap} (the next frame needs {cores})",
+                            _CAP_WHY["job"][3],
+                        )
                         least_skipped = cores if not least_skipped else min(least_skipped, cores)
                         outcome = _SKIP_LAYER
                         break
                     if folder_key is not None and room[folder_key] < cores:
                         stats.rejected["folder_precheck"] += 1
+                        self._record_why(
+                            job.pk,
+                            "folder_max_cores",
+                            f"folder has {max(room[folder_key], 0)} cores left under its max "
+                            f"(the next frame needs {cores})",
+                            _CAP_WHY["folder"][3],
+                        )
                         full_folders.add(job.folder)
                         return
                     result = self.service.apply_booking(
@@ -562,6 +611,16 @@ class DispatchLoop:
                     )
                     if isinstance(result, LimitExceeded):
                         stats.rejected[result.table] += 1
+                        reason, what, unit, unblock = _CAP_WHY.get(
+                            result.table, (result.table, result.table, "cores", "raise the cap")
+                        )
+                        self._record_why(
+                            job.pk,
+                            reason,
+                            f"{what} {result.current}/{result.limit} {unit} (the next frame needs "
+                            f"{cores if unit == 'cores' else demand.gpus})",
+                            unblock,
+                        )
                         if result.table == "subscription":
                             room[(show, host.alloc)] = 0
                             outcome = _NO_HOST
@@ -600,6 +659,17 @@ class DispatchLoop:
                 if booking is None:
                     if outcome is _NO_HOST:
                         stats.no_host += 1
+                        self._record_why(
+                            job.pk,
+                            "no_host",
+                            f"no UP and OPEN host with {max(demand.cores_min // CENTI, 1)} idle cores, "
+                            f"{demand.mem // (1024 * 1024)} GB free memory"
+                            + (f", {demand.gpus} GPUs" if demand.gpus else "")
+                            + f" and a tag of {' | '.join(sorted(layer.tags)) or '(none)'}"
+                            + (f" on OS {job.os}" if job.os else "")
+                            + " in an allocation the show can still book",
+                            "free or add hosts with those tags, or lower the layer's cores or memory",
+                        )
                         anywhere = view.find(demand, layer.tags, facility=job.facility, os=job.os, room=_unlimited)
                         if anywhere is None:
                             # No host at all, whatever the caps: back off this cluster.
@@ -607,6 +677,7 @@ class DispatchLoop:
                             self._cluster_layers.setdefault(cluster, set()).add(layer.pk)
                     break  # the layer's other frames ask for the same: next layer
                 booked_any = True
+                self.why.pop(job.pk, None)
                 placed.add(cluster)
                 batch.append(booking)
                 if len(batch) >= self.batch_size:
@@ -692,7 +763,11 @@ def _unlimited(_alloc: str) -> int:
 
 
 def dispatch_main(
-    launcher: str | None = None, *, exit_when_idle: bool = False, **launcher_options: Any
+    launcher: str | None = None,
+    *,
+    exit_when_idle: bool = False,
+    loop_options: dict[str, Any] | None = None,
+    **launcher_options: Any,
 ) -> Callable[[AccountingService, threading.Event], None]:
     """The foreground of `run_scheduler`: `SchedulerProcess(...).run(dispatch_main("simulated"))`.
 
@@ -704,7 +779,7 @@ def dispatch_main(
     def main(service: AccountingService, stop: threading.Event) -> None:
         chosen = get_launcher(launcher or conf.launcher_name(), **launcher_options)
         try:
-            with DispatchLoop(service, chosen) as loop:
+            with DispatchLoop(service, chosen, **(loop_options or {})) as loop:
                 service.view_providers["dispatch"] = loop.live_view
                 loop.run(stop, exit_when_idle=exit_when_idle)
         finally:

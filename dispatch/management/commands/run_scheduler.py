@@ -1,0 +1,102 @@
+"""`manage.py run_scheduler`: the one long-running process that owns the accounting Store."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from accounting.scheduler import SchedulerOptions, SchedulerProcess
+from accounting.singleton import SchedulerAlreadyRunning
+from cuesched_project import conf
+from dispatch import conf as dispatch_conf
+
+
+def _runtime(value: str) -> tuple[float, float]:
+    """`0`, `2.5` or `0.05-0.5`: the simulated launcher's frame runtime in seconds."""
+    lo, _, hi = value.partition("-")
+    try:
+        low, high = float(lo), float(hi or lo)
+    except ValueError:
+        raise ValueError(f"--runtime takes SECONDS or MIN-MAX, got {value!r}") from None
+    if low < 0 or high < low:
+        raise ValueError(f"--runtime needs 0 <= MIN <= MAX, got {value!r}")
+    return low, high
+
+
+class Command(BaseCommand):
+    help = (
+        "Run the scheduler: bootstrap the accounting Store from PostgreSQL, keep it in sync "
+        "(LISTEN/NOTIFY, recompute, limit reseed, managed shows), publish its live view, and dispatch "
+        "waiting frames onto hosts."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument(
+            "--launcher",
+            default=None,
+            help="How frames run: simulated, q2 or celery (env CUESCHED_LAUNCHER, default simulated).",
+        )
+        parser.add_argument(
+            "--runtime",
+            type=_runtime,
+            default=None,
+            metavar="SECONDS|MIN-MAX",
+            help="Simulated launcher only: how long a frame runs (env CUESCHED_SIM_RUNTIME_MIN/MAX).",
+        )
+        parser.add_argument(
+            "--exit-when-idle",
+            action="store_true",
+            help="Exit 0 once no frame is WAITING or RUNNING (scripts, CI, benchmarks).",
+        )
+        parser.add_argument(
+            "--managed-only",
+            action="store_true",
+            default=None,
+            help="Dispatch only scheduler-managed shows, for a database shared with a running Cuebot "
+            "(env CUESCHED_DISPATCH_MANAGED_ONLY).",
+        )
+        parser.add_argument(
+            "--no-dispatch",
+            action="store_true",
+            help="Keep accounting in sync and published, but book nothing.",
+        )
+        parser.add_argument(
+            "--metrics-port",
+            type=int,
+            default=conf.env_int("CUESCHED_METRICS_PORT", 9090),
+            help="Prometheus /metrics port on 127.0.0.1 (0 disables; env CUESCHED_METRICS_PORT, default 9090).",
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        from dispatch.loop import dispatch_main
+
+        stop = threading.Event()
+
+        def _stop(signum: int, _frame: object) -> None:
+            self.stderr.write(f"received {signal.Signals(signum).name}, stopping")
+            stop.set()
+
+        signal.signal(signal.SIGINT, _stop)
+        signal.signal(signal.SIGTERM, _stop)
+        main = None
+        if not options["no_dispatch"]:
+            launcher = options["launcher"] or dispatch_conf.launcher_name()
+            launcher_options: dict[str, Any] = {}
+            if options["runtime"] is not None:
+                if launcher != "simulated":
+                    raise CommandError("--runtime applies to the simulated launcher only")
+                launcher_options["runtime_min"], launcher_options["runtime_max"] = options["runtime"]
+            main = dispatch_main(
+                launcher,
+                exit_when_idle=options["exit_when_idle"],
+                loop_options={"managed_only": True} if options["managed_only"] else None,
+                **launcher_options,
+            )
+        process = SchedulerProcess(SchedulerOptions(metrics_port=options["metrics_port"]), stop=stop)
+        try:
+            process.run(main)
+        except SchedulerAlreadyRunning as exc:
+            raise CommandError(str(exc)) from None
