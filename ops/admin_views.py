@@ -127,9 +127,9 @@ def flip(request: HttpRequest, pk: str) -> HttpResponse:
             result = actions.flip_show(pk, target, actor=request.user)
             owner = "the scheduler's Store" if target else "the database"
             if result.changed:
-                messages.success(request, f"{show.str_name}: accounting now owned by {owner}.")
+                messages.success(request, f"Show {show.str_name}: accounting now owned by {owner}.")
             else:
-                messages.info(request, f"{show.str_name} was already owned by {owner}; nothing changed.")
+                messages.info(request, f"Show {show.str_name} was already owned by {owner}; nothing changed.")
             for warning in result.warnings:
                 messages.warning(request, warning)
             return HttpResponseRedirect(reverse("admin:ops_show_live", args=[pk]))

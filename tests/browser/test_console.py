@@ -79,6 +79,14 @@ def test_log_in_and_flip_a_show_with_confirmation(
         assert Show.objects.get(pk=farm.show).b_scheduler_managed
         shoot(page, screenshot_dir, "03-show-after-flip")
 
+        page.get_by_role("link", name="Audit trail").first.click()
+        flip_row = page.locator("#audit-table tbody tr").first
+        expect(flip_row).to_contain_text("show brflip_show")
+        expect(flip_row).to_contain_text("database")
+        expect(flip_row).to_contain_text("scheduler")
+        expect(flip_row).to_contain_text("olga")
+        shoot(page, screenshot_dir, "07-audit-trail")
+
 
 def test_lower_a_job_cap_and_see_it_applied_by_the_running_scheduler(
     page: Page, live_server: Any, operator_login: tuple[str, str], screenshot_dir: Path
