@@ -13,7 +13,7 @@ What runs where (all AFTER ... FOR EACH STATEMENT with transition tables):
 | subscription | INSERT, UPDATE | acct_limit_sub_insert/update | `acct_limit_change` vertex sub |
 | folder_resource | INSERT, UPDATE | acct_limit_folder_insert/update | `acct_limit_change` vertex folder |
 | job_resource | INSERT, UPDATE | acct_limit_job_insert/update | `acct_limit_change` vertex job |
-| show | UPDATE | acct_show_unmanaged | managed -> unmanaged: rewrite the five tables from SUM(proc) |
+| show | UPDATE | acct_show_flip | a flip waits for in-flight proc writes; to unmanaged: rewrite from SUM(proc) |
 | cuesched_accounting_settings | DELETE | acct_settings_keep_row | the kill-switch row cannot be deleted |
 
 Per-row against statement-level release (`manage.py bench_triggers`: 10,000 procs of one managed
@@ -543,7 +543,7 @@ def job_resource_triggers() -> list[pgtrigger.Trigger]:
     return _limit_triggers("job", _JOB)
 
 
-# --- managed -> unmanaged flip -------------------------------------------------------------
+# --- managed flips -------------------------------------------------------------
 
 # The scheduler's recompute kept the five tables of a managed show only approximately (and not
 # at all for FINISHED jobs); the database-enforced path adds and subtracts from them from now on,
@@ -553,12 +553,22 @@ _FLIPPED = """
     (SELECT n.pk_show FROM new_rows n JOIN old_rows o ON o.pk_show = n.pk_show
      WHERE o.b_scheduler_managed AND NOT n.b_scheduler_managed)
 """
-SHOW_UNMANAGED_FUNC = f"""
+_ANY_FLIP = """
+    (SELECT n.pk_show FROM new_rows n JOIN old_rows o ON o.pk_show = n.pk_show
+     WHERE o.b_scheduler_managed IS DISTINCT FROM n.b_scheduler_managed)
+"""
+SHOW_FLIP_FUNC = f"""
+    IF NOT EXISTS {_ANY_FLIP} THEN
+        RETURN NULL;
+    END IF;
+    -- Both directions wait for proc writes of these shows that read the old flag, and later
+    -- ones wait for our commit. To managed: the scheduler's managed-flip seed then reads
+    -- SUM(proc) after every database-enforced booking of the show has committed, so none is
+    -- missed. To unmanaged: the rewrite below counts every proc the Store enforced.
+    {LOCK_SHOWS_EXCLUSIVE.format(rows=_ANY_FLIP)}
     IF NOT EXISTS {_FLIPPED} THEN
         RETURN NULL;
     END IF;
-    -- Wait for proc writes of these shows that read the old flag; later ones wait for our commit.
-    {LOCK_SHOWS_EXCLUSIVE.format(rows=_FLIPPED)}
     WITH flipped AS (
         SELECT n.pk_show FROM new_rows n JOIN old_rows o ON o.pk_show = n.pk_show
         WHERE o.b_scheduler_managed AND NOT n.b_scheduler_managed
@@ -637,12 +647,12 @@ SHOW_UNMANAGED_FUNC = f"""
 def show_triggers() -> list[pgtrigger.Trigger]:
     return [
         pgtrigger.Trigger(
-            name="acct_show_unmanaged",
+            name="acct_show_flip",
             when=pgtrigger.After,
             operation=pgtrigger.Update,
             level=pgtrigger.Statement,
             referencing=pgtrigger.Referencing(old="old_rows", new="new_rows"),
-            func=SHOW_UNMANAGED_FUNC,
+            func=SHOW_FLIP_FUNC,
         )
     ]
 

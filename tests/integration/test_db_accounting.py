@@ -327,3 +327,34 @@ def test_flip_waits_for_an_in_flight_release_and_counts_the_proc_once() -> None:
     # Had the flip not waited, its SUM(proc) would still have seen the deleted proc: 500.
     assert totals(farm) == expect(300, 0, 1)
     assert kept.pk in set(Proc.objects.values_list("pk", flat=True))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_flip_to_managed_waits_for_an_in_flight_database_enforced_booking() -> None:
+    """The scheduler's managed-flip seed reads SUM(proc) once the flip has committed: every
+    database-enforced booking of the show must be committed by then, or the seed misses it and
+    the Store reads low (the unsafe direction)."""
+    farm = ff.tiny_farm(managed=False)
+    args = (farm.host.pk, farm.show.pk, farm.job.pk, farm.layer.pk)
+    with (
+        psycopg.connect(database_conninfo()) as booker,
+        psycopg.connect(database_conninfo()) as flipper,
+        psycopg.connect(database_conninfo(), autocommit=True) as observer,
+    ):
+        booker.execute(INSERT_PROC, (*args, farm.frames[0].pk, 400))  # not committed yet
+
+        def flip() -> None:
+            flipper.execute("UPDATE show SET b_scheduler_managed = true WHERE pk_show = %s", (farm.show.pk,))
+            flipper.commit()
+
+        thread, errors = in_thread(flip)
+        wait_until_blocked(observer, flipper.info.backend_pid, "the flip to managed")
+        booker.commit()
+        thread.join(10)
+        assert errors == []
+        # What a seed reading right after the flip sees: the booking, counted by the database path.
+        seen = observer.execute(
+            "SELECT COALESCE(SUM(int_cores_reserved), 0) FROM proc WHERE pk_show = %s", (farm.show.pk,)
+        ).fetchone()
+    assert seen == (400,)
+    assert totals(farm) == expect(400, 0, 1)

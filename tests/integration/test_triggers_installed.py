@@ -54,7 +54,7 @@ def test_the_accounting_triggers_are_declared_on_their_tables() -> None:
         (FolderResource, "acct_limit_folder_update"),
         (JobResource, "acct_limit_job_insert"),
         (JobResource, "acct_limit_job_update"),
-        (Show, "acct_show_unmanaged"),
+        (Show, "acct_show_flip"),
         (AccountingSettings, "acct_settings_keep_row"),
     }
     assert expected <= names
