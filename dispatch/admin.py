@@ -245,6 +245,14 @@ class JobAdmin(FarmAdmin):
             obj.pk,
         )
 
+    def get_readonly_fields(self, request: HttpRequest, obj: Model | None = None) -> list[str]:
+        fields = super().get_readonly_fields(request, obj)
+        return [*fields, "booking"] if obj is not None else fields
+
+    @admin.display(description="booking")
+    def booking(self, obj: Job) -> str:
+        return ops_views.why_summary(obj.pk, None)
+
 
 @admin.register(JobResource)
 class JobResourceAdmin(CapsAdminMixin, FarmAdmin):
@@ -333,6 +341,14 @@ class FrameAdmin(BigTableAdmin):
         if obj.str_state != "WAITING":
             return ""
         return format_html('<a href="{}">why not booking?</a>', reverse("admin:ops_frame_why", args=[obj.pk]))
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Model | None = None) -> list[str]:
+        fields = super().get_readonly_fields(request, obj)
+        return [*fields, "booking"] if obj is not None and obj.str_state == "WAITING" else fields
+
+    @admin.display(description="booking")
+    def booking(self, obj: Frame) -> str:
+        return ops_views.why_summary(obj.job_id, obj.pk)
 
 
 @admin.register(Host)

@@ -18,6 +18,7 @@ from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
 from django.shortcuts import render
 from django.urls import reverse
 from django.utils import timezone
+from django.utils.html import format_html
 from django.views.decorators.http import require_http_methods
 
 from accounting import actions
@@ -182,6 +183,28 @@ def flip_many(request: HttpRequest, shows: list[Show], target: bool) -> HttpResp
         action_checkbox_name=admin.helpers.ACTION_CHECKBOX_NAME,
     )
     return render(request, "ops/flip_many_confirm.html", context)
+
+
+def why_summary(job: str, frame: str | None) -> str:
+    """The main reason in one line with a link to the full page (for the job and frame forms)."""
+    view = status.read_view()
+    try:
+        result = why.explain_frame(frame, view) if frame else why.explain_job(job, view)
+    except LookupError:
+        return ""
+    url = reverse("admin:ops_frame_why", args=[frame]) if frame else reverse("admin:ops_job_why", args=[job])
+    primary = result.primary
+    if primary is None:
+        return ""
+    css = "clear" if primary.code == "ok" else "blocked"
+    return format_html(
+        '<div class="ops-why {}" style="margin:0"><div class="reason" style="font-size:14px">{}</div>'
+        '<div class="unblock">{} <a href="{}">details…</a></div></div>',
+        css,
+        primary.message,
+        primary.unblock,
+        url,
+    )
 
 
 def why_job(request: HttpRequest, pk: str) -> HttpResponse:

@@ -399,3 +399,13 @@ def test_csrf_is_enforced_on_every_write(farm: Farm) -> None:
     response = client.post(flip, {"managed": "true", "confirm": "on", "csrfmiddlewaretoken": token})
     assert response.status_code == 302
     assert Show.objects.get(pk=farm.show.pk).b_scheduler_managed
+
+
+def test_job_and_waiting_frame_forms_say_why_they_are_not_booking(operator: Client) -> None:
+    farm = tiny_farm(managed=False)
+    Job.objects.filter(pk=farm.job.pk).update(b_paused=True)
+    su = client_for(make_user("root", None, superuser=True))
+    page = su.get(reverse("admin:dispatch_job_change", args=[farm.job.pk])).content.decode()
+    assert "The job is paused." in page and reverse("admin:ops_job_why", args=[farm.job.pk]) in page
+    page = su.get(reverse("admin:dispatch_frame_change", args=[farm.frames[0].pk])).content.decode()
+    assert "The job is paused." in page and reverse("admin:ops_frame_why", args=[farm.frames[0].pk]) in page
