@@ -5,9 +5,12 @@ Kept small on purpose; the ops console (a later issue) builds its pages on top o
 
 from __future__ import annotations
 
-from django.contrib import admin
-from django.http import HttpRequest
+from typing import Any
 
+from django.contrib import admin, messages
+from django.http import HttpRequest, HttpResponse
+
+from accounting import actions
 from accounting.models import AccountingSettings
 
 OFF_MEANS = (
@@ -34,8 +37,19 @@ class AccountingSettingsAdmin(admin.ModelAdmin):
         return False
 
     def save_model(self, request: HttpRequest, obj: AccountingSettings, form: object, change: bool) -> None:
-        # Write only the switch, so a stale form never rewrites anything else.
         if change:
-            obj.save(update_fields=["notify_enabled", "ts_updated"])
+            # Through accounting.actions (audit context, only the switch written), once the admin's own
+            # transaction has committed: the action is a durable transaction of its own.
+            request._ops_notify_enabled = obj.notify_enabled  # type: ignore[attr-defined]
         else:
             super().save_model(request, obj, form, change)
+
+    def changeform_view(
+        self, request: HttpRequest, object_id: str | None = None, form_url: str = "", extra_context: Any = None
+    ) -> HttpResponse:
+        response = super().changeform_view(request, object_id, form_url, extra_context)
+        enabled = request.__dict__.pop("_ops_notify_enabled", None)
+        if enabled is not None:
+            for warning in actions.set_notifications(enabled, actor=request.user).warnings:
+                messages.warning(request, warning)
+        return response
