@@ -11,10 +11,13 @@ from collections.abc import Callable
 from typing import Any
 
 from django.contrib import admin
+from django.db.models import CharField, OuterRef, QuerySet, Subquery, Value
+from django.db.models.functions import Concat
 from django.http import HttpRequest, HttpResponse
 from django.urls import path, reverse
 from django.utils.html import format_html
 
+from dispatch.models import Alloc, Folder, Job, Show
 from ops import admin_views, permissions
 from ops.admin_views import COLUMN_LABELS, shown_value
 from ops.models import Console, FolderCapEvent, JobCapEvent, ShowManagedEvent, SubscriptionCapEvent
@@ -61,6 +64,18 @@ class ConsoleAdmin(admin.ModelAdmin):
         ]
 
 
+TARGET_NAMES: dict[str, Any] = {
+    "sub": Concat(
+        Subquery(Show.objects.filter(pk=OuterRef("show_id")).values("str_name")[:1]),
+        Value(" @ "),
+        Subquery(Alloc.objects.filter(pk=OuterRef("alloc_id")).values("str_name")[:1]),
+        output_field=CharField(),
+    ),
+    "folder": Subquery(Folder.objects.filter(pk=OuterRef("folder_id")).values("str_name")[:1]),
+    "job": Subquery(Job.objects.filter(pk=OuterRef("job_id")).values("str_name")[:1]),
+}
+
+
 class EventAdmin(admin.ModelAdmin):
     """Read-only history rows, filterable by time, database role and label."""
 
@@ -76,8 +91,19 @@ class EventAdmin(admin.ModelAdmin):
 
     @admin.display(description="object")
     def target(self, obj: Any) -> str:
-        label, url = admin_views.event_target(self.kind, obj)
+        names = {} if getattr(obj, "target_name", None) is None else {obj.pgh_obj_id: obj.target_name}
+        if self.kind == "folder" and names:
+            names = {obj.folder_id: obj.target_name}
+        elif self.kind == "job" and names:
+            names = {obj.job_id: obj.target_name}
+        label, url = admin_views.event_target(self.kind, obj, names)
         return format_html('<a href="{}">{}</a>', url, label)
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
+        """The object's name in the same query (the object may be gone: then its id is shown)."""
+        qs = super().get_queryset(request)
+        name = TARGET_NAMES.get(self.kind)
+        return qs.annotate(target_name=name) if name is not None else qs
 
     @admin.display(description="old → new")
     def change(self, obj: Any) -> str:

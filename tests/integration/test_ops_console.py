@@ -383,6 +383,10 @@ def test_audit_trail_page_filters(farm: Farm, operator: Client) -> None:
     assert "123 cores" in only_olga and farm.job.str_name not in only_olga
     only_jobs = operator.get(reverse("admin:ops_audit"), {"kind": "job", "q": farm.job.str_name}).content.decode()
     assert "5 cores" in only_jobs and "123 cores" not in only_jobs
+    job_events = operator.get(reverse("admin:ops_jobcapevent_changelist")).content.decode()
+    assert f"job {farm.job.str_name}" in job_events and "100 cores → 5 cores" in job_events
+    sub_events = operator.get(reverse("admin:ops_subscriptioncapevent_changelist")).content.decode()
+    assert f"{farm.show.str_name} @ {farm.alloc.str_name}" in sub_events and "olga" in sub_events
     for name in ("subscriptioncapevent", "jobcapevent", "foldercapevent", "showmanagedevent"):
         assert operator.get(reverse(f"admin:ops_{name}_changelist"), {"q": "job"}).status_code == 200
 
