@@ -9,12 +9,13 @@ import pytest
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import connection
 from django.test import Client
+from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
 from accounting.models import AccountingSettings
 from dispatch.models import Frame, HostStat, Job, JobResource, Layer, Show, Subscription
 from ops import permissions
-from tests.integration.farm_fixtures import Farm, create_frames, create_layer, create_proc, tiny_farm
+from tests.integration.farm_fixtures import Farm, create_frames, create_job, create_layer, create_proc, tiny_farm
 from tests.integration.ops_support import base_view, clear_view, make_user, publish_view
 
 pytestmark = pytest.mark.django_db
@@ -413,3 +414,32 @@ def test_job_and_waiting_frame_forms_say_why_they_are_not_booking(operator: Clie
     assert "The job is paused." in page and reverse("admin:ops_job_why", args=[farm.job.pk]) in page
     page = su.get(reverse("admin:dispatch_frame_change", args=[farm.frames[0].pk])).content.decode()
     assert "The job is paused." in page and reverse("admin:ops_frame_why", args=[farm.frames[0].pk]) in page
+
+
+@pytest.mark.parametrize("page", ["overview", "show", "jobresources"])
+def test_console_pages_cost_the_same_queries_for_more_rows(operator: Client, page: str) -> None:
+    """No query per row: a farm with more shows, jobs and procs costs the same queries."""
+
+    def url(farm: Farm) -> str:
+        return {
+            "overview": reverse("admin:ops_console_overview"),
+            "show": reverse("admin:ops_show_live", args=[farm.show.pk]),
+            "jobresources": reverse("admin:dispatch_jobresource_changelist"),
+        }[page]
+
+    def queries(farm: Farm) -> int:
+        with CaptureQueriesContext(connection) as ctx:
+            assert operator.get(url(farm)).status_code == 200
+        return len(ctx.captured_queries)
+
+    farm = tiny_farm(managed=True)
+    create_proc(farm.host, farm.frames[0], cores=100)
+    publish_view(base_view(managed_shows={farm.show.pk: time.time()}))
+    few = queries(farm)
+    for _ in range(3):
+        more = tiny_farm(managed=False)
+        create_proc(more.host, more.frames[0], cores=100)
+        job = create_job(farm.show, farm.folder, farm.dept, farm.facility)
+        (frame,) = create_frames(create_layer(job), 1)
+        create_proc(farm.host, frame, cores=100)
+    assert queries(farm) == few
