@@ -6,6 +6,9 @@ Screenshots of the key pages go to artifacts/screenshots/."""
 from __future__ import annotations
 
 import re
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +17,12 @@ from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Group
 from playwright.sync_api import Page, expect
 
+from accounting.scheduler import SchedulerOptions, SchedulerProcess
+from dispatch.loop import dispatch_main
 from dispatch.models import JobResource, Show
-from ops import permissions
-from tests.integration.runtime_support import autocommit_conn, make_farm, running_scheduler
+from dispatch.seeding import FarmSpec, seed_farm
+from ops import permissions, status
+from tests.integration.runtime_support import autocommit_conn, make_farm, running_scheduler, wait_for
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
@@ -150,3 +156,58 @@ def test_why_a_job_at_its_cap_is_not_booking(
     expect(reason).to_contain_text("Raise the job's max cores, or wait for its running frames to finish.")
     expect(page.locator("#ops-banners")).to_contain_text("Scheduler not running.")
     shoot(page, screenshot_dir, "06-why-not-booking")
+
+
+@contextmanager
+def dispatching_scheduler() -> Iterator[SchedulerProcess]:
+    """The real scheduler with its dispatch loop; simulated frames run for ten minutes (never end here)."""
+    process = SchedulerProcess(SchedulerOptions(bootstrap_timeout=30, publish_interval=0.2))
+    main = dispatch_main("simulated", runtime_min=600, runtime_max=600, failure_rate=0, launch_failure_rate=0)
+    thread = threading.Thread(target=process.run, args=(main,), name="test-dispatching-scheduler", daemon=True)
+    thread.start()
+    try:
+        if not process.ready.wait(30):
+            raise AssertionError("scheduler did not become ready")
+        yield process
+    finally:
+        process.stop.set()
+        thread.join(15)
+
+
+def test_why_not_booking_as_the_dispatching_scheduler_recorded_it(
+    page: Page, live_server: Any, operator_login: tuple[str, str], screenshot_dir: Path
+) -> None:
+    """A job at its max cores: the dispatch loop books it up to the cap and records why it stops."""
+    spec = FarmSpec(
+        prefix="brdisp",
+        hosts=2,
+        allocs=1,
+        jobs=1,
+        layers=1,
+        frames_per_layer=12,
+        manual_tags=1,
+        host_cores_choices=(8,),
+        host_mem_gb_choices=(64,),
+        layer_cores_choices=(1,),
+        layer_mem_gb_choices=(1,),
+        job_max_cores=400,  # 4 cores
+    )
+    farm = seed_farm(spec)
+    (job,) = farm.job_ids
+    with dispatching_scheduler():
+
+        def recorded() -> dict[str, Any] | None:
+            view = status.read_view() or {}
+            return ((view.get("extra") or {}).get("dispatch") or {}).get("blocked", {}).get(job)
+
+        wait_for(lambda: recorded() is not None, timeout=20, what="the loop's record for the job")
+        log_in(page, live_server, operator_login)
+        page.goto(f"{live_server.url}/admin/ops/console/show/{farm.show_ids[0]}/")
+        row = page.locator(f'tr[data-job="{job}"]')
+        expect(row.locator("td").nth(4)).to_have_text("4")  # booked in the Store: the cap
+        row.get_by_role("link", name="why not booking?").click()
+        record = page.locator("#why-recorded")
+        expect(record).to_contain_text("the scheduler's last attempt")
+        expect(record).to_contain_text("job at max cores 4/4")
+        expect(page.locator(".why-computed").first).to_contain_text("is at its max cores: 4/4 cores")
+        shoot(page, screenshot_dir, "08-why-recorded-by-the-scheduler")
