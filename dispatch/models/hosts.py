@@ -70,7 +70,7 @@ class HostStat(models.Model):
     int_mcp_free = models.BigIntegerField(db_default=0, default=0)
     int_gpu_mem_total = models.BigIntegerField(db_default=0, default=0)
     int_gpu_mem_free = models.BigIntegerField(db_default=0, default=0)
-    int_load = models.IntegerField(db_default=0, default=0)
+    int_load = models.BigIntegerField(db_default=0, default=0)
     ts_ping = models.DateTimeField(db_default=now_default())
     ts_booted = models.DateTimeField(db_default=now_default(), null=True, blank=True)
 

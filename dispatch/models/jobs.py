@@ -120,8 +120,8 @@ class Layer(models.Model):
     str_name = models.CharField(max_length=256)
     str_cmd = models.CharField(max_length=4000)
     str_range = models.CharField(max_length=4000)
-    int_chunk_size = models.IntegerField(db_default=1, default=1)
-    int_dispatch_order = models.IntegerField(db_default=1, default=1)
+    int_chunk_size = models.BigIntegerField(db_default=1, default=1)
+    int_dispatch_order = models.BigIntegerField(db_default=1, default=1)
     # Per frame: cores in centicores, memory in KB (default 4 GiB).
     int_cores_min = models.BigIntegerField(db_default=100, default=100)
     int_cores_max = models.IntegerField(db_default=0, default=0)
@@ -197,11 +197,11 @@ class Frame(models.Model):
     str_state = models.CharField(
         max_length=24, db_default="WAITING", default="WAITING", choices=[(s, s) for s in FRAME_STATES]
     )
-    int_number = models.IntegerField()
-    int_depend_count = models.IntegerField(db_default=0, default=0)
-    int_exit_status = models.IntegerField(db_default=-1, default=-1)
-    int_retries = models.IntegerField(db_default=0, default=0)
-    int_dispatch_order = models.IntegerField(db_default=0, default=0)
+    int_number = models.BigIntegerField()
+    int_depend_count = models.BigIntegerField(db_default=0, default=0)
+    int_exit_status = models.BigIntegerField(db_default=-1, default=-1)
+    int_retries = models.BigIntegerField(db_default=0, default=0)
+    int_dispatch_order = models.BigIntegerField(db_default=0, default=0)
     int_layer_order = models.IntegerField(db_default=0, default=0)
     int_version = models.IntegerField(db_default=0, default=0)
     str_host = models.CharField(max_length=256, null=True, blank=True)
