@@ -119,6 +119,8 @@ def command_options(parser: argparse.ArgumentParser) -> list[Option]:
         for action in group._group_actions:
             if action.option_strings and set(action.option_strings) <= DJANGO_COMMON_OPTIONS:
                 continue
+            if isinstance(action, argparse._SubParsersAction):
+                continue  # rendered as sub-commands, see `subcommands`
             if isinstance(action, argparse._StoreConstAction | argparse._StoreTrueAction | argparse._StoreFalseAction):
                 metavar = ""
             elif isinstance(action, argparse.BooleanOptionalAction):
@@ -137,9 +139,24 @@ def command_options(parser: argparse.ArgumentParser) -> list[Option]:
     return rows
 
 
+def subcommands(parser: argparse.ArgumentParser) -> dict[str, tuple[str, argparse.ArgumentParser]]:
+    """Sub-command name -> (help, parser), for a command built on argparse sub-parsers."""
+    found: dict[str, tuple[str, argparse.ArgumentParser]] = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {choice.dest: choice.help or "" for choice in action._choices_actions}
+            for sub, sub_parser in action.choices.items():
+                found[sub] = (helps.get(sub, ""), sub_parser)
+    return found
+
+
 def options_of(name: str) -> set[str]:
-    """Every option string `manage.py <name>` accepts (Django's common ones included)."""
-    return set(command_parser(name)._option_string_actions)
+    """Every option string `manage.py <name>` accepts, its sub-commands' included."""
+    parser = command_parser(name)
+    known = set(parser._option_string_actions)
+    for _help, sub_parser in subcommands(parser).values():
+        known |= set(sub_parser._option_string_actions)
+    return known
 
 
 # --------------------------------------------------------------------------- metrics
@@ -326,9 +343,23 @@ def _render() -> str:
         out.append(f"`manage.py {name}` ({app}). {_one_line(parser.description or '')}")
         out.append("")
         options = command_options(parser)
-        if not options:
+        subs = subcommands(parser)
+        if not options and not subs:
             out.append("No options of its own.")
             out.append("")
+            continue
+        if subs:
+            out.append("| sub-command | arguments and options | what |")
+            out.append("|---|---|---|")
+            for sub, (sub_help, sub_parser) in subs.items():
+                args = ", ".join(
+                    f"`{o.flags}{' ' + o.metavar if o.metavar and o.flags.startswith('-') else ''}`"
+                    + (f" ({_cell(o.help)})" if o.help else "")
+                    for o in command_options(sub_parser)
+                )
+                out.append(f"| `{sub}` | {args} | {_cell(sub_help)} |")
+            out.append("")
+        if not options:
             continue
         has_groups = any(o.group for o in options)
         header = (
