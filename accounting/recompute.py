@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import psycopg
@@ -214,6 +214,9 @@ class Recomputer:
     def __init__(self, store: Store, lock: threading.Lock | None = None) -> None:
         self.store = store
         self.lock = lock or threading.Lock()
+        # Test hook (the stress suite's recompute straddle): called between begin_recompute
+        # and the snapshot read, so bookings can land inside the window on purpose.
+        self.before_snapshot: Callable[[], None] | None = None
 
     def store_pass(self, conn: psycopg.Connection, result: RecomputeResult | None = None) -> RecomputeResult:
         result = result or RecomputeResult()
@@ -222,6 +225,8 @@ class Recomputer:
         with self.lock:
             epoch = store.begin_recompute()
             try:
+                if self.before_snapshot is not None:
+                    self.before_snapshot()
                 snap = begin_snapshot(conn)
                 booked = conn.execute(BOOKED_SQL).fetchall()
                 sub_keys = [(s, a) for s, a, _ in conn.execute(SUB_LIMITS_SQL)]

@@ -1,0 +1,54 @@
+"""The stress suite in its small configuration: every phase, audited, with the cap watchdog.
+
+A real run of `manage.py stress` (all phases, a few hundred frames each, the scheduler
+subprocess included): it fails if any audit invariant breaks, a cap is breached, the pass
+criteria of a phase are missed, or teardown leaves rows.
+"""
+
+from __future__ import annotations
+
+import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
+
+from dispatch.seeding import farm_counts
+from dispatch.stress import PHASES, Breach, CapWatchdog, run_stress, small
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def test_every_phase_passes_its_audit_with_no_cap_breach() -> None:
+    lines: list[str] = []
+    reports = run_stress(small(prefix="tstress"), emit=lines.append)
+    assert [r.name for r in reports] == list(PHASES)
+    text = "\n".join(lines)
+    for r in reports:
+        assert r.failed == [], text
+        assert r.breaches == 0, text
+        assert r.samples > 0, text
+        assert r.booked > 0, text
+    # The report keeps the words scripts read.
+    assert text.count("throughput: ") == len(PHASES)
+    assert text.count("cap breaches: 0") == len(PHASES)
+    assert text.count("audit: OK") == len(PHASES)
+    for phase in ("d", "s", *(p[:2] for p in PHASES[2:])):
+        assert not any(farm_counts(f"tstress_{phase}").values())
+
+
+def test_the_watchdog_counts_a_booking_over_a_lowered_cap_only_once_the_store_had_it() -> None:
+    reached: dict[tuple[str, str], float] = {}
+    dog = CapWatchdog(["show"], applied_at=lambda v, k, since: reached.get((v, k)))
+    with dog.lowering([("job", "j1")]):
+        pass
+    dog._judge("job", "j1", 900, 400, last_booked=100.0)  # decrease still in transit
+    reached[("job", "j1")] = 200.0
+    dog._judge("job", "j1", 900, 400, last_booked=150.0)  # booked before it reached the Store
+    assert dog.breaches == [] and dog.over_lowered == 2
+    dog._judge("job", "j1", 900, 400, last_booked=250.0)  # booked after: a breach
+    dog._judge("folder", "f1", 900, 400, last_booked=1.0)  # never lowered: a breach
+    assert dog.breaches == [Breach("job", "j1", 900, 400), Breach("folder", "f1", 900, 400)]
+
+
+def test_command_rejects_an_unknown_phase() -> None:
+    with pytest.raises(CommandError, match="unknown phase"):
+        call_command("stress", "--small", "--phases", "drain,nope")
