@@ -28,6 +28,7 @@ INVOCATION = re.compile(r"(?:manage\.py|\./dev\s+manage)\s+([^\n]*)")
 SHELL_STOP = re.compile(r"\s(?:&&|\|\|?|;|>|2>|#)\s|\s\\$")
 SETTING = re.compile(r"\b((?:CUESCHED|DJANGO)_[A-Z0-9_]+|DATABASE_URL)\b")
 METRIC = re.compile(r"`(cuesched_[a-z0-9_]+)`")
+TEST_REF = re.compile(r"(tests/[\w/]+\.py)((?:::\w+)+)")
 
 
 def code_spans(text: str) -> list[str]:
@@ -74,15 +75,15 @@ def problems(text: str) -> list[str]:
 def test_the_checker_catches_an_unknown_command_and_an_unknown_option() -> None:
     text = (
         "Run `manage.py run_scheduler --managed-only --no-such-flag` then\n"
-        "```sh\n./dev manage store_status --json && manage.py stress --phases all\n```\n"
+        "```sh\n./dev manage store_status --json && manage.py no_such_command --phases all\n```\n"
         "and `manage.py <command>` is a placeholder.\n"
     )
     assert invocations(text) == [
         ("store_status", ["--json"]),
-        ("stress", ["--phases"]),
+        ("no_such_command", ["--phases"]),
         ("run_scheduler", ["--managed-only", "--no-such-flag"]),
     ]
-    assert problems(text) == ["unknown command 'stress'", "run_scheduler: unknown option '--no-such-flag'"]
+    assert problems(text) == ["unknown command 'no_such_command'", "run_scheduler: unknown option '--no-such-flag'"]
 
 
 @pytest.mark.parametrize("path", DOC_FILES, ids=lambda p: p.name)
@@ -130,3 +131,15 @@ def test_check_fails_on_a_stale_reference(tmp_path: Path, monkeypatch: pytest.Mo
         call_command("docs_reference", "--check")
     call_command("docs_reference")
     call_command("docs_reference", "--check")
+
+
+def test_every_test_a_page_names_exists() -> None:
+    missing = []
+    for path in DOC_FILES:
+        for file, parts in TEST_REF.findall(path.read_text()):
+            source = ROOT / file
+            text = source.read_text() if source.exists() else ""
+            for name in parts.strip(":").split("::"):
+                if not re.search(rf"^\s*(?:async\s+def|def|class)\s+{name}\b|^{name}\s*=", text, re.M):
+                    missing.append(f"{path.name}: {file}::{name}")
+    assert missing == []
