@@ -124,3 +124,42 @@ def simulated_heartbeat() -> bool:
 def simulated_seed() -> int | None:
     raw = env_str("CUESCHED_SIM_SEED", "")
     return int(raw) if raw else None
+
+
+# --- host agents (q2, celery) -----------------------------------------------------------------
+def agent_heartbeat_interval() -> float:
+    """Seconds between an agent's pings of host_stat.ts_ping (and free memory)."""
+    return env_float("CUESCHED_AGENT_HEARTBEAT", 5.0)
+
+
+def agent_timeout() -> float:
+    """A host whose agent has not pinged for this long has no live agent: a remote launcher
+    fails its launches (the loop compensates) and marks it DOWN until its agent pings again."""
+    return env_float("CUESCHED_AGENT_TIMEOUT", 15.0)
+
+
+def agent_log_root() -> str:
+    """Frame logs go to <root>/<show>/<job>/<layer>.<frame>.log."""
+    from django.conf import settings
+
+    return env_str("CUESCHED_AGENT_LOG_ROOT", str(settings.BASE_DIR / ".cuesched" / "logs"))
+
+
+def agent_kill_poll() -> float:
+    """How often a running frame checks that its proc still exists (a released proc is a kill)."""
+    return env_float("CUESCHED_AGENT_KILL_POLL", 1.0)
+
+
+def agent_kill_grace() -> float:
+    """Seconds between SIGTERM and SIGKILL of a killed frame's process group."""
+    return env_float("CUESCHED_AGENT_KILL_GRACE", 5.0)
+
+
+def agent_max_runtime() -> int:
+    """Longest a frame may run, seconds: the q2 task timeout (its retry, the re-delivery of an
+    unacknowledged task, is set above it, so a long frame is never handed out twice)."""
+    return env_int("CUESCHED_AGENT_MAX_RUNTIME", 7 * 24 * 3600)
+
+
+def celery_broker_url() -> str:
+    return env_str("CUESCHED_CELERY_BROKER", "amqp://guest:guest@127.0.0.1:5672//")

@@ -88,4 +88,4 @@ def get_launcher(name: str, **options: Any) -> Launcher:
 
 def _load_builtin() -> None:
     # Imported lazily so that the registry module stays free of launcher dependencies.
-    from dispatch.launchers import simulated  # noqa: F401
+    from dispatch.launchers import celery_launcher, q2, simulated  # noqa: F401

@@ -1,0 +1,594 @@
+"""The host agent: what runs on a render host, whichever transport brings it work (q2, celery).
+
+Four jobs, all on the agent's own psycopg connections (never the scheduler's):
+
+* **register** the host (`register_host`): host + host_stat + host_tag rows, upserted by name,
+  so restarting an agent is idempotent. Cores come from `os.cpu_count()` unless given, memory
+  from /proc/meminfo unless given, GPUs from the options, the OS from `platform`; tags are the
+  allocation's tag, the host name and the given manual tags. A host that already exists keeps
+  its booked resources: idle = total - what its procs reserve.
+* **heartbeat** (`Heartbeat`): every few seconds `host_stat.ts_ping = now()` and the free memory
+  (`int_mem_free`, KB, from MemAvailable). A host an agent-less launcher marked DOWN comes back
+  UP with its agent's first ping; REPAIR and the other operator states are left alone.
+* **run a frame** (`run_frame`): the task a launcher enqueues carries only the proc id and the
+  host name; everything else is read from the database, so a stale task (its proc released
+  by a kill, a lost-host sweep or a compensation) runs nothing. The layer's command gets the
+  reference's `#...#` tokens substituted (`frameset.substitute_tokens`, the chunk found from
+  the layer's range) and the RQD-style `CUE_*` environment. The command runs without a shell
+  when it is a plain argument list (`shlex.split`), and through `/bin/sh -c` when it uses shell
+  syntax (`;`, `&&`, `|`, redirections, `$VAR`, globs, ...): RQD runs every command through a
+  shell, and farm commands routinely chain steps, so refusing them would break real jobs, while
+  plain commands skip a needless process and any quoting surprise. stdout and stderr go to
+  `<log root>/<show>/<job>/<layer>.<frame>.log` (appended: a retry adds its own header).
+* **report** the end through the normal release path, from the agent itself:
+  `completion.complete` on the agent's connection, one transaction (frame state by exit status
+  and retries, proc delete whose trigger releases, host idle back). Nothing travels back
+  through the broker. The scheduler learns of it from the database: its host view reloads
+  every `CUESCHED_HOST_REFRESH_INTERVAL` seconds (and the Store hears the release trigger).
+
+**Kill.** Every kill in cuesched is a proc release (`completion.kill_frames`, a job kill, a
+lost-host sweep): the row goes away first. While a frame runs, the agent checks every
+`kill_poll` seconds that its proc still exists; once it is gone the process group gets SIGTERM,
+then SIGKILL after a grace period, and no completion is written (the releaser wrote it).
+
+**Duplicates.** A broker may deliver a task twice (q2 re-delivers after its retry time, celery
+after a lost connection with late acks). A run holds a session advisory lock on its proc for
+its whole life, and a task whose proc is gone or locked does nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from django.conf import settings
+
+from accounting import db as acct_db
+from dispatch import conf
+from dispatch.completion import Completion, complete
+from dispatch.frameset import Chunk, FrameRangeError, chunk_frames, parse_frames, substitute_tokens
+
+logger = logging.getLogger(__name__)
+
+CENTI = 100
+EXIT_COMMAND_NOT_FOUND = 127  # the shell's status for a command that does not exist
+EXIT_CANNOT_EXECUTE = 126
+
+# ---------------------------------------------------------------------------------------
+# Registration and heartbeat
+# ---------------------------------------------------------------------------------------
+
+ALLOC_BY_NAME_SQL = "SELECT pk_alloc, str_tag FROM alloc WHERE str_name = %s"
+HOST_BY_NAME_SQL = "SELECT pk_host, pk_alloc FROM host WHERE str_name = %s"
+ALLOC_TAG_SQL = "SELECT str_tag FROM alloc WHERE pk_alloc = %s"
+
+# Upsert by name. On conflict the totals follow the agent, and idle is total minus what the
+# host's procs hold (never negative: a host shrunk under running frames reads 0 idle).
+UPSERT_HOST_SQL = """
+INSERT INTO host (pk_host, pk_alloc, str_name, str_fqdn, str_lock_state, str_tags, int_cores, int_cores_idle,
+                  int_mem, int_mem_idle, int_gpus, int_gpus_idle, int_gpu_mem, int_gpu_mem_idle)
+VALUES (%(pk)s, %(alloc)s, %(name)s, %(fqdn)s, 'OPEN', %(tags)s, %(cores)s, %(cores)s, %(mem)s, %(mem)s,
+        %(gpus)s, %(gpus)s, %(gpu_mem)s, %(gpu_mem)s)
+ON CONFLICT (str_name) DO UPDATE SET
+  pk_alloc = EXCLUDED.pk_alloc, str_fqdn = EXCLUDED.str_fqdn, str_tags = EXCLUDED.str_tags,
+  int_cores = EXCLUDED.int_cores, int_mem = EXCLUDED.int_mem, int_gpus = EXCLUDED.int_gpus,
+  int_gpu_mem = EXCLUDED.int_gpu_mem,
+  int_cores_idle = GREATEST(0, EXCLUDED.int_cores - COALESCE(
+      (SELECT SUM(p.int_cores_reserved) FROM proc p WHERE p.pk_host = host.pk_host), 0)),
+  int_mem_idle = GREATEST(0, EXCLUDED.int_mem - COALESCE(
+      (SELECT SUM(p.int_mem_reserved) FROM proc p WHERE p.pk_host = host.pk_host), 0)),
+  int_gpus_idle = GREATEST(0, EXCLUDED.int_gpus - COALESCE(
+      (SELECT SUM(p.int_gpus_reserved) FROM proc p WHERE p.pk_host = host.pk_host), 0)),
+  int_gpu_mem_idle = GREATEST(0, EXCLUDED.int_gpu_mem - COALESCE(
+      (SELECT SUM(p.int_gpu_mem_reserved) FROM proc p WHERE p.pk_host = host.pk_host), 0)),
+  ts_last_updated = now()
+RETURNING pk_host
+"""
+
+UPSERT_HOST_STAT_SQL = """
+INSERT INTO host_stat (pk_host_stat, pk_host, str_state, str_os, int_mem_total, int_mem_free, int_gpu_mem_total,
+                       int_gpu_mem_free, ts_ping, ts_booted)
+VALUES (%(pk)s, %(host)s, 'UP', %(os)s, %(mem)s, %(free)s, %(gpu_mem)s, %(gpu_mem)s, now(), now())
+ON CONFLICT (pk_host) DO UPDATE SET
+  str_state = CASE WHEN host_stat.str_state = 'DOWN' THEN 'UP' ELSE host_stat.str_state END,
+  str_os = EXCLUDED.str_os, int_mem_total = EXCLUDED.int_mem_total, int_mem_free = EXCLUDED.int_mem_free,
+  int_gpu_mem_total = EXCLUDED.int_gpu_mem_total, int_gpu_mem_free = EXCLUDED.int_gpu_mem_free,
+  ts_ping = now(), ts_booted = now()
+"""
+
+DELETE_TAGS_SQL = "DELETE FROM host_tag WHERE pk_host = %s AND NOT b_constant"
+INSERT_TAG_SQL = (
+    "INSERT INTO host_tag (pk_host_tag, pk_host, str_tag, str_tag_type, b_constant) VALUES (%s, %s, %s, %s, false)"
+)
+
+# The ping. A host marked DOWN because it had no live agent comes back with it.
+PING_SQL = """
+UPDATE host_stat SET ts_ping = now(), int_mem_free = %(free)s,
+  str_state = CASE WHEN str_state = 'DOWN' THEN 'UP' ELSE str_state END
+WHERE pk_host = %(host)s
+"""
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    """What the agent registers. Cores whole, memory KB."""
+
+    name: str
+    alloc: str | None = None  # allocation name; None keeps an existing host's allocation
+    cores: int | None = None
+    memory_kb: int | None = None
+    gpus: int = 0
+    gpu_memory_kb: int = 0
+    os: str | None = None
+    tags: tuple[str, ...] = ()
+
+    def resolved_cores(self) -> int:
+        return self.cores if self.cores else (os.cpu_count() or 1)
+
+    def resolved_memory(self) -> int:
+        return self.memory_kb if self.memory_kb else meminfo()["MemTotal"]
+
+    def resolved_os(self) -> str:
+        return self.os or platform.system().lower()
+
+
+def meminfo() -> dict[str, int]:
+    """/proc/meminfo in KB (MemTotal, MemAvailable, ...); zeros where it cannot be read."""
+    out = {"MemTotal": 0, "MemAvailable": 0}
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                key, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts and parts[0].isdigit():
+                    out[key] = int(parts[0])
+    except OSError:
+        logger.warning("agent: /proc/meminfo is not readable; reporting 0 KB")
+    return out
+
+
+def free_memory_kb(spec: HostSpec) -> int:
+    """Free memory to report, KB: the advertised total minus what the machine really uses
+    (MemTotal - MemAvailable). Without a --memory override that is MemAvailable itself."""
+    info = meminfo()
+    real_total, available = info.get("MemTotal", 0), info.get("MemAvailable", 0)
+    total = spec.resolved_memory()
+    if not real_total:
+        return total
+    used = max(0, real_total - available)
+    return max(0, min(total, total - used))
+
+
+def _new_id() -> str:
+    return str(uuid.uuid4())
+
+
+def register_host(spec: HostSpec, conn: psycopg.Connection | None = None) -> str:
+    """Create or update the host rows for `spec` in one transaction; returns pk_host."""
+    own = conn is None
+    conn = conn or acct_db.connect(autocommit=True, application_name=f"cuesched-agent-{spec.name}")
+    try:
+        with conn.transaction(), conn.cursor() as cur:
+            cur.execute(HOST_BY_NAME_SQL, (spec.name,))
+            existing = cur.fetchone()
+            if spec.alloc:
+                cur.execute(ALLOC_BY_NAME_SQL, (spec.alloc,))
+                row = cur.fetchone()
+                if row is None:
+                    raise ValueError(f"no allocation named {spec.alloc!r}")
+                pk_alloc, alloc_tag = row
+            elif existing:
+                pk_alloc = existing[1]
+                cur.execute(ALLOC_TAG_SQL, (pk_alloc,))
+                alloc_tag = cur.fetchone()[0]
+            else:
+                raise ValueError(f"host {spec.name!r} is new: name its allocation (--alloc)")
+            cores = spec.resolved_cores() * CENTI
+            mem = spec.resolved_memory()
+            tags = [(alloc_tag, "ALLOC"), (spec.name, "HOSTNAME")]
+            tags += [(t, "MANUAL") for t in spec.tags if t not in {alloc_tag, spec.name}]
+            cur.execute(
+                UPSERT_HOST_SQL,
+                {
+                    "pk": existing[0] if existing else _new_id(),
+                    "alloc": pk_alloc,
+                    "name": spec.name,
+                    "fqdn": socket.getfqdn(),
+                    "tags": " ".join(t for t, _ in tags),
+                    "cores": cores,
+                    "mem": mem,
+                    "gpus": spec.gpus,
+                    "gpu_mem": spec.gpu_memory_kb,
+                },
+            )
+            pk_host = cur.fetchone()[0]
+            cur.execute(
+                UPSERT_HOST_STAT_SQL,
+                {
+                    "pk": _new_id(),
+                    "host": pk_host,
+                    "os": spec.resolved_os(),
+                    "mem": mem,
+                    "free": free_memory_kb(spec),
+                    "gpu_mem": spec.gpu_memory_kb,
+                },
+            )
+            cur.execute(DELETE_TAGS_SQL, (pk_host,))
+            for tag, kind in tags:
+                cur.execute(INSERT_TAG_SQL, (_new_id(), pk_host, tag, kind))
+    finally:
+        if own:
+            conn.close()
+    logger.info(
+        "agent: registered host %s (%d cores, %d MB, %d GPUs, tags %s)",
+        spec.name,
+        spec.resolved_cores(),
+        spec.resolved_memory() // 1024,
+        spec.gpus,
+        " ".join(t for t, _ in tags),
+    )
+    return pk_host
+
+
+class Heartbeat:
+    """Pings host_stat every `interval` seconds from a daemon thread, on its own connection.
+
+    A database error is logged and retried at the next beat (the scheduler treats a host as
+    lost only after `CUESCHED_LOST_HOST_TIMEOUT`, many beats later).
+    """
+
+    def __init__(self, pk_host: str, spec: HostSpec, interval: float | None = None) -> None:
+        self.pk_host = pk_host
+        self.spec = spec
+        self.interval = conf.agent_heartbeat_interval() if interval is None else interval
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.beats = 0
+
+    def start(self) -> Heartbeat:
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{self.spec.name}", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        conn: psycopg.Connection | None = None
+        while not self._stop.is_set():
+            try:
+                if conn is None or conn.closed or conn.broken:
+                    conn = acct_db.connect(autocommit=True, application_name=f"cuesched-agent-{self.spec.name}")
+                conn.execute(PING_SQL, {"free": free_memory_kb(self.spec), "host": self.pk_host})
+                self.beats += 1
+            except psycopg.Error as exc:
+                logger.warning("agent %s: heartbeat failed (%s); retrying", self.spec.name, exc)
+                if conn is not None:
+                    conn.close()
+                conn = None
+            self._stop.wait(self.interval)
+        if conn is not None:
+            conn.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+
+
+def queue_name(host: str) -> str:
+    """The broker queue of one host (q2 list key, celery queue): one consumer, its agent."""
+    return f"cuesched.host.{host}"
+
+
+# ---------------------------------------------------------------------------------------
+# Scheduler side: is there a live agent behind a host?
+# ---------------------------------------------------------------------------------------
+
+# Hosts of a launch batch whose agent has not pinged within the agent timeout.
+SILENT_HOSTS_SQL = """
+SELECT h.pk_host, h.str_name, EXTRACT(EPOCH FROM now() - hs.ts_ping)::float8
+FROM host h JOIN host_stat hs ON hs.pk_host = h.pk_host
+WHERE h.pk_host = ANY(%(hosts)s::text[]) AND hs.ts_ping < now() - make_interval(secs => %(timeout)s)
+"""
+# Cuebot marks a host that stops reporting DOWN; we do it at the first launch that finds it
+# silent, so the loop's next booking on it fails its guard and the view drops the host,
+# instead of booking and compensating on it again and again. Its agent's next ping sets it UP.
+MARK_DOWN_SQL = """
+UPDATE host_stat SET str_state = 'DOWN'
+WHERE pk_host = ANY(%(hosts)s::text[]) AND str_state = 'UP' AND ts_ping < now() - make_interval(secs => %(timeout)s)
+"""
+
+
+def silent_hosts(conn: psycopg.Connection, hosts: list[str], timeout: float) -> dict[str, str]:
+    """{pk_host: reason} for the hosts with no live agent; they are marked DOWN."""
+    if not hosts:
+        return {}
+    with conn.cursor() as cur:
+        cur.execute(SILENT_HOSTS_SQL, {"hosts": hosts, "timeout": timeout})
+        rows = cur.fetchall()
+        if rows:
+            cur.execute(MARK_DOWN_SQL, {"hosts": [r[0] for r in rows], "timeout": timeout})
+    return {pk: f"no live agent on host {name} (last ping {age:.0f}s ago); host marked DOWN" for pk, name, age in rows}
+
+
+# ---------------------------------------------------------------------------------------
+# Running a frame
+# ---------------------------------------------------------------------------------------
+
+# Everything a run needs, from the proc: a task whose proc is gone (or on another host) runs nothing.
+RUN_CONTEXT_SQL = """
+SELECT p.pk_proc, p.pk_frame, p.pk_layer, p.pk_job, p.int_cores_reserved, p.int_mem_reserved,
+       p.int_gpus_reserved, p.int_gpu_mem_reserved,
+       f.str_name, f.int_number, f.int_dispatch_order, f.int_retries,
+       l.str_name, l.str_cmd, l.str_range, l.int_chunk_size,
+       j.str_name, j.str_shot, j.str_user, s.str_name, h.str_name
+FROM proc p
+JOIN frame f ON f.pk_frame = p.pk_frame
+JOIN layer l ON l.pk_layer = p.pk_layer
+JOIN job j ON j.pk_job = p.pk_job
+JOIN show s ON s.pk_show = p.pk_show
+JOIN host h ON h.pk_host = p.pk_host
+WHERE p.pk_proc = %s AND f.str_state = 'RUNNING'
+"""
+PROC_EXISTS_SQL = "SELECT 1 FROM proc WHERE pk_proc = %s"
+LOCK_PROC_SQL = "SELECT pg_try_advisory_lock(hashtext('cuesched-run:' || %s))"
+
+_SHELL_CHARS = re.compile(r"[;&|<>()$`*?\[\]{}~!\n\\]")
+_SAFE_PATH = re.compile(r"[^A-Za-z0-9._+=@,-]")
+
+
+@dataclass
+class RunContext:
+    pk_proc: str
+    pk_frame: str
+    pk_layer: str
+    pk_job: str
+    cores: int
+    mem: int
+    gpus: int
+    gpu_mem: int
+    frame_name: str
+    number: int
+    dispatch_order: int
+    retries: int
+    layer: str
+    command: str
+    range: str
+    chunk_size: int
+    job: str
+    shot: str
+    user: str
+    show: str
+    host: str
+
+
+@dataclass
+class RunResult:
+    """What one task did: `exit_status` None when nothing ran or the run was killed."""
+
+    pk_proc: str
+    ran: bool = False
+    exit_status: int | None = None
+    killed: bool = False
+    skipped: str | None = None
+    log_path: str | None = None
+    command: list[str] = field(default_factory=list)
+    started_at: float | None = None
+    stopped_at: float | None = None
+    states: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if v not in (None, [], {})}
+
+
+def _chunk_of(ctx: RunContext) -> Chunk:
+    """The frame row's chunk, as the submit made it (a range that no longer parses: the frame alone)."""
+    try:
+        chunks = chunk_frames(parse_frames(ctx.range), max(1, ctx.chunk_size))
+    except FrameRangeError:
+        return Chunk(0, (ctx.number,))
+    if 0 <= ctx.dispatch_order < len(chunks) and chunks[ctx.dispatch_order].number == ctx.number:
+        return chunks[ctx.dispatch_order]
+    for chunk in chunks:
+        if chunk.number == ctx.number:
+            return chunk
+    return Chunk(0, (ctx.number,))
+
+
+def command_argv(command: str) -> list[str]:
+    """The argv to exec: the split command, or `/bin/sh -c command` when it needs a shell."""
+    if _SHELL_CHARS.search(command):
+        return ["/bin/sh", "-c", command]
+    try:
+        argv = shlex.split(command)
+    except ValueError:
+        return ["/bin/sh", "-c", command]  # unbalanced quotes: let the shell say what is wrong
+    return argv or ["/bin/sh", "-c", command]
+
+
+def log_path(root: Path, ctx: RunContext) -> Path:
+    def part(text: str) -> str:
+        return _SAFE_PATH.sub("_", text).lstrip(".") or "_"
+
+    return root / part(ctx.show) / part(ctx.job) / f"{part(ctx.layer)}.{ctx.number:04d}.log"
+
+
+def frame_env(ctx: RunContext, chunk: Chunk, log: Path) -> dict[str, str]:
+    """The RQD-style CUE_* environment on top of the agent's own."""
+    env = dict(os.environ)
+    env.update(
+        {
+            "CUE3": "1",
+            "CUE_JOB": ctx.job,
+            "CUE_JOB_ID": ctx.pk_job,
+            "CUE_LAYER": ctx.layer,
+            "CUE_LAYER_ID": ctx.pk_layer,
+            "CUE_FRAME": ctx.frame_name,
+            "CUE_FRAME_ID": ctx.pk_frame,
+            "CUE_SHOW": ctx.show,
+            "CUE_SHOT": ctx.shot,
+            "CUE_USER": ctx.user,
+            "CUE_RESOURCE_ID": ctx.pk_proc,
+            "CUE_IFRAME": str(ctx.number),
+            "CUE_RANGE": ctx.range,
+            "CUE_CHUNK": str(ctx.chunk_size),
+            "CUE_THREADS": str(max(1, ctx.cores // CENTI)),
+            "CUE_MEMORY": str(ctx.mem),
+            "CUE_GPUS": str(ctx.gpus),
+            "CUE_GPU_MEMORY": str(ctx.gpu_mem),
+            "CUE_LOG_PATH": str(log.parent),
+            "CUE_FRAMESPEC": chunk.spec,
+        }
+    )
+    return env
+
+
+def _terminate(popen: subprocess.Popen[bytes], grace: float) -> None:
+    """SIGTERM the frame's process group, SIGKILL it after `grace` seconds."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(popen.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            popen.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _exit_status(returncode: int) -> int:
+    """A signal death reads as the shell reports it (128 + signal)."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def run_frame(pk_proc: str, host: str, *, log_root: str | None = None) -> dict[str, Any]:
+    """The task both transports run: one frame of one proc, reported through the release path.
+
+    Never raises for a frame's own failure (a missing command is exit 127, written as a
+    completion): a raise would make the broker deliver the task again.
+    """
+    root = Path(log_root or conf.agent_log_root())
+    result = RunResult(pk_proc)
+    conn = acct_db.connect(autocommit=True, application_name=f"cuesched-agent-{host}")
+    try:
+        if not conn.execute(LOCK_PROC_SQL, (pk_proc,)).fetchone()[0]:
+            result.skipped = "another run of this proc is in progress"
+            logger.warning("agent %s: proc %s is already running here; duplicate task ignored", host, pk_proc)
+            return result.as_dict()
+        row = conn.execute(RUN_CONTEXT_SQL, (pk_proc,)).fetchone()
+        if row is None:
+            result.skipped = "proc is gone (killed, released or compensated)"
+            logger.info("agent %s: proc %s is gone; nothing to run", host, pk_proc)
+            return result.as_dict()
+        ctx = RunContext(*row)
+        if ctx.host != host:
+            result.skipped = f"proc is booked on host {ctx.host}, not {host}"
+            logger.warning("agent %s: proc %s belongs to host %s; not running it", host, pk_proc, ctx.host)
+            return result.as_dict()
+        _run(conn, ctx, root, result)
+    finally:
+        conn.close()  # also frees the advisory lock
+    return result.as_dict()
+
+
+def _run(conn: psycopg.Connection, ctx: RunContext, root: Path, result: RunResult) -> None:
+    chunk = _chunk_of(ctx)
+    command = substitute_tokens(ctx.command, job=ctx.job, layer=ctx.layer, chunk=chunk, chunk_size=ctx.chunk_size)
+    argv = command_argv(command)
+    log = log_path(root, ctx)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    result.log_path, result.command = str(log), argv
+    poll = conf.agent_kill_poll()
+    grace = conf.agent_kill_grace()
+    with open(log, "ab", buffering=0) as out:
+        header = (
+            f"=== cuesched agent {ctx.host}: frame {ctx.frame_name} of job {ctx.job}, proc {ctx.pk_proc}, "
+            f"try {ctx.retries}, started {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n"
+            f"=== command: {shlex.join(argv)}\n"
+        )
+        out.write(header.encode())
+        result.started_at = time.time()
+        try:
+            popen = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=frame_env(ctx, chunk, log),
+                cwd=str(log.parent),
+                start_new_session=True,  # its own process group: a kill reaches every child
+            )
+        except OSError as exc:
+            status = EXIT_COMMAND_NOT_FOUND if isinstance(exc, FileNotFoundError) else EXIT_CANNOT_EXECUTE
+            out.write(f"=== cannot start the command: {exc}; exit {status}\n".encode())
+            logger.warning("agent %s: frame %s: cannot start %r: %s", ctx.host, ctx.frame_name, argv[0], exc)
+            result.stopped_at = time.time()
+            _report(conn, ctx, status, result)
+            return
+        result.ran = True
+        logger.info("agent %s: frame %s started (pid %d): %s", ctx.host, ctx.frame_name, popen.pid, command)
+        while True:
+            try:
+                returncode = popen.wait(timeout=poll)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if not _proc_exists(conn, ctx.pk_proc):
+                _terminate(popen, grace)
+                result.killed = True
+                result.stopped_at = time.time()
+                out.write(f"=== killed: proc {ctx.pk_proc} was released (kill, lost host or job kill)\n".encode())
+                logger.info("agent %s: frame %s killed (its proc was released)", ctx.host, ctx.frame_name)
+                return
+        result.stopped_at = time.time()
+        status = _exit_status(returncode)
+        out.write(
+            f"=== exit status {status} after {result.stopped_at - result.started_at:.2f}s, "
+            f"stopped {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n".encode()
+        )
+    _report(conn, ctx, status, result)
+
+
+def _proc_exists(conn: psycopg.Connection, pk_proc: str) -> bool:
+    try:
+        return conn.execute(PROC_EXISTS_SQL, (pk_proc,)).fetchone() is not None
+    except psycopg.Error as exc:
+        logger.warning("agent: cannot check proc %s (%s); letting the frame run", pk_proc, exc)
+        return True
+
+
+def _report(conn: psycopg.Connection, ctx: RunContext, status: int, result: RunResult) -> None:
+    """Write the end through the release path, retrying a lost connection a few times."""
+    result.exit_status = status
+    for attempt in range(1, 6):
+        try:
+            if conn.closed or conn.broken:
+                conn = acct_db.connect(autocommit=True, application_name=f"cuesched-agent-{ctx.host}")
+            out = complete(conn, [Completion(ctx.pk_proc, status)])
+            result.states = dict(out.states)
+            logger.info("agent %s: frame %s exit %d -> %s", ctx.host, ctx.frame_name, status, out.states or "no-op")
+            return
+        except psycopg.Error as exc:
+            logger.warning("agent %s: completion of %s failed (%s), attempt %d", ctx.host, ctx.pk_proc, exc, attempt)
+            time.sleep(min(5.0, 0.2 * 2**attempt))
+    logger.error("agent %s: could not report frame %s; the lost-host sweep will requeue it", ctx.host, ctx.frame_name)
+
+
+def default_host_name() -> str:
+    return socket.gethostname().split(".")[0]
+
+
+def settings_summary() -> str:
+    return f"log root {conf.agent_log_root()}, database {settings.DATABASES['default'].get('NAME')}"

@@ -1,0 +1,144 @@
+"""The q2 launcher: one django-q2 task per booking, on the booked host's own queue (ORM broker).
+
+Flow of one frame: the loop commits the booking (proc row, frame RUNNING, host idle taken),
+then `launch` checks that the host has a live agent (host_stat.ts_ping within
+`CUESCHED_AGENT_TIMEOUT`) and inserts a signed task `dispatch.agent.run_frame(pk_proc, host)`
+into django-q2's queue table under the host's queue name (`dispatch.agent.queue_name`). The
+host's agent (`manage.py run_agent --host NAME`, a django-q2 cluster on that queue) runs the
+frame and writes its end through `dispatch.completion.complete` itself.
+
+So nothing comes back through this launcher: `poll_completions` is always empty and
+`running` is 0 (the database's RUNNING frames are the truth, which the loop's exit-when-idle
+check reads). The loop sees the freed host at its next host-view reload
+(`CUESCHED_HOST_REFRESH_INTERVAL`), and the Store hears the proc delete's release trigger.
+
+A launch fails (and the loop compensates it) when the host's agent is silent - the host is
+then marked DOWN so it is not booked again until its agent pings - or when the enqueue fails.
+`kill` does nothing here: every kill releases the proc first, and the agent stops a frame
+whose proc is gone within `CUESCHED_AGENT_KILL_POLL` seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import psycopg
+
+from accounting import db as acct_db
+from dispatch import conf
+from dispatch.agent import queue_name, silent_hosts
+from dispatch.launchers import register
+
+if TYPE_CHECKING:
+    from dispatch.completion import Completion
+    from dispatch.dispatcher import Booking
+
+logger = logging.getLogger(__name__)
+
+TASK_FUNC = "dispatch.agent.run_frame"
+
+
+@register("q2")
+class Q2Launcher:
+    name = "q2"
+
+    def __init__(self, *, agent_timeout: float | None = None) -> None:
+        self.agent_timeout = conf.agent_timeout() if agent_timeout is None else agent_timeout
+        self._conn: psycopg.Connection | None = None
+        self.launched = 0
+        self.launch_failures = 0
+
+    def _connection(self) -> psycopg.Connection:
+        if self._conn is None or self._conn.closed or self._conn.broken:
+            self._conn = acct_db.connect(autocommit=True, application_name="cuesched-launcher-q2")
+        return self._conn
+
+    def _silent(self, bookings: Sequence[Booking]) -> dict[str, str]:
+        hosts = sorted({b.host.pk for b in bookings})
+        try:
+            return silent_hosts(self._connection(), hosts, self.agent_timeout)
+        except psycopg.Error as exc:
+            if self._conn is not None:
+                self._conn.close()
+            self._conn = None
+            return dict.fromkeys(hosts, f"cannot check the agents ({exc})")
+
+    def launch(self, bookings: Sequence[Booking]) -> list[tuple[Booking, str]]:
+        silent = self._silent(bookings)
+        failures = [(b, silent[b.host.pk]) for b in bookings if b.host.pk in silent]
+        live = [b for b in bookings if b.host.pk not in silent]
+        if live:
+            try:
+                enqueue(self._connection(), live)
+            except Exception as exc:
+                logger.exception("q2 launcher: enqueue of %d tasks failed", len(live))
+                if self._conn is not None and self._conn.broken:
+                    self._conn = None
+                failures += [(b, f"enqueue failed: {exc}") for b in live]
+        self.launched += len(bookings) - len(failures)
+        self.launch_failures += len(failures)
+        return failures
+
+    def poll_completions(self) -> list[Completion]:
+        return []  # the agents write completions themselves
+
+    def next_due(self) -> float | None:
+        return None
+
+    def running(self) -> int:
+        return 0  # the database's RUNNING frames are the truth
+
+    def kill(self, pk_proc: str) -> None:
+        logger.debug("q2 launcher: proc %s released; its agent stops the frame when it sees the proc gone", pk_proc)
+
+    def heartbeat(self, conn: psycopg.Connection) -> None:
+        """Agents ping for themselves."""
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+# django-q2's ORM broker table: a task is a row of its queue (key), free to take once `lock` is past.
+ENQUEUE_SQL = """
+INSERT INTO django_q_ormq (key, payload, lock)
+SELECT * FROM unnest(%(key)s::text[], %(payload)s::text[], %(lock)s::timestamptz[])
+"""
+
+
+def task_package(pk_proc: str, host: str) -> str:
+    """The signed package `django_q.tasks.async_task` would enqueue for `run_frame(pk_proc, host)`."""
+    from django.utils import timezone
+    from django_q.humanhash import uuid as q_uuid
+    from django_q.signing import SignedPackage
+
+    name, task_id = q_uuid()
+    task = {
+        "id": task_id,
+        "name": f"{name} frame proc {pk_proc} on {host}",
+        "func": TASK_FUNC,
+        "args": (pk_proc, host),
+        "kwargs": {},
+        "ack_failure": True,
+        "started": timezone.now(),
+    }
+    return SignedPackage.dumps(task)
+
+
+def enqueue(conn: psycopg.Connection, bookings: Sequence[Booking]) -> None:
+    """One django-q2 task per booking on its host's queue, in one statement on our own
+    connection (not through `async_task`, which would write one row per call on the loop
+    thread's Django connection)."""
+    from django.utils import timezone
+
+    now = timezone.now()
+    params = {
+        "key": [queue_name(b.host.name) for b in bookings],
+        "payload": [task_package(b.pk_proc, b.host.name) for b in bookings],
+        "lock": [now] * len(bookings),
+    }
+    with conn.cursor() as cur:
+        cur.execute(ENQUEUE_SQL, params)

@@ -1,0 +1,113 @@
+"""`manage.py run_agent --host NAME [--transport q2|celery]`: the host agent of one render host.
+
+Registers the host, starts the heartbeat thread, then consumes the host's own queue until
+SIGINT/SIGTERM: a django-q2 cluster (ORM broker: the database is the queue) or a Celery worker
+(RabbitMQ). Each runs up to `--slots` frames at once (default: the host's whole cores).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from dispatch import conf
+from dispatch.agent import Heartbeat, HostSpec, default_host_name, queue_name, register_host
+
+
+def _memory(value: str) -> int:
+    """`64G`, `512M` or KB: memory in KB."""
+    text = value.strip().upper()
+    scale = {"G": 1024 * 1024, "M": 1024, "K": 1}.get(text[-1:], None)
+    number = text[:-1] if scale else text
+    try:
+        return int(float(number) * (scale or 1))
+    except ValueError:
+        raise ValueError(f"memory must be like 64G, 512M or a number of KB, got {value!r}") from None
+
+
+class Command(BaseCommand):
+    help = "Run the host agent: register the host, heartbeat, run the frames booked on it."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--host", default=None, help="Host name (default: this machine's short name).")
+        parser.add_argument("--transport", choices=("q2", "celery"), default="q2")
+        parser.add_argument("--alloc", default=None, help="Allocation name (required for a new host).")
+        parser.add_argument("--cores", type=int, default=None, help="Whole cores (default: os.cpu_count()).")
+        parser.add_argument("--memory", type=_memory, default=None, help="Memory, e.g. 64G (default: MemTotal).")
+        parser.add_argument("--gpus", type=int, default=0)
+        parser.add_argument("--gpu-memory", type=_memory, default=0)
+        parser.add_argument("--os", default=None, help="OS tag (default: platform.system().lower()).")
+        parser.add_argument("--tags", default="", help="Manual tags, separated by spaces, commas or '|'.")
+        parser.add_argument("--slots", type=int, default=None, help="Frames run at once (default: whole cores).")
+        parser.add_argument("--heartbeat", type=float, default=None, help="Seconds between pings.")
+
+    def handle(self, *args: Any, **opts: Any) -> None:
+        tags = tuple(t for t in opts["tags"].replace(",", " ").replace("|", " ").split() if t)
+        spec = HostSpec(
+            name=opts["host"] or default_host_name(),
+            alloc=opts["alloc"],
+            cores=opts["cores"],
+            memory_kb=opts["memory"],
+            gpus=opts["gpus"],
+            gpu_memory_kb=opts["gpu_memory"],
+            os=opts["os"],
+            tags=tags,
+        )
+        try:
+            pk_host = register_host(spec)
+        except ValueError as exc:
+            raise CommandError(str(exc)) from None
+        slots = max(1, opts["slots"] or spec.resolved_cores())
+        queue = queue_name(spec.name)
+        heartbeat = Heartbeat(pk_host, spec, opts["heartbeat"]).start()
+        self.stdout.write(
+            f"agent for host {spec.name}: queue {queue} over {opts['transport']}, {slots} slots, "
+            f"logs under {conf.agent_log_root()}"
+        )
+        try:
+            if opts["transport"] == "q2":
+                self._run_q2(queue, slots)
+            else:
+                self._run_celery(queue, slots, spec.name)
+        finally:
+            heartbeat.stop()
+            self.stdout.write(f"agent for host {spec.name} stopped")
+
+    def _run_q2(self, queue: str, slots: int) -> None:
+        from django_q.brokers import get_broker
+        from django_q.cluster import Cluster
+        from django_q.conf import Conf
+
+        # The cluster's size is a class setting read by the sentinel it forks.
+        Conf.WORKERS = slots
+        Conf.QUEUE_LIMIT = slots
+        Conf.CLUSTER_NAME = queue
+        cluster = Cluster(broker=get_broker(queue))  # installs SIGTERM/SIGINT handlers that stop it
+        cluster.start()
+        stopped = threading.Event()
+        while cluster.sentinel is not None and cluster.sentinel.is_alive() and not stopped.wait(0.5):
+            pass
+        if cluster.sentinel is not None and cluster.sentinel.is_alive():
+            cluster.stop()
+
+    def _run_celery(self, queue: str, slots: int, host: str) -> None:
+        from dispatch.celery_app import app
+
+        def _stop(signum: int, _frame: object) -> None:
+            raise SystemExit(0)
+
+        signal.signal(signal.SIGTERM, _stop)
+        worker = app.Worker(
+            queues=[queue],
+            concurrency=slots,
+            pool="threads",
+            hostname=f"cuesched-agent@{host}",
+            loglevel="INFO",
+            without_gossip=True,
+            without_mingle=True,
+            without_heartbeat=True,
+        )
+        worker.start()

@@ -1,0 +1,127 @@
+"""Real frames through a q2 host agent (django-q2, ORM broker: the test database is the queue).
+
+The agent is `manage.py run_agent --transport q2` in a subprocess; the scheduler side is the
+real dispatch loop with the q2 launcher. Frames run real commands, write their logs, and end
+through the release path from the agent's side.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dispatch.completion import EXIT_STATUS_KILLED, kill_frames
+from dispatch.launchers import get_launcher
+from tests.integration.agent_support import agent_farm, agent_process
+from tests.integration.dispatch_support import autocommit, drain, make_loop, scalar, violations, wait_for
+from tests.integration.runtime_support import running_scheduler
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+# Frame 2 fails (`false`) every try; the others echo and sleep. The shell syntax runs it via /bin/sh.
+COMMAND = "if [ #IFRAME# = 2 ]; then false; else echo rendering #FRAME# of #JOB#; sleep 0.2; fi"
+
+
+def check_real_frames(transport: str, tmp_path: Path) -> None:
+    farm = agent_farm(f"ag{transport}", COMMAND, frames=3, max_retries=1)
+    host = f"ag{transport}-host"
+    with agent_process(host, farm, tmp_path, transport=transport), running_scheduler() as proc, autocommit() as conn:
+        launcher = get_launcher(transport)
+        loop = make_loop(proc.service, launcher, host_refresh_interval=0.2)
+        try:
+            totals = drain(loop, 30)
+        finally:
+            launcher.close()
+
+        rows = conn.execute(
+            "SELECT int_number, str_state, int_exit_status, int_retries, ts_started IS NOT NULL,"
+            " ts_stopped >= ts_started FROM frame ORDER BY int_number"
+        ).fetchall()
+        # 1 and 3 succeed; 2 fails, is retried once (max retries 1), then is DEAD with its status.
+        assert rows == [
+            (1, "SUCCEEDED", 0, 0, True, True),
+            (2, "DEAD", 1, 1, True, True),
+            (3, "SUCCEEDED", 0, 0, True, True),
+        ]
+        assert totals.booked == 4 and totals.launch_failures == 0
+        assert scalar(conn, "SELECT str_state FROM job") == "FINISHED"
+        assert scalar(conn, "SELECT count(*) FROM proc") == 0
+        assert conn.execute(
+            "SELECT int_cores = int_cores_idle AND int_mem = int_mem_idle FROM host WHERE str_name = %s", (host,)
+        ).fetchone() == (True,)
+        assert violations(conn) == []
+
+        logs = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*.log"))
+        show, job, layer = conn.execute(
+            "SELECT s.str_name, j.str_name, l.str_name FROM layer l"
+            " JOIN job j ON j.pk_job = l.pk_job JOIN show s ON s.pk_show = j.pk_show"
+        ).fetchone()
+        assert logs == [Path(show, job, f"{layer}.{n:04d}.log") for n in (1, 2, 3)]
+        first = (tmp_path / logs[0]).read_text()
+        assert f"rendering 0001-{layer} of {job}" in first and "exit status 0" in first
+        second = (tmp_path / logs[1]).read_text()
+        assert second.count("=== cuesched agent") == 2  # the try and its retry, appended
+        assert second.count("exit status 1") == 2
+
+
+def test_real_frames_run_through_a_q2_agent_with_exit_status_retries_and_logs(tmp_path: Path) -> None:
+    check_real_frames("q2", tmp_path)
+
+
+def check_kill(transport: str, tmp_path: Path) -> None:
+    farm = agent_farm(f"ak{transport}", "sleep 30", frames=1)
+    host = f"ak{transport}-host"
+    with agent_process(host, farm, tmp_path, transport=transport), running_scheduler() as proc, autocommit() as conn:
+        launcher = get_launcher(transport)
+        with make_loop(proc.service, launcher) as loop:
+            assert loop.run_once().booked == 1
+        launcher.close()
+        frame = scalar(conn, "SELECT pk_frame FROM frame")
+        log: Path | None = None
+
+        def started() -> bool:
+            nonlocal log
+            found = list(tmp_path.rglob("*.log"))
+            log = found[0] if found else None
+            return log is not None and "=== command: sleep 30" in log.read_text()
+
+        wait_for(started, 15, "the agent to start the frame")
+        assert kill_frames(conn, [frame]).released == 1
+        wait_for(lambda: log is not None and "=== killed" in log.read_text(), 10, "the agent to kill the frame")
+        # The kill's completion stands (the agent writes none after it): WAITING, exit 301, no retry.
+        assert conn.execute("SELECT str_state, int_exit_status, int_retries FROM frame").fetchone() == (
+            "WAITING",
+            EXIT_STATUS_KILLED,
+            0,
+        )
+        assert scalar(conn, "SELECT count(*) FROM proc") == 0
+        assert conn.execute("SELECT int_cores = int_cores_idle FROM host WHERE str_name = %s", (host,)).fetchone() == (
+            True,
+        )
+        assert violations(conn) == []
+
+
+def test_a_running_frame_is_killed_through_its_q2_agent(tmp_path: Path) -> None:
+    check_kill("q2", tmp_path)
+
+
+def test_a_launch_to_a_host_without_an_agent_fails_and_is_compensated(tmp_path: Path) -> None:
+    farm = agent_farm("anoagent", "echo never", frames=1)
+    with agent_process("anoagent-host", farm, tmp_path):
+        pass  # registered, then stopped: the host stays UP with its last ping
+    with running_scheduler() as proc, autocommit() as conn:
+        conn.execute("UPDATE host_stat SET ts_ping = now() - interval '60 seconds'")  # silent past the agent timeout
+        launcher = get_launcher("q2")
+        with make_loop(proc.service, launcher) as loop:
+            first = loop.run_once()
+            assert (first.booked, first.launch_failures, first.compensated) == (0, 1, 1)
+            assert conn.execute("SELECT str_state, int_exit_status FROM frame").fetchone() == ("WAITING", 299)
+            assert scalar(conn, "SELECT str_state FROM host_stat") == "DOWN"
+            second = loop.run_once()  # the DOWN host is not booked again
+            assert second.launch_failures == 0 and second.booked == 0
+        launcher.close()
+        assert scalar(conn, "SELECT count(*) FROM proc") == 0
+        assert scalar(conn, "SELECT int_cores = int_cores_idle FROM host") is True
+        assert scalar(conn, "SELECT count(*) FROM django_q_ormq") == 0
+        assert violations(conn) == []
