@@ -6,7 +6,8 @@ Three sources, each read from what the program really runs:
   this repository), from the parser Django builds for it (`create_parser`), minus the options
   every Django command has;
 * metrics: every collector in `accounting.metrics`, with its exposed name, labels and help;
-* settings: every environment variable the code reads, found by walking the source (calls of
+* settings: every cuesched environment variable (`CUESCHED_*`, `DJANGO_*`, `DATABASE_URL`)
+  the code reads, found by walking the source (calls of
   the `cuesched_project.conf` accessors `env_float/env_int/env_bool/env_str`, and
   `os.environ.get`), with its default as written and the docstring of the accessor that reads
   it. No second registry to keep in step: adding an accessor adds a row.
@@ -63,6 +64,9 @@ FALLBACK_DOCS = {
     "DJANGO_DEBUG": "Django debug mode; set it false in production.",
     "DJANGO_SECRET_KEY": "Django secret key; the default is for development only, set your own in production.",
 }
+
+# The environment variables that are settings of ours (the rest, like TMPDIR, are the system's).
+OUR_PREFIXES = ("CUESCHED_", "DJANGO_", "DATABASE_URL")
 
 # Functions whose first argument names an environment variable, and how they read it.
 _ACCESSORS = {"env_float": "float", "env_int": "int", "env_bool": "bool", "env_str": "str", "_env_bool": "bool"}
@@ -261,6 +265,8 @@ def settings_docs() -> list[SettingDoc]:
             if not node.args or not isinstance(node.args[0], ast.Constant) or not isinstance(node.args[0].value, str):
                 continue
             name = node.args[0].value
+            if not name.startswith(OUR_PREFIXES):
+                continue  # a system variable (TMPDIR, HOME): not a cuesched setting
             default = ast.get_source_segment(source, node.args[1]) if len(node.args) > 1 else ""
             kind = _ACCESSORS.get(call, "str")
             doc = ""
