@@ -26,7 +26,8 @@ INLINE = re.compile(r"`([^`\n]+)`")
 # `manage.py CMD ...` or `./dev manage CMD ...`, up to a shell operator or the end of the line.
 INVOCATION = re.compile(r"(?:manage\.py|\./dev\s+manage)\s+([^\n]*)")
 SHELL_STOP = re.compile(r"\s(?:&&|\|\|?|;|>|2>|#)\s|\s\\$")
-SETTING = re.compile(r"\b((?:CUESCHED|DJANGO)_[A-Z0-9_]+|DATABASE_URL)\b")
+# A setting name; a trailing `_` or `*` is a family (`CUESCHED_SIM_*`), not a name.
+SETTING = re.compile(r"\b((?:CUESCHED|DJANGO)_[A-Z0-9_]*[A-Z0-9]|DATABASE_URL)\b(?![_*])")
 METRIC = re.compile(r"`(cuesched_[a-z0-9_]+)`")
 TEST_REF = re.compile(r"(tests/[\w/]+\.py)((?:::\w+)+)")
 
