@@ -1,0 +1,418 @@
+"""`manage.py bench`: the project's figures side by side, each the median of several runs.
+
+1. Booking throughput, Store against database-enforced accounting (the same farm with
+   `b_scheduler_managed = false`), on the drain workload and on a contended one (one
+   subscription, one folder), in two dispatcher shapes:
+   - batched: our loop, one set-based transaction per batch of bookings, one dispatcher;
+   - per-proc: Cuebot's shape, one booking per transaction, several dispatch threads
+     contending on the same subscription and folder rows (Cuebot books one proc per
+     transaction and its verify triggers lock those rows).
+   The same shape runs for both accounting modes, so each ratio isolates the accounting.
+2. The floor: the same writes for the same bookings (frame update, proc insert, host
+   update) set-based in batches of the loop's size, with no scheduling logic at all.
+3. Recompute cycle at 100k procs over 10k jobs, notification-to-Store delay p50/p99 over
+   1,000 releases, Store book+confirm pairs per second.
+
+Writes bench.json and bench.png into --out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from argparse import ArgumentParser
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from django.core.management.base import BaseCommand
+
+from accounting import bench as acct_bench
+from accounting import db
+from accounting.bench import Spread
+from accounting.management.commands import bench_store
+from accounting.service import AccountingService
+from dispatch import conf
+from dispatch.launchers.simulated import SimulatedLauncher
+from dispatch.loop import DispatchLoop
+from dispatch.seeding import FarmSpec, purge_farm, seed_farm
+from dispatch.stress import QUIET_LOOPS, env
+
+VACUUMED = "frame, proc, host, host_stat, job, job_stat, job_resource, layer, layer_stat, layer_resource"
+
+# The floor: one batch of planned bookings (frame, host, cores, memory) as the three writes
+# of a booking, set-based in one transaction. The plan (which frame on which host) is made
+# before the clock starts: the floor has no scheduling logic at all.
+FLOOR_SQL = """
+WITH pairs AS (
+  SELECT * FROM unnest(%(frames)s::text[], %(hosts)s::text[], %(cores)s::bigint[], %(mem)s::bigint[])
+    AS x(pk_frame, pk_host, c, m)
+), started AS (
+  UPDATE frame f SET str_state = 'RUNNING', int_version = f.int_version + 1, ts_started = now(),
+         int_cores = pairs.c, int_mem_reserved = pairs.m
+  FROM pairs WHERE f.pk_frame = pairs.pk_frame
+  RETURNING f.pk_frame, f.pk_job, f.pk_layer, pairs.pk_host, pairs.c, pairs.m
+), procs AS (
+  INSERT INTO proc (pk_proc, pk_host, pk_show, pk_layer, pk_job, pk_frame, int_cores_reserved, int_mem_reserved)
+  SELECT gen_random_uuid()::text, st.pk_host, j.pk_show, st.pk_layer, st.pk_job, st.pk_frame, st.c, st.m
+  FROM started st JOIN job j ON j.pk_job = st.pk_job
+  RETURNING pk_host, int_cores_reserved, int_mem_reserved
+)
+UPDATE host h SET int_cores_idle = h.int_cores_idle - agg.c, int_mem_idle = h.int_mem_idle - agg.m
+FROM (SELECT pk_host, SUM(int_cores_reserved) AS c, SUM(int_mem_reserved) AS m FROM procs GROUP BY pk_host) agg
+WHERE h.pk_host = agg.pk_host
+"""
+PLAN_FRAMES_SQL = """
+SELECT f.pk_frame, l.int_cores_min, l.int_mem_min FROM frame f JOIN job j ON j.pk_job = f.pk_job
+JOIN layer l ON l.pk_layer = f.pk_layer WHERE j.pk_show = ANY(%s) AND f.str_state = 'WAITING' ORDER BY f.pk_frame
+"""
+PLAN_HOSTS_SQL = "SELECT pk_host, int_cores_idle, int_mem_idle FROM host WHERE pk_host = ANY(%s) ORDER BY pk_host"
+
+
+def plan_floor(
+    frames: list[tuple[str, int, int]], hosts: list[tuple[str, int, int]]
+) -> list[tuple[str, str, int, int]]:
+    """Frames on hosts round-robin, skipping hosts without room (the writes must be valid)."""
+    idle = [[h, c, m] for h, c, m in hosts]
+    out = []
+    i = 0
+    for frame, cores, mem in frames:
+        for _ in range(len(idle)):
+            h = idle[i % len(idle)]
+            i += 1
+            if h[1] >= cores and h[2] >= mem:
+                h[1] -= cores
+                h[2] -= mem
+                out.append((frame, h[0], cores, mem))
+                break
+    return out
+
+
+def _spread(samples: list[float]) -> dict[str, float]:
+    s = Spread.of(samples)
+    return {"median": s.median, "min": s.low, "max": s.high, "runs": s.runs}
+
+
+class Command(BaseCommand):
+    help = "Booking throughput (Store vs database-enforced, vs the floor) and the accounting figures; JSON + PNG."
+
+    def add_arguments(self, parser: ArgumentParser) -> None:
+        parser.add_argument("--out", default="artifacts/bench/")
+        parser.add_argument("--runs", type=int, default=3, help="runs per figure (median, min, max)")
+        parser.add_argument("--prefix", default="bench")
+        parser.add_argument("--hosts", type=int, default=1200)
+        parser.add_argument("--jobs", type=int, default=300)
+        parser.add_argument("--layers", type=int, default=4)
+        parser.add_argument("--frames-per-layer", type=int, default=5)
+        parser.add_argument("--sub-burst", type=int, default=600, help="cores (contended workload)")
+        parser.add_argument("--folder-max-cores", type=int, default=400, help="cores (contended workload)")
+        parser.add_argument("--threads", type=int, default=4, help="dispatch threads of the per-proc shape")
+        parser.add_argument(
+            "--per-proc-seconds",
+            type=float,
+            default=10.0,
+            help="the per-proc shape books for this long (it would take minutes to drain the farm)",
+        )
+        parser.add_argument("--recompute-jobs", type=int, default=10_000)
+        parser.add_argument("--recompute-frames", type=int, default=10, help="procs per job")
+        parser.add_argument("--releases", type=int, default=1000)
+        parser.add_argument("--store-pairs", type=int, default=200_000)
+        parser.add_argument(
+            "--skip", default="", help="comma list of parts to skip: throughput, floor, accounting (quick runs)"
+        )
+
+    # -- one drain --------------------------------------------------------------------------
+    def _spec(self, opts: dict[str, Any], *, managed: bool, contended: bool) -> FarmSpec:
+        extra: dict[str, Any] = {}
+        if contended:
+            extra = {
+                "allocs": 1,
+                "sub_burst": opts["sub_burst"] * 100,
+                "folder_max_cores": opts["folder_max_cores"] * 100,
+            }
+        return FarmSpec(
+            prefix=opts["prefix"],
+            hosts=opts["hosts"],
+            jobs=opts["jobs"],
+            layers=opts["layers"],
+            frames_per_layer=opts["frames_per_layer"],
+            managed=managed,
+            **extra,
+        )
+
+    def _drain(
+        self, spec: FarmSpec, *, threads: int, batch_size: int | None, seconds: float | None = None
+    ) -> dict[str, float]:
+        """One drain to idle, or `seconds` of steady booking (the slow per-proc shape)."""
+        purge_farm(spec.prefix)
+        seed_farm(spec)
+        with db.connect(application_name="cuesched-bench") as conn:
+            conn.execute(f"VACUUM ANALYZE {VACUUMED}")
+        stop = threading.Event()
+        with env(**QUIET_LOOPS):
+            service = AccountingService()
+            service.start(stop, bootstrap_timeout=30)
+            loops = [
+                DispatchLoop(
+                    service,
+                    SimulatedLauncher(runtime_min=0, runtime_max=0, failure_rate=0, launch_failure_rate=0, seed=i),
+                    batch_size=batch_size,
+                )
+                for i in range(threads)
+            ]
+        loop_stop = threading.Event()
+        workers = [threading.Thread(target=lp.run, args=(loop_stop, seconds is None), daemon=True) for lp in loops]
+        started = time.perf_counter()
+        for w in workers:
+            w.start()
+        if seconds is not None:
+            loop_stop.wait(seconds)
+            loop_stop.set()
+        for w in workers:
+            w.join(600)
+        wall = time.perf_counter() - started
+        loop_stop.set()
+        stop.set()
+        service.join()
+        firsts = [lp.first_booking_cycle_at for lp in loops if lp.first_booking_cycle_at is not None]
+        lasts = [lp.last_commit_at for lp in loops if lp.last_commit_at is not None]
+        window = (max(lasts) - min(firsts)) if firsts and lasts else 0.0
+        booked = sum(lp.totals.booked for lp in loops)
+        rejected: dict[str, int] = {}
+        for lp in loops:
+            for k, v in lp.totals.rejected.items():
+                rejected[k] = rejected.get(k, 0) + v
+        purge_farm(spec.prefix)
+        return {
+            "rate": booked / window if window else 0.0,
+            "window": window,
+            "wall": wall,
+            "booked": booked,
+            **{f"rejected_{k}": v for k, v in rejected.items()},
+        }
+
+    def _throughput(self, opts: dict[str, Any], results: dict[str, Any]) -> None:
+        variants = []
+        for workload in ("drain", "contended"):
+            for shape, threads, batch in (("batched", 1, None), ("per-proc", opts["threads"], 1)):
+                if workload == "drain" and shape == "per-proc":
+                    continue  # the drain has no shared caps to contend on; one shape is enough there
+                for mode in ("store", "database"):
+                    variants.append((workload, shape, threads, batch, mode))
+        table: dict[str, Any] = {}
+        for workload, shape, threads, batch, mode in variants:
+            name = f"{workload}/{shape}/{mode}"
+            runs = []
+            for i in range(opts["runs"]):
+                spec = self._spec(opts, managed=mode == "store", contended=workload == "contended")
+                seconds = opts["per_proc_seconds"] if shape == "per-proc" else None
+                r = self._drain(spec, threads=threads, batch_size=batch, seconds=seconds)
+                runs.append(r)
+                self.stdout.write(
+                    f"  {name} run {i + 1}: throughput: {r['rate']:.0f} frames/s over a {r['window']:.2f}s "
+                    f"booking window (wall {r['wall']:.2f}s), booked {r['booked']:.0f}"
+                )
+            table[name] = {
+                "workload": workload,
+                "shape": shape,
+                "mode": mode,
+                "threads": threads,
+                "batch_size": batch or conf.batch_size(),
+                "rate": _spread([r["rate"] for r in runs]),
+                "runs": runs,
+            }
+            self.stdout.write(f"{name}: {self._fmt(table[name]['rate'], 'frames/s')}")
+        results["throughput"] = table
+        ratios = {}
+        for workload, shape in (("drain", "batched"), ("contended", "batched"), ("contended", "per-proc")):
+            s = table.get(f"{workload}/{shape}/store")
+            d = table.get(f"{workload}/{shape}/database")
+            if s and d and d["rate"]["median"]:
+                ratios[f"{workload}/{shape}"] = s["rate"]["median"] / d["rate"]["median"]
+        best_store = table["contended/batched/store"]["rate"]["median"]
+        cuebot = table.get("contended/per-proc/database")
+        if cuebot and cuebot["rate"]["median"]:
+            ratios["contended/ours vs cuebot-shaped database-enforced"] = best_store / cuebot["rate"]["median"]
+        results["ratios"] = ratios
+        for k, v in ratios.items():
+            self.stdout.write(f"ratio Store / database-enforced, {k}: {v:.2f}x")
+
+    def _floor(self, opts: dict[str, Any], results: dict[str, Any]) -> None:
+        batch = conf.batch_size()
+        samples = []
+        for _ in range(opts["runs"]):
+            spec = self._spec(opts, managed=True, contended=False)
+            purge_farm(spec.prefix)
+            seed = seed_farm(spec)
+            with db.connect(application_name="cuesched-bench") as conn:
+                conn.execute(f"VACUUM ANALYZE {VACUUMED}")
+                frames = [tuple(r) for r in conn.execute(PLAN_FRAMES_SQL, (list(seed.show_ids),))]
+                hosts = [tuple(r) for r in conn.execute(PLAN_HOSTS_SQL, (list(seed.host_ids),))]
+                plan = plan_floor(frames, hosts)  # type: ignore[arg-type]
+                started = time.perf_counter()
+                for i in range(0, len(plan), batch):
+                    chunk = plan[i : i + batch]
+                    with conn.transaction():
+                        conn.execute(
+                            FLOOR_SQL,
+                            {
+                                "frames": [c[0] for c in chunk],
+                                "hosts": [c[1] for c in chunk],
+                                "cores": [c[2] for c in chunk],
+                                "mem": [c[3] for c in chunk],
+                            },
+                        )
+                elapsed = time.perf_counter() - started
+            samples.append(len(plan) / elapsed if elapsed else 0.0)
+            purge_farm(spec.prefix)
+        results["floor"] = {"batch_size": batch, "rate": _spread(samples)}
+        rate = self._fmt(results["floor"]["rate"], "frames/s")
+        self.stdout.write(f"floor (bulk writes, no scheduling, batches of {batch}): {rate}")
+        drain = results.get("throughput", {}).get("drain/batched/store")
+        if drain:
+            share = drain["rate"]["median"] / results["floor"]["rate"]["median"]
+            results["share_of_floor"] = share
+            self.stdout.write(f"our drain throughput as a share of the floor: {100 * share:.0f}%")
+
+    def _accounting(self, opts: dict[str, Any], results: dict[str, Any]) -> None:
+        prefix = f"{opts['prefix']}_acct"
+        purge_farm(prefix)
+        spec = FarmSpec(
+            prefix=prefix,
+            hosts=2000,
+            jobs=opts["recompute_jobs"],
+            layers=1,
+            frames_per_layer=opts["recompute_frames"],
+            host_cores_choices=(128,),
+            host_mem_gb_choices=(256,),
+            managed=True,
+            allocs=3,
+        )
+        seed_farm(spec)
+        try:
+            with db.connect(application_name="cuesched-bench") as conn:
+                procs = acct_bench.book_all(conn, prefix, spec.jobs * spec.frames_per_layer)
+                conn.execute(f"VACUUM ANALYZE {VACUUMED}")
+            rc = acct_bench.measure_recompute(max(opts["runs"], 5))
+            results["recompute"] = {
+                "procs": rc.procs,
+                "jobs": rc.jobs,
+                "cycle": asdict(rc.cycle),
+                "store_side": asdict(rc.store_side),
+                "pg_side": asdict(rc.pg_side),
+            }
+            self.stdout.write(
+                f"recompute cycle with {rc.procs} procs ({procs} booked) over {rc.jobs} jobs: {rc.cycle.fmt()}"
+            )
+            self.stdout.write(f"  store side {rc.store_side.fmt()}; pg side {rc.pg_side.fmt()}")
+            nd = acct_bench.measure_notify_delay(prefix, opts["releases"])
+            results["notify"] = asdict(nd)
+            self.stdout.write(
+                f"notification-to-Store delay over {nd.releases} releases: p50 {nd.p50_ms:.2f} ms, "
+                f"p99 {nd.p99_ms:.2f} ms, max {nd.max_ms:.2f} ms"
+            )
+        finally:
+            purge_farm(prefix)
+        pairs = []
+        for _ in range(max(opts["runs"], 3)):
+            seconds, _rejected = bench_store.run_once(opts["store_pairs"], 1, False)
+            pairs.append(opts["store_pairs"] / seconds)
+        results["store_pairs_per_s"] = _spread(pairs)
+        self.stdout.write(
+            f"Store book+confirm pairs/s (one thread): {self._fmt(results['store_pairs_per_s'], 'pairs/s')}"
+        )
+
+    @staticmethod
+    def _fmt(s: dict[str, float], unit: str) -> str:
+        return f"{s['median']:.0f} {unit} (min {s['min']:.0f}, max {s['max']:.0f}, {s['runs']} runs)"
+
+    def handle(self, *args: Any, **opts: Any) -> None:
+        skip = {s.strip() for s in opts["skip"].split(",") if s.strip()}
+        out = Path(opts["out"])
+        out.mkdir(parents=True, exist_ok=True)
+        results: dict[str, Any] = {
+            "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "load_average_before": os.getloadavg(),
+            "cpus": os.cpu_count(),
+            "options": {k: v for k, v in opts.items() if isinstance(v, (int, float, str))},
+        }
+        if "throughput" not in skip:
+            self._throughput(opts, results)
+        if "floor" not in skip:
+            self._floor(opts, results)
+        if "accounting" not in skip:
+            self._accounting(opts, results)
+        results["load_average_after"] = os.getloadavg()
+        (out / "bench.json").write_text(json.dumps(results, indent=2, default=str))
+        chart(results, out / "bench.png")
+        self.stdout.write(f"wrote {out / 'bench.json'} and {out / 'bench.png'}")
+
+
+def chart(results: dict[str, Any], path: Path) -> None:
+    """Throughput bars with min/max whiskers and the floor; accounting figures against their targets."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 6), gridspec_kw={"width_ratios": [3, 2]})
+    names, med, lo, hi, colors = [], [], [], [], []
+    for name, row in results.get("throughput", {}).items():
+        names.append(name.replace("/", "\n"))
+        r = row["rate"]
+        med.append(r["median"])
+        lo.append(r["median"] - r["min"])
+        hi.append(r["max"] - r["median"])
+        colors.append("tab:blue" if row["mode"] == "store" else "tab:orange")
+    if "floor" in results:
+        r = results["floor"]["rate"]
+        names.append("floor\n(bulk writes,\nno scheduling)")
+        med.append(r["median"])
+        lo.append(r["median"] - r["min"])
+        hi.append(r["max"] - r["median"])
+        colors.append("tab:gray")
+    ax1.bar(range(len(names)), med, yerr=[lo, hi], color=colors, capsize=4)
+    for i, v in enumerate(med):
+        ax1.text(i, v, f"{v:.0f}", ha="center", va="bottom", fontsize=8)
+    ax1.axhline(2000, color="green", linestyle="--", linewidth=1, label="target 2,000 frames/s (drain)")
+    ax1.axhline(975, color="red", linestyle=":", linewidth=1, label="OpenCue Rust scheduler, published 975")
+    ax1.set_xticks(range(len(names)), names, fontsize=8)
+    ax1.set_ylabel("frames booked per second (median, min-max)")
+    ratios = results.get("ratios", {})
+    ax1.set_title(
+        "Booking throughput: Store (blue) vs database-enforced (orange)\n"
+        + "; ".join(f"{k} {v:.2f}x" for k, v in ratios.items()),
+        fontsize=9,
+    )
+    ax1.legend(fontsize=8)
+    labels, values, targets = [], [], []
+    if "recompute" in results:
+        c = results["recompute"]["cycle"]
+        labels.append(f"recompute cycle\n{results['recompute']['procs']} procs (ms)")
+        values.append(c["median"] * 1000)
+        targets.append(1000)
+    if "notify" in results:
+        labels += ["notify p50 (ms)", "notify p99 (ms)"]
+        values += [results["notify"]["p50_ms"], results["notify"]["p99_ms"]]
+        targets += [50, 50]
+    if labels:
+        bars = ax2.bar(range(len(labels)), values, color="tab:blue")
+        ax2.scatter(range(len(labels)), targets, color="red", marker="_", s=600, label="target (below)", zorder=3)
+        for b, v in zip(bars, values, strict=True):
+            ax2.text(b.get_x() + b.get_width() / 2, v, f"{v:.1f}", ha="center", va="bottom", fontsize=8)
+        ax2.set_xticks(range(len(labels)), labels, fontsize=8)
+        ax2.set_yscale("log")
+        title = "Accounting figures (log scale)"
+        if "store_pairs_per_s" in results:
+            title += f"\nStore book+confirm: {results['store_pairs_per_s']['median']:,.0f} pairs/s"
+        ax2.set_title(title, fontsize=9)
+        ax2.legend(fontsize=8)
+    load = results.get("load_average_before")
+    fig.suptitle(
+        f"cuesched bench {results.get('started_at')} ({results.get('cpus')} CPUs, load before {load})", fontsize=10
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
