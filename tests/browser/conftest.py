@@ -26,7 +26,23 @@ CHROMIUM_ARGS = [
 SCREENSHOTS = Path(__file__).resolve().parents[2] / "artifacts" / "screenshots"
 
 
+def _django_order(item: pytest.Item) -> int:
+    """pytest-django's order: database tests in a rolled-back transaction, then transactional ones
+    (which flush every table when they end), then tests without a database."""
+    marker = item.get_closest_marker("django_db")
+    fixtures = getattr(item, "fixturenames", [])
+    if (marker is not None and marker.kwargs.get("transaction")) or {"transactional_db", "live_server"} & set(fixtures):
+        return 1
+    return 0 if marker is not None or "db" in fixtures else 2
+
+
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # pytest-playwright parametrizes these tests with a session-scoped browser name, and pytest
+    # then regroups session-parametrized tests after pytest-django has ordered the run: the
+    # browser tests (transactional) would run, and flush, before database tests that expect
+    # what the migrations wrote. Put every test back in pytest-django's order (a stable sort).
+    items.sort(key=_django_order)
     if os.path.exists(CHROMIUM):
         return
     skip = pytest.mark.skip(reason=f"{CHROMIUM} is missing: install the Debian package (apt-get install chromium)")
