@@ -52,8 +52,8 @@ DJANGO_COMMON_OPTIONS = frozenset(
 # What a variable does, for the few read where no docstring or comment says it (settings.py
 # dictionaries, undocumented accessors). A test fails if a name here is no longer read anywhere.
 FALLBACK_DOCS = {
-    "CUESCHED_LAUNCHER": "How the scheduler runs frames: `simulated` (the launchers registered in "
-    "`dispatch/launchers/`). `run_scheduler --launcher` overrides it.",
+    "CUESCHED_LAUNCHER": "How the scheduler runs frames: a launcher registered in `dispatch/launchers/` "
+    "(`simulated` in process; `q2`, `celery` through host agents). `run_scheduler --launcher` overrides it.",
     "CUESCHED_LOG_LEVEL": "Root log level of every process (Python logging level name).",
     "CUESCHED_LOST_HOST_SWEEP_INTERVAL": "How often the dispatch loop looks for lost hosts.",
     "CUESCHED_PGDATA": "Data directory of the embedded PostgreSQL (used only when DATABASE_URL is unset); "
@@ -398,7 +398,9 @@ def _render() -> str:
         "",
         "Every environment variable the code reads. cuesched's own knobs (`CUESCHED_*`) are read through the "
         "accessors in `cuesched_project/conf.py` and `dispatch/conf.py` at call time: the environment first, "
-        "then a Django setting of the same name, then the default shown. An empty value counts as unset. "
+        "then a Django setting of the same name, then the default shown; those read in "
+        "`cuesched_project/settings.py` or `embedded_db.py` come from the environment only. An empty value "
+        "counts as unset. "
         "Booleans accept `1`, `true`, `yes`, `on` (any case); anything else is false. Durations are seconds.",
         "",
         "| variable | type | default | read by | what |",
