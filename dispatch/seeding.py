@@ -693,6 +693,8 @@ JOBS = (
     f" OR pk_folder IN ({FOLDERS}) OR pk_facility IN ({FACILITIES}) OR pk_dept IN ({DEPTS})"
 )
 LAYERS = f"SELECT pk_layer FROM layer WHERE pk_job IN ({JOBS})"
+# Seeds write no dependencies, but jobs submitted into a seeded show do (dispatch.actions).
+DEPENDS = f"pk_job_depend_er IN ({JOBS}) OR pk_job_depend_on IN ({JOBS})"
 
 SCOPE: dict[str, str] = {
     "proc": f"pk_job IN ({JOBS}) OR pk_host IN ({HOSTS}) OR pk_show IN ({SHOWS}) OR pk_layer IN ({LAYERS})",
@@ -782,7 +784,11 @@ def purge_farm(prefix: str) -> dict[str, int]:
     params = scope_params(prefix)
     deleted: dict[str, int] = {}
     with transaction.atomic(), connection.cursor() as cur:
+        cur.execute(f"DELETE FROM depend WHERE {DEPENDS}", params)
+        depends = cur.rowcount
         for table in PURGE_ORDER:
             cur.execute(f"DELETE FROM {table} WHERE {SCOPE[table]}", params)
             deleted[table] = cur.rowcount
+    if depends:
+        deleted = {"depend": depends, **deleted}
     return deleted

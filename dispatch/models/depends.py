@@ -109,9 +109,10 @@ class Depend(models.Model):
 
     pk_depend = pk_field("pk_depend")
     str_type = models.CharField(max_length=36, choices=[(t, t) for t in DEPEND_TYPES])
-    job_depend_er = fk("dispatch.Job", "pk_job_depend_er", related_name="depends")
-    job_depend_on = fk("dispatch.Job", "pk_job_depend_on")
-    # Looked up only through the partial indexes below (active rows), not the plain FK ones.
+    # Indexed in Meta.indexes (plain btrees: a field index on a varchar would add a second,
+    # pattern-ops one per column, which no query here uses).
+    job_depend_er = fk("dispatch.Job", "pk_job_depend_er", related_name="depends", db_index=False)
+    job_depend_on = fk("dispatch.Job", "pk_job_depend_on", db_index=False)
     layer_depend_er = fk("dispatch.Layer", "pk_layer_depend_er", null=True, db_index=False)
     layer_depend_on = fk("dispatch.Layer", "pk_layer_depend_on", null=True, db_index=False)
     frame_depend_er = fk("dispatch.Frame", "pk_frame_depend_er", null=True, db_index=False)
@@ -122,16 +123,23 @@ class Depend(models.Model):
 
     class Meta:
         db_table = "depend"
+        # Every reference is indexed: deleting a job, layer or frame checks its foreign keys
+        # here, and without an index each deleted row scans the whole table (a purge of
+        # 100,000 frames took minutes). The trigger finds frame-by-frame rows through
+        # i_depend_frame_on, and layer-on-layer rows through the small partial index (the
+        # plain layer_on index also holds every frame-by-frame row of the layer). No index
+        # reads b_active or ts_satisfied, so satisfying a depend can be a HOT update.
         indexes = [
-            models.Index(
-                fields=["frame_depend_on"],
-                name="i_depend_on_frame_active",
-                condition=models.Q(b_active=True, str_type=FRAME_BY_FRAME),
-            ),
+            models.Index(fields=["job_depend_er"], name="i_depend_job_er"),
+            models.Index(fields=["job_depend_on"], name="i_depend_job_on"),
+            models.Index(fields=["layer_depend_er"], name="i_depend_layer_er"),
+            models.Index(fields=["layer_depend_on"], name="i_depend_layer_on"),
+            models.Index(fields=["frame_depend_er"], name="i_depend_frame_er"),
+            models.Index(fields=["frame_depend_on"], name="i_depend_frame_on"),
             models.Index(
                 fields=["layer_depend_on"],
-                name="i_depend_on_layer_active",
-                condition=models.Q(b_active=True, str_type=LAYER_ON_LAYER),
+                name="i_depend_layer_on_layer",
+                condition=models.Q(str_type=LAYER_ON_LAYER),
             ),
         ]
         constraints = [

@@ -13,6 +13,7 @@ from dispatch.actions import submit_job
 from dispatch.jobspec import SpecError, load_spec, parse_memory
 from dispatch.models import Depend, Frame, Job, JobResource, JobStat, Layer, LayerStat
 from dispatch.models.depends import FRAME_BY_FRAME, LAYER_ON_LAYER
+from dispatch.seeding import FarmSpec, purge_farm, seed_farm, show_name
 from tests.integration.submit_support import (
     GB,
     counters_mismatch,
@@ -404,3 +405,12 @@ def test_kill_without_running_frames_eats_what_could_start_and_finishes_the_job(
     assert Job.objects.get(pk=job).str_state == "FINISHED"
     assert actions.kill_job(job).changed == 0  # again: nothing left to do
     assert counters_mismatch() == []
+
+
+def test_purging_a_seeded_farm_removes_the_jobs_submitted_into_it_with_their_depends() -> None:
+    seed_farm(FarmSpec(prefix="spg", jobs=0, hosts=0, allocs=1, manual_tags=0))
+    spec = make_spec(show=show_name("spg", 0))
+    submit_job(spec, user="alice")
+    deleted = purge_farm("spg")
+    assert (deleted["depend"], deleted["frame"], deleted["job"]) == (11, 13, 1)
+    assert table_counts() == dict.fromkeys(table_counts(), 0)
