@@ -7,7 +7,7 @@ Routes (under /api/, see dispatch/urls.py):
 | POST | /api/jobs | a job spec (dispatch.jobspec) | 201 {"job": id, "name": ..., "frames": n} |
 | GET | /api/jobs/<id or name> | | 200 the job: state, counts, caps, layers |
 | POST | /api/jobs/<id or name>/pause, resume, kill | none or {} | 200 {"job", "action", "changed", ...} |
-| POST | /api/jobs/<id or name>/retry, eat | {"frames": [names or ids]?, "layer": name?} | 200 |
+| POST | /api/jobs/<id or name>/retry, eat | none, or {"frames": [names or ids], "layer": name} | 200 |
 | POST | /api/jobs/<id or name>/priority | {"priority": n} | 200 |
 | POST | /api/jobs/<id or name>/max-cores | {"max_cores": whole cores, -1 unlimited} | 200 |
 
@@ -118,7 +118,7 @@ def submit(request: HttpRequest, user: AbstractBaseUser) -> JsonResponse:
     spec = _body(request, required=True)
     username = user.get_username()
     owner = spec.get("user")
-    if owner is not None and owner != username and not may_control_any(user):
+    if isinstance(owner, str) and owner != username and not may_control_any(user):
         raise ApiError(403, f"user {username!r} may not submit jobs as {owner!r}")
     try:
         result = actions.submit_job(spec, user=username, actor=user)
@@ -200,6 +200,7 @@ ACTIONS: dict[str, Callable[[Job, dict[str, Any], AbstractBaseUser], actions.Job
     "max-cores": lambda job, body, user: actions.set_max_cores(job, _one_field(body, "max_cores"), actor=user),
 }
 _NO_BODY = {"pause", "resume", "kill"}
+_BODY_REQUIRED = {"priority", "max-cores"}
 
 
 @_api("POST")
@@ -208,7 +209,7 @@ def job_action(request: HttpRequest, user: AbstractBaseUser, ref: str, action: s
     run = ACTIONS.get(action)
     if run is None:
         raise ApiError(404, f"unknown action {action!r} (actions: {', '.join(ACTIONS)})")
-    body = _body(request, required=action not in _NO_BODY)
+    body = _body(request, required=action in _BODY_REQUIRED)
     if action in _NO_BODY and body:
         raise ApiError(400, f"{action} takes no fields")
     job = _job(ref)

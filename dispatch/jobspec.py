@@ -473,7 +473,7 @@ def _one_by_name(model: type, name: str | None, what: str, errors: list[str]) ->
 
 
 def _folder(show: Show, path: str | None, errors: list[str]) -> Folder | None:
-    folders = list(Folder.objects.filter(show=show).only("pk_folder", "str_name", "parent_folder_id", "b_default"))
+    folders = list(Folder.objects.filter(show=show))  # a show has few folders
     if path is None:
         default = [f for f in folders if f.b_default] or [f for f in folders if f.parent_folder_id is None]
         if len(default) == 1:
@@ -517,7 +517,7 @@ def plan_job(spec: Any, *, user: str | None) -> JobPlan:
     show_name = r.text("show", required=True, max_len=512)
     name = r.text("name", required=True, max_len=255, pattern=NAME_RE)
     owner = r.text("user", max_len=32, pattern=USER_RE)
-    if owner is None and "user" not in spec:
+    if owner is None and spec.get("user") is None:
         owner = user
         if owner is None:
             r.error("user", "is required (no submitting user is known)")

@@ -104,6 +104,10 @@ def test_submitting_as_another_user_needs_the_right_to_control_any_job(client: C
     assert response.status_code == 403
     assert response.json() == {"errors": ["user 'alice' may not submit jobs as 'bob'"]}
     assert table_counts() == before
+    response = post(client, "/api/jobs", simple_spec("for-bob", user=42), token=tokens["alice"])
+    assert response.status_code == 400  # not a user name at all: a spec error, not a permission one
+    assert response.json() == {"errors": ["job.user: must be a string, not 42"]}
+    assert table_counts() == before
     response = post(client, "/api/jobs", simple_spec("for-bob", user="bob"), token=tokens["carol"])
     assert response.status_code == 201
     assert Job.objects.get(pk=response.json()["job"]).str_user == "bob"
@@ -146,6 +150,8 @@ def test_every_control_route(client: Client, tokens) -> None:
         cur.execute("UPDATE frame SET str_state = 'DEAD' WHERE pk_job = %s AND str_name = '0003-render'", [job])
     response = post(client, f"{url}/retry", {"frames": ["0003-render"]}, token=token)
     assert response.json() == {"job": job, "action": "retry", "changed": 1, "reopened": False}
+    response = post(client, f"{url}/retry", token=token)  # no body: every dead frame (none left)
+    assert response.json() == {"job": job, "action": "retry", "changed": 0, "reopened": False}
 
     detail = client.get(url, HTTP_AUTHORIZATION=f"Bearer {tokens['bob']}")  # anyone may read
     assert detail.status_code == 200

@@ -220,6 +220,10 @@ def test_defaults_come_from_the_folder_then_the_show(farm) -> None:
     spec = simple_spec("owned")
     del spec["user"]
     assert Job.objects.get(pk=submit_job(spec, user="dave").job_id).str_user == "dave"
+    assert Job.objects.get(pk=submit_job(simple_spec("nulled", user=None), user="erin").job_id).str_user == "erin"
+    nobody = simple_spec("nobody")
+    del nobody["user"]
+    assert _errors(nobody, user=None) == ["job.user: is required (no submitting user is known)"]
     assert submit_job(simple_spec("unlimited", max_cores=-1), user="x").frames == 4
     assert JobResource.objects.get(job__str_name="unlimited").int_max_cores == -1
 
