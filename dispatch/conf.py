@@ -94,7 +94,8 @@ def proc_mem_used_start() -> int:
 
 # --- launchers ----------------------------------------------------------------------------
 def launcher_name() -> str:
-    return env_str("CUESCHED_LAUNCHER", "simulated")
+    """`q2` (real frames on host agents, django-q2 on the database), `celery` or `simulated`."""
+    return env_str("CUESCHED_LAUNCHER", "q2")
 
 
 def simulated_runtime_min() -> float:

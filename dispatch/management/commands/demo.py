@@ -1,14 +1,19 @@
 """`manage.py demo` (what `./dev run` runs): migrate, seed a small farm once, print a login, serve.
 
-Later issues add the scheduler and a local host agent: they go into BACKGROUND_PROCESSES
-(started before the web server, stopped when it exits), so `./dev run` stays the one
-command that brings the whole thing up.
+Beside the web server it starts the scheduler (`run_scheduler --launcher q2`) and one local
+host agent (`run_agent --host demo_agent`, django-q2 on the database: no broker service), so
+the demo's frames really run (`echo rendering <frame>`, then a short sleep) and go WAITING ->
+RUNNING -> SUCCEEDED in the admin. The seeded hosts have no agent: the seed marks them DOWN
+(`run_agent --host demo_h3 --cores 8 --memory 32G` brings one up), and the local agent's host
+carries every demo tag, so it can run every layer. Both processes stop with the web server.
 """
 
 from __future__ import annotations
 
+import os
 import secrets
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -17,10 +22,10 @@ from typing import Any
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import BaseCommand
-from django.db import transaction
+from django.db import connection, transaction
 
 from dispatch.models import Show
-from dispatch.seeding import FarmSpec, seed_farm
+from dispatch.seeding import FarmSpec, alloc_name, manual_tag, seed_farm
 
 DEFAULT_ADDR = "127.0.0.1:8000"
 ADMIN_USER = "admin"
@@ -48,20 +53,55 @@ DEMO_SPEC = FarmSpec(
 )
 
 
+# What the demo's frames run: real, harmless, short (tokens substituted by the agent).
+DEMO_COMMAND = "echo rendering #FRAME# of #JOB#; sleep 1"
+DEMO_AGENT_HOST = "demo_agent"
+DEMO_AGENT_CORES = 8
+DEMO_AGENT_MEMORY = "32G"
+
+
 @dataclass(frozen=True)
 class BackgroundProcess:
     """A process that runs beside the web server for as long as it does."""
 
     name: str
     argv: list[str]
+    env: dict[str, str] | None = None  # added to this process's environment
 
 
 def background_processes() -> list[BackgroundProcess]:
-    """The hook for the scheduler and a local agent, e.g.
-    `BackgroundProcess("scheduler", [sys.executable, "manage.py", "run_scheduler"])`;
-    none yet (their issues add them).
-    """
-    return []
+    """The scheduler (q2 launcher) and one local agent for the demo host."""
+    manage = [sys.executable, "manage.py"]
+    tags = [alloc_name(DEMO_SPEC.prefix, i) for i in range(1, DEMO_SPEC.allocs)]
+    tags += [manual_tag(DEMO_SPEC.prefix, i) for i in range(DEMO_SPEC.manual_tags)]
+    return [
+        BackgroundProcess(
+            "scheduler",
+            [*manage, "run_scheduler", "--launcher", "q2"],
+            # The agent writes a frame's end itself; the scheduler sees the freed host at its
+            # next host reload, so reload often in this small farm.
+            env={"CUESCHED_HOST_REFRESH_INTERVAL": "1"},
+        ),
+        BackgroundProcess(
+            "agent",
+            [
+                *manage,
+                "run_agent",
+                "--transport",
+                "q2",
+                "--host",
+                DEMO_AGENT_HOST,
+                "--alloc",
+                alloc_name(DEMO_SPEC.prefix, 0),
+                "--tags",
+                " ".join(tags),
+                "--cores",
+                str(DEMO_AGENT_CORES),
+                "--memory",
+                DEMO_AGENT_MEMORY,
+            ],
+        ),
+    ]
 
 
 @contextmanager
@@ -70,7 +110,8 @@ def running(processes: list[BackgroundProcess], write: Callable[[str], Any]) -> 
     try:
         for proc in processes:
             write(f"starting {proc.name}: {' '.join(proc.argv)}")
-            started.append(subprocess.Popen(proc.argv))
+            env = {**os.environ, **proc.env} if proc.env else None
+            started.append(subprocess.Popen(proc.argv, env=env))
         yield started
     finally:
         for popen in reversed(started):
@@ -110,10 +151,15 @@ class Command(BaseCommand):
             self.stdout.write("database already has shows; not seeding the demo farm")
             return
         seed = seed_farm(DEMO_SPEC)
+        with transaction.atomic(), connection.cursor() as cur:
+            # Real commands for the local agent; the seeded hosts have no agent: DOWN.
+            cur.execute("UPDATE layer SET str_cmd = %s WHERE pk_job = ANY(%s)", [DEMO_COMMAND, list(seed.job_ids)])
+            cur.execute("UPDATE host_stat SET str_state = 'DOWN' WHERE pk_host = ANY(%s)", [list(seed.host_ids)])
         rows = seed.rows
         self.stdout.write(
             f"seeded demo farm: {rows['show']} shows ({len(seed.managed_show_ids)} managed), "
-            f"{rows['alloc']} allocs, {rows['host']} hosts, {rows['job']} jobs, {rows['frame']} frames"
+            f"{rows['alloc']} allocs, {rows['host']} hosts (DOWN: no agent runs on them), {rows['job']} jobs, "
+            f"{rows['frame']} frames; the local agent's host {DEMO_AGENT_HOST} runs them"
         )
 
     def reset_admin(self) -> str:

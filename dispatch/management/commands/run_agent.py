@@ -85,13 +85,24 @@ class Command(BaseCommand):
         Conf.WORKERS = slots
         Conf.QUEUE_LIMIT = slots
         Conf.CLUSTER_NAME = queue
-        cluster = Cluster(broker=get_broker(queue))  # installs SIGTERM/SIGINT handlers that stop it
+        cluster = Cluster(broker=get_broker(queue))
+        # Cluster installs handlers that stop it from inside the handler; a second signal (Ctrl-C
+        # reaches the whole process group, then the demo's terminate) would nest a second stop
+        # in the first. Ours only ask; the main thread stops the cluster once.
+        stop = threading.Event()
+
+        def _ask_stop(signum: int, _frame: object) -> None:
+            if not stop.is_set():
+                self.stderr.write(f"received {signal.Signals(signum).name}, stopping the agent")
+            stop.set()
+
+        signal.signal(signal.SIGTERM, _ask_stop)
+        signal.signal(signal.SIGINT, _ask_stop)
         cluster.start()
-        stopped = threading.Event()
-        while cluster.sentinel is not None and cluster.sentinel.is_alive() and not stopped.wait(0.5):
+        while cluster.sentinel is not None and cluster.sentinel.is_alive() and not stop.wait(0.5):
             pass
         if cluster.sentinel is not None and cluster.sentinel.is_alive():
-            cluster.stop()
+            cluster.stop()  # workers finish the frames they run, then exit
 
     def _run_celery(self, queue: str, slots: int, host: str) -> None:
         from dispatch.celery_app import app
