@@ -52,8 +52,6 @@ DJANGO_COMMON_OPTIONS = frozenset(
 # What a variable does, for the few read where no docstring or comment says it (settings.py
 # dictionaries, undocumented accessors). A test fails if a name here is no longer read anywhere.
 FALLBACK_DOCS = {
-    "CUESCHED_LAUNCHER": "How the scheduler runs frames: a launcher registered in `dispatch/launchers/` "
-    "(`simulated` in process; `q2`, `celery` through host agents). `run_scheduler --launcher` overrides it.",
     "CUESCHED_LOG_LEVEL": "Root log level of every process (Python logging level name).",
     "CUESCHED_LOST_HOST_SWEEP_INTERVAL": "How often the dispatch loop looks for lost hosts.",
     "CUESCHED_PGDATA": "Data directory of the embedded PostgreSQL (used only when DATABASE_URL is unset); "
