@@ -144,3 +144,32 @@ def test_every_test_a_page_names_exists() -> None:
                 if not re.search(rf"^\s*(?:async\s+def|def|class)\s+{name}\b|^{name}\s*=", text, re.M):
                     missing.append(f"{path.name}: {file}::{name}")
     assert missing == []
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*$", re.M)
+
+
+def anchor(heading: str) -> str:
+    """GitHub's heading anchor: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[`*]", "", heading).strip().lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def test_every_relative_link_and_anchor_in_the_docs_resolves() -> None:
+    broken = []
+    for path in DOC_FILES:
+        text = FENCED.sub("", path.read_text())
+        for target in LINK.findall(text):
+            if re.match(r"[a-z]+:", target):
+                continue  # http:, mailto:
+            file, _, fragment = target.partition("#")
+            dest = (path.parent / file).resolve() if file else path
+            if not dest.exists():
+                broken.append(f"{path.name}: {target}")
+                continue
+            if fragment and dest.suffix == ".md":
+                anchors = {anchor(h) for h in HEADING.findall(FENCED.sub("", dest.read_text()))}
+                if fragment not in anchors:
+                    broken.append(f"{path.name}: {target}")
+    assert broken == []
