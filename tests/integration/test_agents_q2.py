@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from dispatch.agent import EXIT_COMMAND_NOT_FOUND, HostSpec, register_host, run_frame
 from dispatch.completion import EXIT_STATUS_KILLED, kill_frames
 from dispatch.launchers import get_launcher
 from tests.integration.agent_support import agent_farm, agent_process
@@ -124,4 +125,31 @@ def test_a_launch_to_a_host_without_an_agent_fails_and_is_compensated(tmp_path: 
         assert scalar(conn, "SELECT count(*) FROM proc") == 0
         assert scalar(conn, "SELECT int_cores = int_cores_idle FROM host") is True
         assert scalar(conn, "SELECT count(*) FROM django_q_ormq") == 0
+        assert violations(conn) == []
+
+
+def test_a_missing_command_ends_the_frame_with_127_and_a_second_delivery_runs_nothing(tmp_path: Path) -> None:
+    """The agent's task run in this process (the broker's delivery stood in for by a direct call)."""
+    farm = agent_farm("amissing", "no-such-command-cuesched --frame #IFRAME#", frames=1, max_retries=0)
+    with running_scheduler() as proc, autocommit() as conn:
+        pk_host = register_host(
+            HostSpec(name="amissing-host", alloc=str(farm["alloc"]), cores=2, tags=tuple(farm["tags"])), conn
+        )
+        launcher = get_launcher("q2")
+        with make_loop(proc.service, launcher) as loop:
+            assert loop.run_once().booked == 1
+        launcher.close()
+        pk_proc = scalar(conn, "SELECT pk_proc FROM proc")
+        assert scalar(conn, "SELECT count(*) FROM django_q_ormq WHERE key = 'cuesched.host.amissing-host'") == 1
+
+        first = run_frame(pk_proc, "amissing-host", log_root=str(tmp_path))
+        assert first["command"] == ["no-such-command-cuesched", "--frame", "1"]  # plain argv: no shell
+        assert first["exit_status"] == EXIT_COMMAND_NOT_FOUND and first["states"] == {"DEAD": 1}
+        assert "cannot start the command" in Path(first["log_path"]).read_text()
+        assert conn.execute("SELECT str_state, int_exit_status FROM frame").fetchone() == ("DEAD", 127)
+        assert scalar(conn, "SELECT int_cores = int_cores_idle FROM host WHERE pk_host = %s", (pk_host,)) is True
+
+        again = run_frame(pk_proc, "amissing-host", log_root=str(tmp_path))  # a re-delivered task
+        assert again == {"pk_proc": pk_proc, "ran": False, "killed": False, "skipped": again["skipped"]}
+        assert "gone" in again["skipped"]
         assert violations(conn) == []
