@@ -22,33 +22,36 @@ from accounting.service import AccountingService
 from accounting.store import Store
 
 # Start every WAITING frame of a seeded farm as a 1-core proc, hosts taken round-robin:
-# the recompute benchmark needs a database full of procs, not a dispatcher run.
-BOOK_ALL_SQL = """
-WITH fr AS (
-  SELECT f.pk_frame, f.pk_layer, f.pk_job, j.pk_show,
-         row_number() OVER (ORDER BY f.pk_frame) - 1 AS n
-  FROM frame f JOIN job j ON j.pk_job = f.pk_job
-  WHERE j.str_name LIKE %(like)s AND f.str_state = 'WAITING'
-  LIMIT %(limit)s
-), hs AS (
-  SELECT pk_host, row_number() OVER (ORDER BY pk_host) - 1 AS n, count(*) OVER () AS total
-  FROM host WHERE str_name LIKE %(like)s
-), pairs AS (
-  SELECT fr.*, hs.pk_host FROM fr JOIN hs ON hs.n = fr.n %% hs.total
-), started AS (
-  UPDATE frame f SET str_state = 'RUNNING', int_version = f.int_version + 1, ts_started = now()
-  FROM pairs WHERE f.pk_frame = pairs.pk_frame
-  RETURNING f.pk_frame
-), procs AS (
-  INSERT INTO proc (pk_proc, pk_host, pk_show, pk_layer, pk_job, pk_frame, int_cores_reserved, int_mem_reserved)
-  SELECT gen_random_uuid()::text, pairs.pk_host, pairs.pk_show, pairs.pk_layer, pairs.pk_job, pairs.pk_frame, 100, 1024
-  FROM pairs JOIN started USING (pk_frame)
-  RETURNING pk_host
+# the recompute benchmark needs a database full of procs, not a dispatcher run. Staged
+# through an analysed temp table, so each step is a plain hash join whatever the
+# statistics of the freshly seeded tables say.
+BOOK_ALL_STEPS = (
+    """
+CREATE TEMP TABLE bench_pairs ON COMMIT DROP AS
+WITH hosts AS (
+  SELECT array_agg(pk_host ORDER BY pk_host) AS ids FROM host WHERE str_name LIKE %(like)s
 )
+SELECT f.pk_frame, f.pk_layer, f.pk_job, j.pk_show,
+       hosts.ids[1 + ((row_number() OVER (ORDER BY f.pk_frame) - 1) %% cardinality(hosts.ids))] AS pk_host
+FROM frame f JOIN job j ON j.pk_job = f.pk_job CROSS JOIN hosts
+WHERE j.str_name LIKE %(like)s AND f.str_state = 'WAITING'
+LIMIT %(limit)s
+""",
+    "ANALYZE bench_pairs",
+    """
+UPDATE frame f SET str_state = 'RUNNING', int_version = f.int_version + 1, ts_started = now()
+FROM bench_pairs p WHERE f.pk_frame = p.pk_frame
+""",
+    """
+INSERT INTO proc (pk_proc, pk_host, pk_show, pk_layer, pk_job, pk_frame, int_cores_reserved, int_mem_reserved)
+SELECT gen_random_uuid()::text, pk_host, pk_show, pk_layer, pk_job, pk_frame, 100, 1024 FROM bench_pairs
+""",
+    """
 UPDATE host h SET int_cores_idle = h.int_cores_idle - agg.cores, int_mem_idle = h.int_mem_idle - agg.mem
-FROM (SELECT pk_host, count(*) * 100 AS cores, count(*) * 1024 AS mem FROM procs GROUP BY pk_host) agg
+FROM (SELECT pk_host, count(*) * 100 AS cores, count(*) * 1024 AS mem FROM bench_pairs GROUP BY pk_host) agg
 WHERE h.pk_host = agg.pk_host
-"""
+""",
+)
 
 
 def like(prefix: str) -> str:
@@ -57,7 +60,8 @@ def like(prefix: str) -> str:
 
 def book_all(conn: psycopg.Connection, prefix: str, limit: int) -> int:
     with conn.transaction():
-        conn.execute(BOOK_ALL_SQL, {"like": like(prefix), "limit": limit})
+        for step in BOOK_ALL_STEPS:
+            conn.execute(step, {"like": like(prefix), "limit": limit} if "%(" in step else None)
         row = conn.execute(
             "SELECT count(*) FROM proc p JOIN job j ON j.pk_job = p.pk_job WHERE j.str_name LIKE %s",
             (like(prefix),),
