@@ -62,21 +62,22 @@ class Command(BaseCommand):
             raise CommandError(str(exc)) from None
         slots = max(1, opts["slots"] or spec.resolved_cores())
         queue = queue_name(spec.name)
-        heartbeat = Heartbeat(pk_host, spec, opts["heartbeat"]).start()
+        heartbeat = Heartbeat(pk_host, spec, opts["heartbeat"])
         self.stdout.write(
             f"agent for host {spec.name}: queue {queue} over {opts['transport']}, {slots} slots, "
             f"logs under {conf.agent_log_root()}"
         )
         try:
             if opts["transport"] == "q2":
-                self._run_q2(queue, slots)
+                self._run_q2(queue, slots, heartbeat)
             else:
+                heartbeat.start()
                 self._run_celery(queue, slots, spec.name)
         finally:
             heartbeat.stop()
             self.stdout.write(f"agent for host {spec.name} stopped")
 
-    def _run_q2(self, queue: str, slots: int) -> None:
+    def _run_q2(self, queue: str, slots: int, heartbeat: Heartbeat) -> None:
         from django_q.brokers import get_broker
         from django_q.cluster import Cluster
         from django_q.conf import Conf
@@ -99,6 +100,9 @@ class Command(BaseCommand):
         signal.signal(signal.SIGTERM, _ask_stop)
         signal.signal(signal.SIGINT, _ask_stop)
         cluster.start()
+        # Pings start once the cluster's processes are forked, so none of them inherits the
+        # heartbeat's database connection (a child freeing its copy would close the socket).
+        heartbeat.start()
         while cluster.sentinel is not None and cluster.sentinel.is_alive() and not stop.wait(0.5):
             pass
         if cluster.sentinel is not None and cluster.sentinel.is_alive():
