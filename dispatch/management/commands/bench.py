@@ -143,7 +143,13 @@ class Command(BaseCommand):
         )
 
     def _drain(
-        self, spec: FarmSpec, *, threads: int, batch_size: int | None, seconds: float | None = None
+        self,
+        spec: FarmSpec,
+        *,
+        threads: int,
+        batch_size: int | None,
+        seconds: float | None = None,
+        hold: bool = False,
     ) -> dict[str, float]:
         """One drain to idle, or `seconds` of steady booking (the slow per-proc shape)."""
         purge_farm(spec.prefix)
@@ -157,18 +163,33 @@ class Command(BaseCommand):
             loops = [
                 DispatchLoop(
                     service,
-                    SimulatedLauncher(runtime_min=0, runtime_max=0, failure_rate=0, launch_failure_rate=0, seed=i),
+                    SimulatedLauncher(
+                        runtime_min=3600 if hold else 0,
+                        runtime_max=3600 if hold else 0,
+                        failure_rate=0,
+                        launch_failure_rate=0,
+                        seed=i,
+                    ),
                     batch_size=batch_size,
                 )
                 for i in range(threads)
             ]
         loop_stop = threading.Event()
-        workers = [threading.Thread(target=lp.run, args=(loop_stop, seconds is None), daemon=True) for lp in loops]
+        workers = [
+            threading.Thread(target=lp.run, args=(loop_stop, seconds is None and not hold), daemon=True) for lp in loops
+        ]
         started = time.perf_counter()
         for w in workers:
             w.start()
         if seconds is not None:
             loop_stop.wait(seconds)
+            loop_stop.set()
+        elif hold:
+            # Nothing completes: the phase is over once every frame is booked.
+            frames = spec.jobs * spec.layers * spec.frames_per_layer
+            deadline = time.monotonic() + 600
+            while sum(lp.totals.booked for lp in loops) < frames and time.monotonic() < deadline:
+                time.sleep(0.01)
             loop_stop.set()
         for w in workers:
             w.join(600)
@@ -201,19 +222,30 @@ class Command(BaseCommand):
                     continue  # the drain has no shared caps to contend on; one shape is enough there
                 for mode in ("store", "database"):
                     variants.append((workload, shape, threads, batch, mode))
-        table: dict[str, Any] = {}
-        for workload, shape, threads, batch, mode in variants:
-            name = f"{workload}/{shape}/{mode}"
-            runs = []
-            for i in range(opts["runs"]):
+        variants.insert(0, ("drain-hold", "batched", 1, None, "store"))
+        variants.insert(1, ("drain-hold", "batched", 1, None, "database"))
+        # Interleaved (each round runs every variant once, the floor included), so that the
+        # load of this shared machine weighs on every figure alike.
+        samples: dict[str, list[dict[str, float]]] = {}
+        floor: list[float] = []
+        for i in range(opts["runs"]):
+            for workload, shape, threads, batch, mode in variants:
+                name = f"{workload}/{shape}/{mode}"
                 spec = self._spec(opts, managed=mode == "store", contended=workload == "contended")
                 seconds = opts["per_proc_seconds"] if shape == "per-proc" else None
-                r = self._drain(spec, threads=threads, batch_size=batch, seconds=seconds)
-                runs.append(r)
+                r = self._drain(spec, threads=threads, batch_size=batch, seconds=seconds, hold=workload == "drain-hold")
+                samples.setdefault(name, []).append(r)
                 self.stdout.write(
                     f"  {name} run {i + 1}: throughput: {r['rate']:.0f} frames/s over a {r['window']:.2f}s "
                     f"booking window (wall {r['wall']:.2f}s), booked {r['booked']:.0f}"
                 )
+            if "floor" not in opts["skip"]:
+                floor.append(self._floor_once(opts))
+                self.stdout.write(f"  floor run {i + 1}: {floor[-1]:.0f} frames/s")
+        table: dict[str, Any] = {}
+        for workload, shape, threads, batch, mode in variants:
+            name = f"{workload}/{shape}/{mode}"
+            runs = samples[name]
             table[name] = {
                 "workload": workload,
                 "shape": shape,
@@ -224,9 +256,24 @@ class Command(BaseCommand):
                 "runs": runs,
             }
             self.stdout.write(f"{name}: {self._fmt(table[name]['rate'], 'frames/s')}")
+        if floor:
+            results["floor"] = {"batch_size": conf.batch_size(), "rate": _spread(floor)}
+            self.stdout.write(
+                f"floor (bulk writes, no scheduling, batches of {conf.batch_size()}): "
+                f"{self._fmt(results['floor']['rate'], 'frames/s')}"
+            )
+            for name in ("drain/batched/store", "drain-hold/batched/store"):
+                share = table[name]["rate"]["median"] / results["floor"]["rate"]["median"]
+                results.setdefault("share_of_floor", {})[name] = share
+                self.stdout.write(f"{name} as a share of the floor: {100 * share:.0f}%")
         results["throughput"] = table
         ratios = {}
-        for workload, shape in (("drain", "batched"), ("contended", "batched"), ("contended", "per-proc")):
+        for workload, shape in (
+            ("drain", "batched"),
+            ("drain-hold", "batched"),
+            ("contended", "batched"),
+            ("contended", "per-proc"),
+        ):
             s = table.get(f"{workload}/{shape}/store")
             d = table.get(f"{workload}/{shape}/database")
             if s and d and d["rate"]["median"]:
@@ -239,42 +286,32 @@ class Command(BaseCommand):
         for k, v in ratios.items():
             self.stdout.write(f"ratio Store / database-enforced, {k}: {v:.2f}x")
 
-    def _floor(self, opts: dict[str, Any], results: dict[str, Any]) -> None:
+    def _floor_once(self, opts: dict[str, Any]) -> float:
         batch = conf.batch_size()
-        samples = []
-        for _ in range(opts["runs"]):
-            spec = self._spec(opts, managed=True, contended=False)
-            purge_farm(spec.prefix)
-            seed = seed_farm(spec)
-            with db.connect(application_name="cuesched-bench") as conn:
-                conn.execute(f"VACUUM ANALYZE {VACUUMED}")
-                frames = [tuple(r) for r in conn.execute(PLAN_FRAMES_SQL, (list(seed.show_ids),))]
-                hosts = [tuple(r) for r in conn.execute(PLAN_HOSTS_SQL, (list(seed.host_ids),))]
-                plan = plan_floor(frames, hosts)  # type: ignore[arg-type]
-                started = time.perf_counter()
-                for i in range(0, len(plan), batch):
-                    chunk = plan[i : i + batch]
-                    with conn.transaction():
-                        conn.execute(
-                            FLOOR_SQL,
-                            {
-                                "frames": [c[0] for c in chunk],
-                                "hosts": [c[1] for c in chunk],
-                                "cores": [c[2] for c in chunk],
-                                "mem": [c[3] for c in chunk],
-                            },
-                        )
-                elapsed = time.perf_counter() - started
-            samples.append(len(plan) / elapsed if elapsed else 0.0)
-            purge_farm(spec.prefix)
-        results["floor"] = {"batch_size": batch, "rate": _spread(samples)}
-        rate = self._fmt(results["floor"]["rate"], "frames/s")
-        self.stdout.write(f"floor (bulk writes, no scheduling, batches of {batch}): {rate}")
-        drain = results.get("throughput", {}).get("drain/batched/store")
-        if drain:
-            share = drain["rate"]["median"] / results["floor"]["rate"]["median"]
-            results["share_of_floor"] = share
-            self.stdout.write(f"our drain throughput as a share of the floor: {100 * share:.0f}%")
+        spec = self._spec(opts, managed=True, contended=False)
+        purge_farm(spec.prefix)
+        seed = seed_farm(spec)
+        with db.connect(application_name="cuesched-bench") as conn:
+            conn.execute(f"VACUUM ANALYZE {VACUUMED}")
+            frames = [tuple(r) for r in conn.execute(PLAN_FRAMES_SQL, (list(seed.show_ids),))]
+            hosts = [tuple(r) for r in conn.execute(PLAN_HOSTS_SQL, (list(seed.host_ids),))]
+            plan = plan_floor(frames, hosts)  # type: ignore[arg-type]
+            started = time.perf_counter()
+            for i in range(0, len(plan), batch):
+                chunk = plan[i : i + batch]
+                with conn.transaction():
+                    conn.execute(
+                        FLOOR_SQL,
+                        {
+                            "frames": [c[0] for c in chunk],
+                            "hosts": [c[1] for c in chunk],
+                            "cores": [c[2] for c in chunk],
+                            "mem": [c[3] for c in chunk],
+                        },
+                    )
+            elapsed = time.perf_counter() - started
+        purge_farm(spec.prefix)
+        return len(plan) / elapsed if elapsed else 0.0
 
     def _accounting(self, opts: dict[str, Any], results: dict[str, Any]) -> None:
         prefix = f"{opts['prefix']}_acct"
@@ -343,8 +380,6 @@ class Command(BaseCommand):
         }
         if "throughput" not in skip:
             self._throughput(opts, results)
-        if "floor" not in skip:
-            self._floor(opts, results)
         if "accounting" not in skip:
             self._accounting(opts, results)
         results["load_average_after"] = os.getloadavg()
