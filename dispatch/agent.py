@@ -58,7 +58,7 @@ from django.conf import settings
 
 from accounting import db as acct_db
 from dispatch import conf
-from dispatch.completion import Completion, complete
+from dispatch.completion import EXIT_STATUS_DOWN_HOST, Completion, complete
 from dispatch.frameset import Chunk, FrameRangeError, chunk_frames, parse_frames, substitute_tokens
 
 logger = logging.getLogger(__name__)
@@ -284,6 +284,31 @@ class Heartbeat:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(5)
+
+
+HOST_PROCS_SQL = "SELECT pk_proc FROM proc WHERE pk_host = %s AND NOT b_local"
+
+
+def release_previous_runs(pk_host: str, conn: psycopg.Connection | None = None) -> int:
+    """Requeue the frames a previous life of this host's agent left RUNNING; returns how many.
+
+    An agent that starts runs nothing yet, so every proc on its host belongs to a run that
+    died with the previous agent (or to a task still queued for it, whose proc release only
+    makes that task a no-op). They are released the lost-host way (exit 399, frame back to
+    WAITING, no retry counted) instead of waiting for the lost-host timeout.
+    """
+    own = conn is None
+    conn = conn or acct_db.connect(autocommit=True, application_name="cuesched-agent")
+    try:
+        procs = [r[0] for r in conn.execute(HOST_PROCS_SQL, (pk_host,)).fetchall()]
+        if not procs:
+            return 0
+        result = complete(conn, [Completion(pk, EXIT_STATUS_DOWN_HOST, requeue=True) for pk in procs])
+        logger.warning("agent: host restarted: %d frame(s) of its previous agent back to WAITING", result.released)
+        return result.released
+    finally:
+        if own:
+            conn.close()
 
 
 def queue_name(host: str) -> str:

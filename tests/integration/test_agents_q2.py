@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from dispatch.agent import EXIT_COMMAND_NOT_FOUND, HostSpec, register_host, run_frame
-from dispatch.completion import EXIT_STATUS_KILLED, kill_frames
+from dispatch.agent import EXIT_COMMAND_NOT_FOUND, HostSpec, register_host, release_previous_runs, run_frame
+from dispatch.completion import EXIT_STATUS_DOWN_HOST, EXIT_STATUS_KILLED, kill_frames
 from dispatch.launchers import get_launcher
 from tests.integration.agent_support import agent_farm, agent_process
 from tests.integration.dispatch_support import autocommit, drain, make_loop, scalar, violations, wait_for
@@ -152,4 +152,25 @@ def test_a_missing_command_ends_the_frame_with_127_and_a_second_delivery_runs_no
         again = run_frame(pk_proc, "amissing-host", log_root=str(tmp_path))  # a re-delivered task
         assert again == {"pk_proc": pk_proc, "ran": False, "killed": False, "skipped": again["skipped"]}
         assert "gone" in again["skipped"]
+        assert violations(conn) == []
+
+
+def test_a_restarted_agent_requeues_the_frames_its_previous_life_left_running() -> None:
+    farm = agent_farm("arestart", "sleep 30", frames=2)
+    with running_scheduler() as proc, autocommit() as conn:
+        spec = HostSpec(name="arestart-host", alloc=str(farm["alloc"]), cores=4, tags=tuple(farm["tags"]))
+        pk_host = register_host(spec, conn)
+        launcher = get_launcher("q2")
+        with make_loop(proc.service, launcher) as loop:
+            assert loop.run_once().booked == 2  # queued for an agent that then "died"
+        launcher.close()
+        assert register_host(spec, conn) == pk_host  # the agent starts again: same host, booked idle kept
+        assert scalar(conn, "SELECT int_cores - int_cores_idle FROM host") == 200
+        assert release_previous_runs(pk_host, conn) == 2
+        assert conn.execute("SELECT DISTINCT str_state, int_exit_status, int_retries FROM frame").fetchall() == [
+            ("WAITING", EXIT_STATUS_DOWN_HOST, 0)
+        ]
+        assert scalar(conn, "SELECT count(*) FROM proc") == 0
+        assert scalar(conn, "SELECT int_cores = int_cores_idle FROM host") is True
+        assert release_previous_runs(pk_host, conn) == 0
         assert violations(conn) == []

@@ -1,6 +1,7 @@
 """`manage.py run_agent --host NAME [--transport q2|celery]`: the host agent of one render host.
 
-Registers the host, starts the heartbeat thread, then consumes the host's own queue until
+Registers the host, requeues what a previous agent of the host left running, starts the
+heartbeat thread, then consumes the host's own queue until
 SIGINT/SIGTERM: a django-q2 cluster (ORM broker: the database is the queue) or a Celery worker
 (RabbitMQ). Each runs up to `--slots` frames at once (default: the host's whole cores).
 """
@@ -14,7 +15,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from dispatch import conf
-from dispatch.agent import Heartbeat, HostSpec, default_host_name, queue_name, register_host
+from dispatch.agent import Heartbeat, HostSpec, default_host_name, queue_name, register_host, release_previous_runs
 
 
 def _memory(value: str) -> int:
@@ -60,6 +61,9 @@ class Command(BaseCommand):
             pk_host = register_host(spec)
         except ValueError as exc:
             raise CommandError(str(exc)) from None
+        requeued = release_previous_runs(pk_host)
+        if requeued:
+            self.stdout.write(f"{requeued} frame(s) left running by this host's previous agent are WAITING again")
         slots = max(1, opts["slots"] or spec.resolved_cores())
         queue = queue_name(spec.name)
         heartbeat = Heartbeat(pk_host, spec, opts["heartbeat"])
