@@ -369,6 +369,7 @@ WHERE p.pk_proc = %s AND f.str_state = 'RUNNING'
 PROC_EXISTS_SQL = "SELECT 1 FROM proc WHERE pk_proc = %s"
 LOCK_PROC_SQL = "SELECT pg_try_advisory_lock(hashtext('cuesched-run:' || %s))"
 
+_PASSED_ENV = frozenset(("PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LC_ALL", "TZ", "TMPDIR", "TERM"))
 _SHELL_CHARS = re.compile(r"[;&|<>()$`*?\[\]{}~!\n\\]")
 _SAFE_PATH = re.compile(r"[^A-Za-z0-9._+=@,-]")
 
@@ -450,8 +451,12 @@ def log_path(root: Path, ctx: RunContext) -> Path:
 
 
 def frame_env(ctx: RunContext, chunk: Chunk, log: Path) -> dict[str, str]:
-    """The RQD-style CUE_* environment on top of the agent's own."""
-    env = dict(os.environ)
+    """The RQD-style CUE_* environment, on a few basics of the agent's own (PATH, HOME, ...).
+
+    Never the agent's whole environment: it holds the database URL and Django's secret key,
+    which a frame's command has no business reading.
+    """
+    env = {k: v for k, v in os.environ.items() if k in _PASSED_ENV}
     env.update(
         {
             "CUE3": "1",
@@ -595,20 +600,33 @@ def _proc_exists(conn: psycopg.Connection, pk_proc: str) -> bool:
 
 
 def _report(conn: psycopg.Connection, ctx: RunContext, status: int, result: RunResult) -> None:
-    """Write the end through the release path, retrying a lost connection a few times."""
+    """Write the end through the release path, on a fresh connection if the run's one broke."""
     result.exit_status = status
-    for attempt in range(1, 6):
-        try:
-            if conn.closed or conn.broken:
-                conn = acct_db.connect(autocommit=True, application_name=f"cuesched-agent-{ctx.host}")
-            out = complete(conn, [Completion(ctx.pk_proc, status)])
-            result.states = dict(out.states)
-            logger.info("agent %s: frame %s exit %d -> %s", ctx.host, ctx.frame_name, status, out.states or "no-op")
-            return
-        except psycopg.Error as exc:
-            logger.warning("agent %s: completion of %s failed (%s), attempt %d", ctx.host, ctx.pk_proc, exc, attempt)
-            time.sleep(min(5.0, 0.2 * 2**attempt))
-    logger.error("agent %s: could not report frame %s; the lost-host sweep will requeue it", ctx.host, ctx.frame_name)
+    spare: psycopg.Connection | None = None
+    try:
+        for attempt in range(1, 6):
+            try:
+                if conn.closed or conn.broken:
+                    if spare is not None:
+                        spare.close()
+                    conn = spare = acct_db.connect(autocommit=True, application_name=f"cuesched-agent-{ctx.host}")
+                out = complete(conn, [Completion(ctx.pk_proc, status)])
+                result.states = dict(out.states)
+                logger.info("agent %s: frame %s exit %d -> %s", ctx.host, ctx.frame_name, status, out.states or "no-op")
+                return
+            except psycopg.Error as exc:
+                logger.warning(
+                    "agent %s: completion of %s failed (%s), attempt %d", ctx.host, ctx.pk_proc, exc, attempt
+                )
+                time.sleep(min(5.0, 0.2 * 2**attempt))
+        logger.error(
+            "agent %s: could not report frame %s; the lost-host sweep or the next agent start requeues it",
+            ctx.host,
+            ctx.frame_name,
+        )
+    finally:
+        if spare is not None:
+            spare.close()
 
 
 def default_host_name() -> str:

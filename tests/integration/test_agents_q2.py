@@ -174,3 +174,23 @@ def test_a_restarted_agent_requeues_the_frames_its_previous_life_left_running() 
         assert scalar(conn, "SELECT int_cores = int_cores_idle FROM host") is True
         assert release_previous_runs(pk_host, conn) == 0
         assert violations(conn) == []
+
+
+def test_a_frame_sees_the_cue_environment_and_not_the_agents_secrets(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DJANGO_SECRET_KEY_PROBE", "must-not-leak")
+    farm = agent_farm("aenv", "env", frames=1)
+    with running_scheduler() as proc, autocommit() as conn:
+        register_host(HostSpec(name="aenv-host", alloc=str(farm["alloc"]), cores=2, tags=tuple(farm["tags"])), conn)
+        launcher = get_launcher("q2")
+        with make_loop(proc.service, launcher) as loop:
+            assert loop.run_once().booked == 1
+        launcher.close()
+        out = run_frame(scalar(conn, "SELECT pk_proc FROM proc"), "aenv-host", log_root=str(tmp_path))
+        assert out["command"] == ["env"] and out["exit_status"] == 0 and out["states"] == {"SUCCEEDED": 1}
+        env = dict(line.split("=", 1) for line in Path(out["log_path"]).read_text().splitlines() if "=" in line[:40])
+        layer, job = conn.execute("SELECT l.str_name, j.str_name FROM layer l JOIN job j USING (pk_job)").fetchone()
+        assert env["CUE_FRAME"] == f"0001-{layer}" and env["CUE_JOB"] == job and env["CUE_IFRAME"] == "1"
+        assert env["CUE_THREADS"] == "1" and env["CUE_RESOURCE_ID"] == out["pk_proc"] and "PATH" in env
+        assert "DATABASE_URL" not in env and "DJANGO_SECRET_KEY_PROBE" not in env
