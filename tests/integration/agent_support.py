@@ -26,7 +26,7 @@ from tests.integration.dispatch_support import scalar, seed, wait_for
 ROOT = Path(settings.BASE_DIR)
 
 
-def test_database_url() -> str:
+def database_url_for_agents() -> str:
     s = connection.settings_dict
     user = quote(s.get("USER") or "")
     auth = f"{user}:{quote(s['PASSWORD'])}@" if s.get("PASSWORD") else (f"{user}@" if user else "")
@@ -70,7 +70,7 @@ def agent_process(
     """`run_agent` for `host` in a subprocess; yields once its host has pinged, stops it after."""
     env = dict(os.environ)
     env.update(
-        DATABASE_URL=test_database_url(),
+        DATABASE_URL=database_url_for_agents(),
         CUESCHED_AGENT_LOG_ROOT=str(log_root),
         CUESCHED_AGENT_KILL_POLL="0.1",
         CUESCHED_AGENT_KILL_GRACE="2",
