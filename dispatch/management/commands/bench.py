@@ -421,7 +421,7 @@ def chart(results: dict[str, Any], path: Path) -> None:
     ratios = results.get("ratios", {})
     ax1.set_title(
         "Booking throughput: Store (blue) vs database-enforced (orange)\n"
-        + "; ".join(f"{k} {v:.2f}x" for k, v in ratios.items()),
+        + "\n".join(f"Store/database {k}: {v:.2f}x" for k, v in ratios.items()),
         fontsize=9,
     )
     ax1.legend(fontsize=8)
@@ -447,7 +447,7 @@ def chart(results: dict[str, Any], path: Path) -> None:
             title += f"\nStore book+confirm: {results['store_pairs_per_s']['median']:,.0f} pairs/s"
         ax2.set_title(title, fontsize=9)
         ax2.legend(fontsize=8)
-    load = results.get("load_average_before")
+    load = ", ".join(f"{x:.1f}" for x in results.get("load_average_before") or ())
     fig.suptitle(
         f"cuesched bench {results.get('started_at')} ({results.get('cpus')} CPUs, load before {load})", fontsize=10
     )
