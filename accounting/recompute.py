@@ -277,6 +277,7 @@ class Recomputer:
 
     def seed_show(self, conn: psycopg.Connection, show: str) -> tuple[CounterSnapshot, PgSnapshot]:
         """Read one show's booked counters over a zero baseline of its keys (managed-flip seed)."""
+        self.store.open_release_window()
         try:
             snap = begin_snapshot(conn)
             params = {"show": show}

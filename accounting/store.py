@@ -241,6 +241,7 @@ class Store:
         "_job_caps",
         "_lock",
         "_sub",
+        "_window",
     )
 
     def __init__(self) -> None:
@@ -255,6 +256,8 @@ class Store:
         self._folder_cap_src: dict[str, tuple[_CapSource, _CapSource]] = {}
         self._job_cap_src: dict[str, tuple[_CapSource, _CapSource]] = {}
         self._epoch = 0
+        # Releases applied while a snapshot read is open (see open_release_window).
+        self._window: list[tuple[BookingDelta, int]] | None = None
 
     @property
     def epoch(self) -> int:
@@ -419,12 +422,18 @@ class Store:
         decided on its own, since the three keys may have been written by different passes.
         With `xid=None` every existing key gets the release (reference behaviour).
 
+        While a snapshot read is open (`open_release_window`, `begin_recompute`) the release
+        is also logged, so the absolute write that ends the read can put it back if the
+        snapshot still counted the proc.
+
         Returns whether at least one key was changed.
         """
         dc = delta.cores
         dg = delta.gpus
         applied = False
         with self._lock:
+            if self._window is not None and xid is not None:
+                self._window.append((delta, xid))
             for counter in (
                 self._sub.get((delta.show, delta.alloc)),
                 self._folder.get(delta.folder),
@@ -453,7 +462,38 @@ class Store:
         with self._lock:
             epoch = self._epoch
             self._epoch = epoch + 1
+            self._window = []
         return epoch
+
+    def open_release_window(self) -> None:
+        """Start logging releases; call BEFORE reading a snapshot that an absolute write will follow.
+
+        A release applied between the snapshot read and the write (`overwrite_counters`,
+        `seed_show_booked`) is erased by that write. If its transaction is not visible in the
+        snapshot, the snapshot still counted the proc, and the counter would read high (safe,
+        but the release would be lost until the next pass). The write replays exactly those
+        logged releases on the keys it wrote. `begin_recompute` opens the window itself.
+        """
+        with self._lock:
+            self._window = []
+
+    def _replay_window(self, snapshot: CounterSnapshot, pg_snapshot: PgSnapshot | None) -> None:
+        """Under the lock: re-apply logged releases the snapshot could not see, then close the window."""
+        window, self._window = self._window, None
+        if not window or pg_snapshot is None:
+            return  # no snapshot to judge by: leave the counter high (safe) until the next pass
+        for delta, xid in window:
+            if pg_snapshot.visible(xid):
+                continue  # the snapshot's SUM already excludes the proc
+            for table, values, key in (
+                (self._sub, snapshot.sub, (delta.show, delta.alloc)),
+                (self._folder, snapshot.folder, delta.folder),
+                (self._job, snapshot.job, delta.job),
+            ):
+                if key in values:
+                    counter = table[key]
+                    counter[0] += delta.cores
+                    counter[1] += delta.gpus
 
     def overwrite_counters(
         self,
@@ -498,6 +538,7 @@ class Store:
                 for counter in table.values():
                     counter[cc] = 0
                     counter[cc + 1] = 0
+            self._replay_window(snapshot, pg_snapshot)
 
     def seed_show_booked(self, snapshot: CounterSnapshot, pg_snapshot: PgSnapshot | None = None) -> None:
         """Set absolute live totals for a show about to be published as managed.
@@ -519,6 +560,7 @@ class Store:
                     counter[0] = cores
                     counter[1] = gpus
                     counter[8] = pg_snapshot
+            self._replay_window(snapshot, pg_snapshot)
 
     # ----------------------------------------------------------------------- caps
 
