@@ -429,7 +429,7 @@ SUB_PAYLOAD = (
 )
 
 
-def _cap_payload(vertex: str, id_column: str, cores_field: str, gpus_field: str) -> str:
+def cap_payload(vertex: str, id_column: str, cores_field: str, gpus_field: str) -> str:
     """Payload with `max_cores` only if `cores_field` is true, `max_gpus` only if `gpus_field` is."""
     return (
         f'\'{{"vertex":"{vertex}","id":\' || {json_id("n." + id_column)}'
@@ -457,16 +457,16 @@ _FOLDER = {
         "JOIN folder f ON f.pk_folder = n.pk_folder JOIN show s ON s.pk_show = f.pk_show AND s.b_scheduler_managed"
     ),
     "changed": f"({_CORES_CHANGED} OR {_GPUS_CHANGED})",
-    "update_payload": _cap_payload("folder", "pk_folder", _CORES_CHANGED, _GPUS_CHANGED),
-    "insert_payload": _cap_payload("folder", "pk_folder", "true", "true"),
+    "update_payload": cap_payload("folder", "pk_folder", _CORES_CHANGED, _GPUS_CHANGED),
+    "insert_payload": cap_payload("folder", "pk_folder", "true", "true"),
     "order": "n.pk_folder",
 }
 _JOB = {
     "pk": "pk_job_resource",
     "show_join": ("JOIN job j ON j.pk_job = n.pk_job JOIN show s ON s.pk_show = j.pk_show AND s.b_scheduler_managed"),
     "changed": f"({_CORES_CHANGED} OR {_GPUS_CHANGED})",
-    "update_payload": _cap_payload("job", "pk_job", _CORES_CHANGED, _GPUS_CHANGED),
-    "insert_payload": _cap_payload("job", "pk_job", "true", "true"),
+    "update_payload": cap_payload("job", "pk_job", _CORES_CHANGED, _GPUS_CHANGED),
+    "insert_payload": cap_payload("job", "pk_job", "true", "true"),
     "order": "n.pk_job",
 }
 
