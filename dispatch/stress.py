@@ -869,9 +869,9 @@ def phase_flip(cfg: StressConfig) -> PhaseReport:
 def _database_url() -> str:
     from django.db import connection
 
-    s = connection.settings_dict
-    auth = s["USER"] + (f":{s['PASSWORD']}" if s.get("PASSWORD") else "")
-    return f"postgres://{auth}@{s['HOST'] or '127.0.0.1'}:{s['PORT'] or 5432}/{s['NAME']}"
+    from cuesched_project.dburl import url_from_settings
+
+    return url_from_settings(connection.settings_dict)
 
 
 def _start_scheduler(cfg: StressConfig, log: Path) -> subprocess.Popen[bytes]:

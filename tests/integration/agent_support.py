@@ -14,12 +14,12 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from urllib.parse import quote
 
 import psycopg
 from django.conf import settings
 from django.db import connection
 
+from cuesched_project.dburl import url_from_settings
 from dispatch.placement import parse_tags
 from tests.integration.dispatch_support import scalar, seed, wait_for
 
@@ -27,13 +27,7 @@ ROOT = Path(settings.BASE_DIR)
 
 
 def database_url_for_agents() -> str:
-    s = connection.settings_dict
-    user = quote(s.get("USER") or "")
-    auth = f"{user}:{quote(s['PASSWORD'])}@" if s.get("PASSWORD") else (f"{user}@" if user else "")
-    host = s.get("HOST") or ""
-    if host.startswith("/"):
-        return f"postgres://{auth}/{s['NAME']}?host={quote(host)}&port={s.get('PORT') or 5432}"
-    return f"postgres://{auth}{host}:{s.get('PORT') or 5432}/{s['NAME']}"
+    return url_from_settings(connection.settings_dict)
 
 
 def agent_farm(prefix: str, command: str, *, frames: int = 3, max_retries: int = 1) -> dict[str, object]:

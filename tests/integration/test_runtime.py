@@ -243,10 +243,9 @@ def test_live_view_is_published_and_readable(conn) -> None:
 def test_a_second_scheduler_refuses_to_start() -> None:
     from django.db import connection
 
-    sd = connection.settings_dict
-    url = f"postgres://{sd['USER']}@{sd['HOST'] or '127.0.0.1'}:{sd['PORT'] or 5432}/{sd['NAME']}"
-    if sd["HOST"] and sd["HOST"].startswith("/"):
-        url = f"postgres://{sd['USER']}@/{sd['NAME']}?host={sd['HOST']}&port={sd['PORT']}"
+    from cuesched_project.dburl import url_from_settings
+
+    url = url_from_settings(connection.settings_dict)
     with running_scheduler():
         env = {**os.environ, "DATABASE_URL": url}
         out = subprocess.run(
