@@ -12,7 +12,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 REGISTRY = CollectorRegistry(auto_describe=True)
 
 BOOKINGS = Counter(
-    "cuesched_bookings_total", "Bookings applied, by accounting owner.", ["accounting"], registry=REGISTRY
+    "cuesched_bookings_total",
+    "Bookings committed and launched, by who enforced their caps (store, database).",
+    ["accounting"],
+    registry=REGISTRY,
 )
 REJECTIONS = Counter(
     "cuesched_rejections_total",

@@ -106,9 +106,13 @@ class AccountingService:
         return result
 
     def confirm_booking(self, booking: BookingResult) -> None:
+        """Settle a booking whose proc committed and launched (counted as a booking made)."""
         # Deliberately no managed re-check: an applied booking is settled even if the show flipped.
         if isinstance(booking, Applied):
             self.store.confirm(booking.delta)
+            metrics.BOOKINGS.labels("store").inc()
+        elif isinstance(booking, NotManaged):
+            metrics.BOOKINGS.labels("database").inc()
 
     def rollback_booking(self, booking: BookingResult) -> None:
         if isinstance(booking, Applied):

@@ -258,3 +258,27 @@ def test_a_second_scheduler_refuses_to_start() -> None:
         )
     assert out.returncode != 0
     assert "another run_scheduler already owns this database" in out.stderr
+
+
+def test_metrics_count_bookings_rejections_and_releases(conn) -> None:
+    from accounting import metrics
+
+    def value(name: str, **labels: str) -> float:
+        return metrics.REGISTRY.get_sample_value(name, labels) or 0.0
+
+    farm = make_farm(conn, "metrics", burst_cores=4)
+    procs = [farm.add_proc(conn, cores=1)]
+    with running_scheduler() as proc:
+        service = proc.service
+        before = (
+            value("cuesched_bookings_total", accounting="store"),
+            value("cuesched_rejections_total", table="subscription"),
+            value("cuesched_releases_total", outcome="applied"),
+        )
+        booking = service.apply_booking(delta(farm, cores=3))
+        service.confirm_booking(booking)
+        assert isinstance(service.apply_booking(delta(farm, cores=1)), LimitExceeded)
+        farm.delete_procs(conn, procs)
+        wait_for(lambda: value("cuesched_releases_total", outcome="applied") > before[2], what="release counted")
+        assert value("cuesched_bookings_total", accounting="store") == before[0] + 1
+        assert value("cuesched_rejections_total", table="subscription") == before[1] + 1
