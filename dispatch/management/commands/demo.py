@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -142,6 +143,9 @@ class Command(BaseCommand):
         )
         if opts["no_serve"]:
             return
+        # SIGTERM (a service manager, `timeout`) must unwind like Ctrl-C does, so the
+        # scheduler and agent started below are stopped too instead of being orphaned.
+        signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
         with running(background_processes(), self.stdout.write):
             # No autoreloader: it would re-run this command (and reset the password) in a child.
             call_command("runserver", opts["addr"], use_reloader=False)
