@@ -66,8 +66,3 @@ def limit_reseed_interval() -> float:
 def managed_shows_ttl() -> float:
     """How often the set of scheduler-managed shows is re-read (and new ones seeded)."""
     return env_float("CUESCHED_MANAGED_SHOWS_TTL", 30.0)
-
-
-def core_multiplier() -> int:
-    """Centicores per core in the database (Cuebot hard-codes 100)."""
-    return env_int("CUESCHED_CORE_MULTIPLIER", 100)
