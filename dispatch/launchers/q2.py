@@ -26,13 +26,11 @@ from typing import TYPE_CHECKING
 
 import psycopg
 
-from accounting import db as acct_db
-from dispatch import conf
-from dispatch.agent import queue_name, silent_hosts
+from dispatch.agent import queue_name
 from dispatch.launchers import register
+from dispatch.launchers.remote import RemoteLauncher
 
 if TYPE_CHECKING:
-    from dispatch.completion import Completion
     from dispatch.dispatcher import Booking
 
 logger = logging.getLogger(__name__)
@@ -41,65 +39,18 @@ TASK_FUNC = "dispatch.agent.run_frame"
 
 
 @register("q2")
-class Q2Launcher:
+class Q2Launcher(RemoteLauncher):
     name = "q2"
 
-    def __init__(self, *, agent_timeout: float | None = None) -> None:
-        self.agent_timeout = conf.agent_timeout() if agent_timeout is None else agent_timeout
-        self._conn: psycopg.Connection | None = None
-        self.launched = 0
-        self.launch_failures = 0
-
-    def _connection(self) -> psycopg.Connection:
-        if self._conn is None or self._conn.closed or self._conn.broken:
-            self._conn = acct_db.connect(autocommit=True, application_name="cuesched-launcher-q2")
-        return self._conn
-
-    def _silent(self, bookings: Sequence[Booking]) -> dict[str, str]:
-        hosts = sorted({b.host.pk for b in bookings})
+    def send(self, live: Sequence[Booking]) -> list[tuple[Booking, str]]:
         try:
-            return silent_hosts(self._connection(), hosts, self.agent_timeout)
-        except psycopg.Error as exc:
-            if self._conn is not None:
-                self._conn.close()
-            self._conn = None
-            return dict.fromkeys(hosts, f"cannot check the agents ({exc})")
-
-    def launch(self, bookings: Sequence[Booking]) -> list[tuple[Booking, str]]:
-        silent = self._silent(bookings)
-        failures = [(b, silent[b.host.pk]) for b in bookings if b.host.pk in silent]
-        live = [b for b in bookings if b.host.pk not in silent]
-        if live:
-            try:
-                enqueue(self._connection(), live)
-            except Exception as exc:
-                logger.exception("q2 launcher: enqueue of %d tasks failed", len(live))
-                if self._conn is not None and self._conn.broken:
-                    self._conn = None
-                failures += [(b, f"enqueue failed: {exc}") for b in live]
-        self.launched += len(bookings) - len(failures)
-        self.launch_failures += len(failures)
-        return failures
-
-    def poll_completions(self) -> list[Completion]:
-        return []  # the agents write completions themselves
-
-    def next_due(self) -> float | None:
-        return None
-
-    def running(self) -> int:
-        return 0  # the database's RUNNING frames are the truth
-
-    def kill(self, pk_proc: str) -> None:
-        logger.debug("q2 launcher: proc %s released; its agent stops the frame when it sees the proc gone", pk_proc)
-
-    def heartbeat(self, conn: psycopg.Connection) -> None:
-        """Agents ping for themselves."""
-
-    def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+            enqueue(self._connection(), live)
+        except Exception as exc:
+            logger.exception("q2 launcher: enqueue of %d tasks failed", len(live))
+            if self._conn is not None and self._conn.broken:
+                self._conn = None
+            return [(b, f"enqueue failed: {exc}") for b in live]
+        return []
 
 
 # django-q2's ORM broker table: a task is a row of its queue (key), free to take once `lock` is past.
