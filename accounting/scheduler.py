@@ -25,6 +25,7 @@ class SchedulerOptions:
     metrics_addr: str = "127.0.0.1"
     publish_interval: float = 1.0
     bootstrap_timeout: float | None = None
+    lock_check_interval: float = 5.0
 
 
 class SchedulerProcess:
@@ -46,6 +47,8 @@ class SchedulerProcess:
         self.stop = stop or threading.Event()
         self._lock_conn: psycopg.Connection | None = None
         self._publisher: threading.Thread | None = None
+        self._lock_guard: threading.Thread | None = None
+        self.lock_lost = False
         self.ready = threading.Event()
 
     def start(self) -> None:
@@ -60,7 +63,27 @@ class SchedulerProcess:
             daemon=True,
         )
         self._publisher.start()
+        self._lock_guard = threading.Thread(target=self._guard_lock, name="cuesched-lock", daemon=True)
+        self._lock_guard.start()
         self.ready.set()
+
+    def _guard_lock(self) -> None:
+        """Keep the one-scheduler lock for the process lifetime, across a lost session.
+
+        PostgreSQL drops a session lock with its session (a database restart, a killed
+        backend). Left alone, a second scheduler could then start beside this one. So the
+        lock is re-taken on a new session; if another scheduler got it first, this one stops.
+        """
+        while not self.stop.wait(self.options.lock_check_interval):
+            try:
+                self._lock_conn = singleton.still_held(self._lock_conn)
+            except singleton.SchedulerAlreadyRunning as exc:
+                logger.error("lost the scheduler lock and another scheduler holds it now; stopping: %s", exc)
+                self.lock_lost = True
+                self.stop.set()
+            except psycopg.Error as exc:
+                logger.warning("scheduler lock session lost, retrying: %s", exc)
+                self._lock_conn = None
 
     def run(self, main: Callable[[AccountingService, threading.Event], None] | None = None) -> None:
         try:
@@ -77,6 +100,8 @@ class SchedulerProcess:
         self.service.join()
         if self._publisher is not None:
             self._publisher.join(5)
+        if self._lock_guard is not None:
+            self._lock_guard.join(5)
         if self._lock_conn is not None:
             self._lock_conn.close()
             self._lock_conn = None

@@ -46,3 +46,18 @@ def acquire() -> psycopg.Connection:
         f"(advisory lock {SCHEDULER_LOCK_KEY:#x} held by {who}); only one scheduler may run per "
         "database, since two Stores would jointly over-book"
     )
+
+
+def still_held(conn: psycopg.Connection | None) -> psycopg.Connection:
+    """Check the lock's session is alive; after a lost session (database restart, killed
+    backend) take the lock again on a new one, or raise SchedulerAlreadyRunning when another
+    scheduler took it meanwhile. Returns the connection that now holds the lock."""
+    if conn is not None and not conn.closed and not conn.broken:
+        try:
+            conn.execute("SELECT 1")
+            return conn
+        except psycopg.Error:
+            pass
+    if conn is not None:
+        conn.close()
+    return acquire()

@@ -282,3 +282,24 @@ def test_metrics_count_bookings_rejections_and_releases(conn) -> None:
         wait_for(lambda: value("cuesched_releases_total", outcome="applied") > before[2], what="release counted")
         assert value("cuesched_bookings_total", accounting="store") == before[0] + 1
         assert value("cuesched_rejections_total", table="subscription") == before[1] + 1
+
+
+def test_scheduler_retakes_its_lock_after_losing_the_session(conn) -> None:
+    """A killed lock session (as after a database restart) must not leave the database open
+    to a second scheduler: the running one takes the lock again on a new session."""
+    from accounting import singleton
+
+    with running_scheduler(lock_check_interval=0.05) as proc:
+        old_pid = proc._lock_conn.info.backend_pid
+        conn.execute("SELECT pg_terminate_backend(%s)", (old_pid,))
+        wait_for(
+            lambda: (
+                proc._lock_conn is not None
+                and not proc._lock_conn.closed
+                and proc._lock_conn.info.backend_pid != old_pid
+            ),
+            what="lock re-taken on a new session",
+        )
+        with pytest.raises(singleton.SchedulerAlreadyRunning):
+            singleton.acquire()
+        assert not proc.stop.is_set()
