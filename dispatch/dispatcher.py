@@ -76,9 +76,9 @@ WITH b AS (
   SELECT * FROM unnest(
     %(proc)b::text[], %(frame)b::text[], %(version)b::int[], %(host)b::text[], %(host_name)b::text[],
     %(show)b::text[], %(job)b::text[], %(layer)b::text[], %(cores)b::bigint[], %(mem)b::bigint[],
-    %(gpus)b::int[], %(gpu_mem)b::bigint[], %(managed)b::bool[])
+    %(gpus)b::int[], %(gpu_mem)b::bigint[], %(managed)b::bool[], %(decided)b::float8[])
   AS b(pk_proc, pk_frame, version, pk_host, host_name, pk_show, pk_job, pk_layer, cores, mem, gpus, gpu_mem,
-       managed)
+       managed, decided)
 ),
 shows AS (
   SELECT s.pk_show, s.b_scheduler_managed FROM show s
@@ -110,14 +110,15 @@ started AS (
   FROM target t
   WHERE f.ctid = t.fctid
   RETURNING f.pk_frame, f.int_version, t.pk_proc, t.pk_host, t.pk_show, t.pk_job, t.pk_layer, t.cores, t.mem,
-            t.gpus, t.gpu_mem
+            t.gpus, t.gpu_mem, t.decided
 ),
 procs AS (
   INSERT INTO proc (pk_proc, pk_host, pk_show, pk_job, pk_layer, pk_frame, int_cores_reserved,
                     int_mem_reserved, int_mem_pre_reserved, int_mem_used, int_gpus_reserved,
-                    int_gpu_mem_reserved, int_gpu_mem_pre_reserved)
+                    int_gpu_mem_reserved, int_gpu_mem_pre_reserved, ts_dispatched)
   SELECT st.pk_proc, st.pk_host, st.pk_show, st.pk_job, st.pk_layer, st.pk_frame, st.cores, st.mem, st.mem,
-         LEAST(%(mem_used)s::bigint, st.mem), st.gpus, st.gpu_mem, st.gpu_mem
+         LEAST(%(mem_used)s::bigint, st.mem), st.gpus, st.gpu_mem, st.gpu_mem,
+         COALESCE(to_timestamp(st.decided), statement_timestamp())
   FROM started st
   ON CONFLICT (pk_frame) DO NOTHING
   RETURNING pk_frame
@@ -217,6 +218,10 @@ class Booking:
     result: BookingResult
     managed: bool
     post_version: int | None = None
+    # Unix time just before the Store's check decided this booking; written as
+    # proc.ts_dispatched. proc.ts_booked (the INSERT) can come tens of milliseconds later in a
+    # large batch, so only this says which cap the booking was checked against.
+    decided_at: float | None = None
 
 
 @dataclass
@@ -315,6 +320,7 @@ def _params(group: Sequence[Booking], extra: dict[str, Any]) -> dict[str, Any]:
         "gpus": [b.gpus for b in group],
         "gpu_mem": [b.gpu_mem for b in group],
         "managed": [b.managed for b in group],
+        "decided": [b.decided_at for b in group],
         **extra,
     }
 

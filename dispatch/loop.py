@@ -606,6 +606,7 @@ class DispatchLoop:
                         )
                         full_folders.add(job.folder)
                         return
+                    decided_at = time.time()  # before the Store's check: see Booking.decided_at
                     result = self.service.apply_booking(
                         BookingDelta(show, host.alloc, job.folder, job.pk, cores, demand.gpus)
                     )
@@ -647,6 +648,7 @@ class DispatchLoop:
                         gpu_mem=demand.gpu_mem,
                         result=result,
                         managed=isinstance(result, Applied),
+                        decided_at=decided_at,
                     )
                     view.take(host, centi, demand.mem, demand.gpus, demand.gpu_mem)
                     if tightest:

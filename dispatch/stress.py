@@ -14,9 +14,12 @@ Why each phase exists:
   and no cap ever exceeded.
 
 The watchdog's breach rule: a key over its current cap is a breach unless its cap was
-lowered during the phase and every proc of the key was booked (transaction start,
-`proc.ts_booked`) before the decrease reached the Store (the listener's `recent_caps`):
-those procs were legal when booked, and the scheduler never preempts.
+lowered during the phase and every proc of the key was decided before the decrease reached
+the Store (`proc.ts_dispatched`, stamped by the dispatcher just before the Store's check,
+against the listener's `recent_caps` time, stamped just after the cap was applied): those
+procs were legal when booked, and the scheduler never preempts. `proc.ts_booked` (the
+INSERT) is not used: in a batch of hundreds it can follow the decision by tens of
+milliseconds, which made bookings checked against the old cap look like breaches.
 """
 
 from __future__ import annotations
@@ -51,22 +54,22 @@ PERTURBATIONS = PHASES[2:]
 # rows over the cap come back: (vertex, key, booked centicores, cap centicores, newest booking).
 WATCH_SQL = """
 WITH p AS (
-  SELECT p.pk_show, h.pk_alloc, j.pk_folder, p.pk_job, p.int_cores_reserved AS c, p.ts_booked
+  SELECT p.pk_show, h.pk_alloc, j.pk_folder, p.pk_job, p.int_cores_reserved AS c, p.ts_dispatched AS decided
   FROM proc p JOIN host h ON h.pk_host = p.pk_host JOIN job j ON j.pk_job = p.pk_job
   WHERE NOT p.b_local AND p.pk_show = ANY(%(shows)s)
 )
 SELECT 'sub', x.pk_show || ':' || x.pk_alloc, x.c, s.int_burst, EXTRACT(EPOCH FROM x.last)::float8
-FROM (SELECT pk_show, pk_alloc, SUM(c) AS c, max(ts_booked) AS last FROM p GROUP BY 1, 2) x
+FROM (SELECT pk_show, pk_alloc, SUM(c) AS c, max(decided) AS last FROM p GROUP BY 1, 2) x
 JOIN subscription s ON s.pk_show = x.pk_show AND s.pk_alloc = x.pk_alloc
 WHERE x.c > s.int_burst
 UNION ALL
 SELECT 'folder', x.pk_folder, x.c, fr.int_max_cores, EXTRACT(EPOCH FROM x.last)::float8
-FROM (SELECT pk_folder, SUM(c) AS c, max(ts_booked) AS last FROM p GROUP BY 1) x
+FROM (SELECT pk_folder, SUM(c) AS c, max(decided) AS last FROM p GROUP BY 1) x
 JOIN folder_resource fr ON fr.pk_folder = x.pk_folder
 WHERE fr.int_max_cores > 0 AND x.c > fr.int_max_cores
 UNION ALL
 SELECT 'job', x.pk_job, x.c, jr.int_max_cores, EXTRACT(EPOCH FROM x.last)::float8
-FROM (SELECT pk_job, SUM(c) AS c, max(ts_booked) AS last FROM p GROUP BY 1) x
+FROM (SELECT pk_job, SUM(c) AS c, max(decided) AS last FROM p GROUP BY 1) x
 JOIN job_resource jr ON jr.pk_job = x.pk_job
 WHERE jr.int_max_cores > 0 AND x.c > jr.int_max_cores
 """
