@@ -77,7 +77,7 @@ def read_limits(conn: psycopg.Connection) -> LimitRows:
         jobs = {jid: (centicores_to_cores_cap(mc), int(mg)) for jid, mc, mg in conn.execute(JOB_LIMITS_SQL)}
         conn.execute("COMMIT")
     except BaseException:
-        _abort(conn)
+        abort_snapshot(conn)
         raise
     return LimitRows(subs=subs, folders=folders, jobs=jobs, pg_snapshot=snap)
 
@@ -96,7 +96,7 @@ def reseed_limits(store: Store, conn: psycopg.Connection) -> LimitRows:
     return rows
 
 
-def _abort(conn: psycopg.Connection) -> None:
+def abort_snapshot(conn: psycopg.Connection) -> None:
     """Leave the connection usable after a failed read (or let the caller reconnect)."""
     if conn.closed:
         return

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import psycopg
 
-from accounting.limits import FOLDER_LIMITS_SQL, JOB_LIMITS_SQL, SUB_LIMITS_SQL, _abort, begin_snapshot
+from accounting.limits import FOLDER_LIMITS_SQL, JOB_LIMITS_SQL, SUB_LIMITS_SQL, abort_snapshot, begin_snapshot
 from accounting.store import CounterSnapshot, PgSnapshot, Store
 from accounting.units import centicores_to_cores
 
@@ -235,7 +235,7 @@ class Recomputer:
                 conn.execute("COMMIT")
             except BaseException:
                 # No overwrite: the stale bucket is carried once more (a safe over-count).
-                _abort(conn)
+                abort_snapshot(conn)
                 raise
             before = store.audit_snapshot()
             db_jobs = set(job_keys)
@@ -287,7 +287,7 @@ class Recomputer:
             job_keys = [j for (j,) in conn.execute(SHOW_KEYS_SQL["job"], params)]
             conn.execute("COMMIT")
         except BaseException:
-            _abort(conn)
+            abort_snapshot(conn)
             raise
         snapshot, _ = build_snapshot(booked, sub_keys, folder_keys, job_keys)
         return snapshot, snap
