@@ -1,7 +1,8 @@
 """Recompute: rebuild every Store counter from SUM(proc), and the display columns in PostgreSQL.
 
 The backstop for a missed release: whatever the listener lost, a counter is back to the
-truth within one cycle (~15 s). Two halves, the Store first because it is what enforces:
+truth within one cycle (~15 s). One read of `proc` feeds both halves, the Store first
+because it is what enforces:
 
 1. Store side. `begin_recompute()` first, then ONE read-only REPEATABLE READ transaction
    (so the booked sums and the key universe come from the same snapshot, which the
@@ -11,8 +12,22 @@ truth within one cycle (~15 s). Two halves, the Store first because it is what e
    job's state, so a release can never subtract what the snapshot left out.
 2. PostgreSQL side, for CueGUI and the ops console: `int_cores`/`int_gpus` of
    subscription, folder_resource, job_resource, layer_resource and point of managed shows,
-   touching only rows whose value changes. No cap is touched, so an operator's concurrent
-   cap edit can never be reverted (the reference's temporary-overwrite trick could).
+   written from the sums the Store side read, touching only rows whose value changes. No
+   cap is touched, so an operator's concurrent cap edit can never be reverted (the
+   reference's temporary-overwrite trick could).
+
+Why one read: the procs are the expensive part (~0.2 s per aggregation at 100,000 procs).
+Reading them once per cycle with GROUPING SETS, one scan summed per key of all five
+tables, halved the cycle against a Store query plus a second whole aggregation on the
+PostgreSQL side (0.64 s to about 0.3 s, `manage.py bench_accounting`).
+
+The PostgreSQL side writes sums from a snapshot a few milliseconds old. That is harmless
+for a managed show (nothing but this pass writes its usage columns) and would be wrong for
+a show flipped to unmanaged meanwhile, whose columns the database path now keeps exactly.
+So the write takes the shared per-show lock the proc triggers take, which a flip takes
+exclusively, and only then re-reads which shows are managed: a flip that committed first
+is seen and its show skipped; one that comes later waits and rewrites the show from
+SUM(proc) itself.
 """
 
 from __future__ import annotations
@@ -27,35 +42,35 @@ import psycopg
 
 from accounting.limits import FOLDER_LIMITS_SQL, JOB_LIMITS_SQL, SUB_LIMITS_SQL, abort_snapshot, begin_snapshot
 from accounting.store import CounterSnapshot, PgSnapshot, Store
+from accounting.triggers import SHOW_LOCK_CLASS
 from accounting.units import centicores_to_cores
 
 logger = logging.getLogger(__name__)
 
-# Every non-local proc of a managed show, keyed as the Store keys its counters. The show is
+# Every non-local proc, summed per key of the five counter tables in one scan. The show is
 # the proc's own pk_show, the alloc its host's and the folder its job's, exactly as the
-# release trigger builds a release, so both always name the same keys.
-BOOKED_SQL = """
-SELECT p.pk_show, h.pk_alloc, j.pk_folder, p.pk_job,
+# release trigger builds a release, so both always name the same keys. `kind` says which
+# grouping set a row belongs to; `key` is that set's id (the set's other columns are NULL).
+USAGE_SQL = """
+SELECT CASE WHEN GROUPING(h.pk_alloc) = 0 THEN 'sub'
+            WHEN GROUPING(j.pk_folder) = 0 THEN 'folder'
+            WHEN GROUPING(p.pk_job) = 0 THEN 'job'
+            WHEN GROUPING(p.pk_layer) = 0 THEN 'layer'
+            ELSE 'point' END,
+       p.pk_show, COALESCE(h.pk_alloc, j.pk_folder, p.pk_job, p.pk_layer, j.pk_dept),
        SUM(p.int_cores_reserved)::bigint, SUM(p.int_gpus_reserved)::bigint
 FROM proc p
-JOIN show s ON s.pk_show = p.pk_show
 JOIN host h ON h.pk_host = p.pk_host
 JOIN job j ON j.pk_job = p.pk_job
-WHERE s.b_scheduler_managed AND NOT p.b_local
-GROUP BY 1, 2, 3, 4
+WHERE NOT p.b_local AND {shows}
+GROUP BY GROUPING SETS ((p.pk_show, h.pk_alloc), (j.pk_folder), (p.pk_job), (p.pk_layer), (p.pk_show, j.pk_dept))
 """
-
-# The same, for one show whatever its flag: the managed-flip seed runs it before the show
+BOOKED_SQL = USAGE_SQL.format(shows="p.pk_show IN (SELECT pk_show FROM show WHERE b_scheduler_managed)")
+# The same for one show whatever its flag: the managed-flip seed runs it before the show
 # is published as managed.
-SHOW_BOOKED_SQL = """
-SELECT p.pk_show, h.pk_alloc, j.pk_folder, p.pk_job,
-       SUM(p.int_cores_reserved)::bigint, SUM(p.int_gpus_reserved)::bigint
-FROM proc p
-JOIN host h ON h.pk_host = p.pk_host
-JOIN job j ON j.pk_job = p.pk_job
-WHERE p.pk_show = %(show)s AND NOT p.b_local
-GROUP BY 1, 2, 3, 4
-"""
+SHOW_BOOKED_SQL = USAGE_SQL.format(shows="p.pk_show = %(show)s")
+
+MANAGED_SQL = "SELECT pk_show FROM show WHERE b_scheduler_managed"
 
 SHOW_KEYS_SQL = {
     "sub": "SELECT pk_show, pk_alloc FROM subscription WHERE pk_show = %(show)s",
@@ -63,80 +78,73 @@ SHOW_KEYS_SQL = {
     "job": "SELECT pk_job FROM job WHERE pk_show = %(show)s AND str_state <> 'FINISHED'",
 }
 
-# PostgreSQL side, as ONE statement: the procs of managed shows are aggregated once (a
-# MATERIALIZED CTE), and five data-modifying CTEs rewrite only the rows whose totals
-# differ. Five separate statements each re-aggregated every proc (measured 1.1 s at
-# 100,000 procs against ~0.3 s for this form).
+# The aggregation of ~30,000 groups keyed by 36-character ids outgrows the default 4 MB and
+# spills to disk; the read is one per cycle, so it gets room for a large farm.
+RECOMPUTE_WORK_MEM = "64MB"
+
+# The PostgreSQL side: the usage read by the Store side arrives as arrays, and five
+# data-modifying CTEs rewrite only the rows of still-managed shows whose totals differ (a
+# key with no procs left is 0). Run after LOCK_SHOWS_SQL in the same transaction.
+LOCK_SHOWS_SQL = (
+    f"SELECT pg_advisory_xact_lock_shared({SHOW_LOCK_CLASS}, k) "
+    "FROM (SELECT DISTINCT hashtext(s) AS k FROM unnest(%(shows)s::text[]) s ORDER BY 1) x"
+)
 PG_REFRESH_SQL = """
-WITH usage AS MATERIALIZED (
-  SELECT p.pk_show, h.pk_alloc, j.pk_folder, p.pk_job, p.pk_layer, j.pk_dept,
-         SUM(p.int_cores_reserved)::bigint AS cores, SUM(p.int_gpus_reserved)::bigint AS gpus
-  FROM proc p
-  JOIN show s ON s.pk_show = p.pk_show AND s.b_scheduler_managed
-  JOIN host h ON h.pk_host = p.pk_host
-  JOIN job j ON j.pk_job = p.pk_job
-  WHERE NOT p.b_local
-  GROUP BY 1, 2, 3, 4, 5, 6
+WITH managed AS MATERIALIZED (
+  SELECT pk_show FROM show WHERE b_scheduler_managed AND pk_show = ANY(%(shows)s::text[])
 ),
-managed AS MATERIALIZED (SELECT pk_show FROM show WHERE b_scheduler_managed),
-sub_totals AS (
-  SELECT sub.pk_subscription AS pk, COALESCE(u.cores, 0) AS cores, COALESCE(u.gpus, 0) AS gpus
-  FROM subscription sub
-  JOIN managed m ON m.pk_show = sub.pk_show
-  LEFT JOIN (SELECT pk_show, pk_alloc, SUM(cores) AS cores, SUM(gpus) AS gpus FROM usage GROUP BY 1, 2) u
-    ON u.pk_show = sub.pk_show AND u.pk_alloc = sub.pk_alloc
+sub_in AS (
+  SELECT * FROM unnest(%(sub_show)s::text[], %(sub_alloc)s::text[], %(sub_cores)s::bigint[], %(sub_gpus)s::bigint[])
+    AS u(pk_show, pk_alloc, cores, gpus)
 ),
 sub_upd AS (
-  UPDATE subscription t SET int_cores = x.cores, int_gpus = x.gpus FROM sub_totals x
+  UPDATE subscription t SET int_cores = x.cores, int_gpus = x.gpus
+  FROM (SELECT sub.pk_subscription AS pk, COALESCE(u.cores, 0) AS cores, COALESCE(u.gpus, 0) AS gpus
+        FROM subscription sub
+        JOIN managed m ON m.pk_show = sub.pk_show
+        LEFT JOIN sub_in u ON u.pk_show = sub.pk_show AND u.pk_alloc = sub.pk_alloc) x
   WHERE t.pk_subscription = x.pk AND (t.int_cores, t.int_gpus) IS DISTINCT FROM (x.cores, x.gpus)
   RETURNING 1
 ),
-folder_totals AS (
-  SELECT f.pk_folder AS pk, COALESCE(u.cores, 0) AS cores, COALESCE(u.gpus, 0) AS gpus
-  FROM folder f
-  JOIN managed m ON m.pk_show = f.pk_show
-  LEFT JOIN (SELECT pk_folder, SUM(cores) AS cores, SUM(gpus) AS gpus FROM usage GROUP BY 1) u
-    ON u.pk_folder = f.pk_folder
-),
 folder_upd AS (
-  UPDATE folder_resource t SET int_cores = x.cores, int_gpus = x.gpus FROM folder_totals x
+  UPDATE folder_resource t SET int_cores = x.cores, int_gpus = x.gpus
+  FROM (SELECT f.pk_folder AS pk, COALESCE(u.cores, 0) AS cores, COALESCE(u.gpus, 0) AS gpus
+        FROM folder f
+        JOIN managed m ON m.pk_show = f.pk_show
+        LEFT JOIN unnest(%(folder_id)s::text[], %(folder_cores)s::bigint[], %(folder_gpus)s::bigint[])
+          AS u(pk, cores, gpus) ON u.pk = f.pk_folder) x
   WHERE t.pk_folder = x.pk AND (t.int_cores, t.int_gpus) IS DISTINCT FROM (x.cores, x.gpus)
   RETURNING 1
 ),
-job_totals AS (
-  SELECT j.pk_job AS pk, COALESCE(u.cores, 0) AS cores, COALESCE(u.gpus, 0) AS gpus
-  FROM job j
-  JOIN managed m ON m.pk_show = j.pk_show
-  LEFT JOIN (SELECT pk_job, SUM(cores) AS cores, SUM(gpus) AS gpus FROM usage GROUP BY 1) u
-    ON u.pk_job = j.pk_job
-),
 job_upd AS (
-  UPDATE job_resource t SET int_cores = x.cores, int_gpus = x.gpus FROM job_totals x
+  UPDATE job_resource t SET int_cores = x.cores, int_gpus = x.gpus
+  FROM (SELECT j.pk_job AS pk, COALESCE(u.cores, 0) AS cores, COALESCE(u.gpus, 0) AS gpus
+        FROM job j
+        JOIN managed m ON m.pk_show = j.pk_show
+        LEFT JOIN unnest(%(job_id)s::text[], %(job_cores)s::bigint[], %(job_gpus)s::bigint[])
+          AS u(pk, cores, gpus) ON u.pk = j.pk_job) x
   WHERE t.pk_job = x.pk AND (t.int_cores, t.int_gpus) IS DISTINCT FROM (x.cores, x.gpus)
   RETURNING 1
 ),
-layer_totals AS (
-  SELECT l.pk_layer AS pk, COALESCE(u.cores, 0) AS cores, COALESCE(u.gpus, 0) AS gpus
-  FROM layer l
-  JOIN job j ON j.pk_job = l.pk_job
-  JOIN managed m ON m.pk_show = j.pk_show
-  LEFT JOIN (SELECT pk_layer, SUM(cores) AS cores, SUM(gpus) AS gpus FROM usage GROUP BY 1) u
-    ON u.pk_layer = l.pk_layer
-),
 layer_upd AS (
-  UPDATE layer_resource t SET int_cores = x.cores, int_gpus = x.gpus FROM layer_totals x
+  UPDATE layer_resource t SET int_cores = x.cores, int_gpus = x.gpus
+  FROM (SELECT l.pk_layer AS pk, COALESCE(u.cores, 0) AS cores, COALESCE(u.gpus, 0) AS gpus
+        FROM layer l
+        JOIN job j ON j.pk_job = l.pk_job
+        JOIN managed m ON m.pk_show = j.pk_show
+        LEFT JOIN unnest(%(layer_id)s::text[], %(layer_cores)s::bigint[], %(layer_gpus)s::bigint[])
+          AS u(pk, cores, gpus) ON u.pk = l.pk_layer) x
   WHERE t.pk_layer = x.pk AND (t.int_cores, t.int_gpus) IS DISTINCT FROM (x.cores, x.gpus)
   RETURNING 1
 ),
-point_totals AS (
-  SELECT pt.pk_point AS pk, COALESCE(u.cores, 0) AS cores, COALESCE(u.gpus, 0) AS gpus
-  FROM point pt
-  JOIN managed m ON m.pk_show = pt.pk_show
-  LEFT JOIN (SELECT pk_show, pk_dept, SUM(cores) AS cores, SUM(gpus) AS gpus FROM usage GROUP BY 1, 2) u
-    ON u.pk_show = pt.pk_show AND u.pk_dept = pt.pk_dept
-),
 point_upd AS (
-  UPDATE point t SET int_cores = x.cores, int_gpus = x.gpus FROM point_totals x
+  UPDATE point t SET int_cores = x.cores, int_gpus = x.gpus
+  FROM (SELECT pt.pk_point AS pk, COALESCE(u.cores, 0) AS cores, COALESCE(u.gpus, 0) AS gpus
+        FROM point pt
+        JOIN managed m ON m.pk_show = pt.pk_show
+        LEFT JOIN unnest(%(point_show)s::text[], %(point_dept)s::text[], %(point_cores)s::bigint[],
+                         %(point_gpus)s::bigint[]) AS u(pk_show, pk_dept, cores, gpus)
+          ON u.pk_show = pt.pk_show AND u.pk_dept = pt.pk_dept) x
   WHERE t.pk_point = x.pk AND (t.int_cores, t.int_gpus) IS DISTINCT FROM (x.cores, x.gpus)
   RETURNING 1
 )
@@ -145,10 +153,61 @@ SELECT (SELECT count(*) FROM sub_upd), (SELECT count(*) FROM folder_upd), (SELEC
 """
 PG_REFRESH_TABLES = ("subscription", "folder_resource", "job_resource", "layer_resource", "point")
 
+Sums = tuple[int, int]  # (centicores, gpus)
+
+
+@dataclass
+class Usage:
+    """SUM(proc) per key of the five counter tables, in centicores and GPUs, from one snapshot."""
+
+    shows: list[str] = field(default_factory=list)
+    sub: dict[tuple[str, str], Sums] = field(default_factory=dict)
+    folder: dict[str, Sums] = field(default_factory=dict)
+    job: dict[str, Sums] = field(default_factory=dict)
+    layer: dict[str, Sums] = field(default_factory=dict)
+    point: dict[tuple[str, str], Sums] = field(default_factory=dict)
+
+
+def read_usage(rows: Iterable[tuple[str, str, str, int, int]], shows: Iterable[str]) -> Usage:
+    """Sort the grouping-set rows of USAGE_SQL by table."""
+    usage = Usage(shows=list(shows))
+    sub, point = usage.sub, usage.point
+    by_id = {"folder": usage.folder, "job": usage.job, "layer": usage.layer}
+    for kind, show, key, cores, gpus in rows:
+        if kind == "sub":
+            sub[(show, key)] = (int(cores), int(gpus))
+        elif kind == "point":
+            point[(show, key)] = (int(cores), int(gpus))
+        else:
+            by_id[kind][key] = (int(cores), int(gpus))
+    return usage
+
+
+def refresh_params(usage: Usage) -> dict[str, list[str] | list[int]]:
+    """PG_REFRESH_SQL's arrays: one list per column, in the same order for each table."""
+    params: dict[str, list[str] | list[int]] = {"shows": usage.shows}
+    for name, sums, key_columns in (
+        ("sub", usage.sub, ("show", "alloc")),
+        ("folder", usage.folder, ("id",)),
+        ("job", usage.job, ("id",)),
+        ("layer", usage.layer, ("id",)),
+        ("point", usage.point, ("show", "dept")),
+    ):
+        keys = list(sums)
+        if len(key_columns) == 2:
+            params[f"{name}_{key_columns[0]}"] = [k[0] for k in keys]
+            params[f"{name}_{key_columns[1]}"] = [k[1] for k in keys]
+        else:
+            params[f"{name}_id"] = keys
+        params[f"{name}_cores"] = [sums[k][0] for k in keys]
+        params[f"{name}_gpus"] = [sums[k][1] for k in keys]
+    return params
+
 
 @dataclass
 class RecomputeResult:
     keys: int = 0
+    # Rows of the usage read: one per key of the five tables that has procs.
     rows: int = 0
     evicted: int = 0
     store_seconds: float = 0.0
@@ -159,41 +218,26 @@ class RecomputeResult:
     drift_cores: dict[str, int] = field(default_factory=dict)
 
 
-def _accumulate(
-    rows: Iterable[tuple[str, str, str, str, int, int]],
-) -> tuple[dict[tuple[str, str], list[int]], dict[str, list[int]], dict[str, list[int]], int]:
-    """Sum centicores per key first; conversion happens once per key (truncation once)."""
-    sub: dict[tuple[str, str], list[int]] = {}
-    folder: dict[str, list[int]] = {}
-    job: dict[str, list[int]] = {}
-    n = 0
-    for show, alloc, fid, jid, cores, gpus in rows:
-        n += 1
-        for acc in (
-            sub.setdefault((show, alloc), [0, 0]),
-            folder.setdefault(fid, [0, 0]),
-            job.setdefault(jid, [0, 0]),
-        ):
-            acc[0] += int(cores)
-            acc[1] += int(gpus)
-    return sub, folder, job, n
-
-
 def build_snapshot(
-    rows: Iterable[tuple[str, str, str, str, int, int]],
+    usage: Usage,
     sub_keys: Iterable[tuple[str, str]],
     folder_keys: Iterable[str],
     job_keys: Iterable[str],
-) -> tuple[CounterSnapshot, int]:
-    """A CounterSnapshot over a zero baseline: a key whose procs all drained resets to 0."""
-    sub_acc, folder_acc, job_acc, n = _accumulate(rows)
-    sub = dict.fromkeys(sub_keys, (0, 0))
-    folder = dict.fromkeys(folder_keys, (0, 0))
-    job = dict.fromkeys(job_keys, (0, 0))
-    for target, acc in ((sub, sub_acc), (folder, folder_acc), (job, job_acc)):
-        for key, (cc, gg) in acc.items():
+) -> CounterSnapshot:
+    """A CounterSnapshot over a zero baseline: a key whose procs all drained resets to 0.
+
+    Centicores were summed per key by the database; each key is converted once, so the
+    truncation to whole cores happens once per key, as in the reference.
+    """
+    snapshot = CounterSnapshot(
+        sub=dict.fromkeys(sub_keys, (0, 0)),
+        folder=dict.fromkeys(folder_keys, (0, 0)),
+        job=dict.fromkeys(job_keys, (0, 0)),
+    )
+    for target, sums in ((snapshot.sub, usage.sub), (snapshot.folder, usage.folder), (snapshot.job, usage.job)):
+        for key, (cc, gg) in sums.items():
             target[key] = (centicores_to_cores(cc), gg)
-    return CounterSnapshot(sub=sub, folder=folder, job=job), n
+    return snapshot
 
 
 def _drift(before: CounterSnapshot, after: CounterSnapshot) -> dict[str, int]:
@@ -218,7 +262,10 @@ class Recomputer:
         # and the snapshot read, so bookings can land inside the window on purpose.
         self.before_snapshot: Callable[[], None] | None = None
 
-    def store_pass(self, conn: psycopg.Connection, result: RecomputeResult | None = None) -> RecomputeResult:
+    def store_pass(
+        self, conn: psycopg.Connection, result: RecomputeResult | None = None
+    ) -> tuple[RecomputeResult, Usage]:
+        """Overwrite the Store's counters; the usage read is returned for the PostgreSQL side."""
         result = result or RecomputeResult()
         store = self.store
         started = time.monotonic()
@@ -228,7 +275,9 @@ class Recomputer:
                 if self.before_snapshot is not None:
                     self.before_snapshot()
                 snap = begin_snapshot(conn)
-                booked = conn.execute(BOOKED_SQL).fetchall()
+                conn.execute(f"SET LOCAL work_mem = '{RECOMPUTE_WORK_MEM}'")
+                rows = conn.execute(BOOKED_SQL).fetchall()
+                shows = [s for (s,) in conn.execute(MANAGED_SQL)]
                 sub_keys = [(s, a) for s, a, _ in conn.execute(SUB_LIMITS_SQL)]
                 folder_keys = [f for f, _, _ in conn.execute(FOLDER_LIMITS_SQL)]
                 job_keys = [j for j, _, _ in conn.execute(JOB_LIMITS_SQL)]
@@ -237,13 +286,14 @@ class Recomputer:
                 # No overwrite: the stale bucket is carried once more (a safe over-count).
                 abort_snapshot(conn)
                 raise
+            usage = read_usage(rows, shows)
             before = store.audit_snapshot()
             db_jobs = set(job_keys)
             # Keys the Store knows but the database universe lacks (finished or deleted jobs,
             # shows no longer managed) are in the snapshot too, at their SUM(proc): every proc
-            # of a managed show is in `booked`, so anything else really is zero.
-            snapshot, n = build_snapshot(
-                booked,
+            # of a managed show is in the usage, so anything else really is zero.
+            snapshot = build_snapshot(
+                usage,
                 [*sub_keys, *before.sub.keys()],
                 [*folder_keys, *before.folder.keys()],
                 [*job_keys, *before.job.keys()],
@@ -253,16 +303,19 @@ class Recomputer:
         result.drift_cores = _drift(before, after)
         result.evicted = store.evict_jobs([j for j, v in after.job.items() if j not in db_jobs and v == (0, 0)])
         result.keys = len(snapshot.sub) + len(snapshot.folder) + len(snapshot.job)
-        result.rows = n
+        result.rows = len(rows)
         result.store_seconds = time.monotonic() - started
-        return result
+        return result, usage
 
-    def pg_pass(self, conn: psycopg.Connection, result: RecomputeResult | None = None) -> RecomputeResult:
+    def pg_pass(self, conn: psycopg.Connection, usage: Usage, result: RecomputeResult | None = None) -> RecomputeResult:
+        """Write `usage` to the display columns of the shows that are still managed."""
         result = result or RecomputeResult()
         started = time.monotonic()
         try:
             with conn.transaction():
-                counts = conn.execute(PG_REFRESH_SQL).fetchone() or ()
+                params = refresh_params(usage)
+                conn.execute(LOCK_SHOWS_SQL, params)
+                counts = conn.execute(PG_REFRESH_SQL, params).fetchone() or ()
             result.pg_rows_updated = dict(zip(PG_REFRESH_TABLES, counts, strict=True))
         except psycopg.Error as exc:
             result.pg_error = f"{type(exc).__name__}: {exc}"
@@ -271,8 +324,8 @@ class Recomputer:
         return result
 
     def run_once(self, conn: psycopg.Connection) -> RecomputeResult:
-        result = self.store_pass(conn)
-        self.pg_pass(conn, result)
+        result, usage = self.store_pass(conn)
+        self.pg_pass(conn, usage, result)
         return result
 
     def seed_show(self, conn: psycopg.Connection, show: str) -> tuple[CounterSnapshot, PgSnapshot]:
@@ -281,7 +334,7 @@ class Recomputer:
         try:
             snap = begin_snapshot(conn)
             params = {"show": show}
-            booked = conn.execute(SHOW_BOOKED_SQL, params).fetchall()
+            rows = conn.execute(SHOW_BOOKED_SQL, params).fetchall()
             sub_keys = [(s, a) for s, a in conn.execute(SHOW_KEYS_SQL["sub"], params)]
             folder_keys = [f for (f,) in conn.execute(SHOW_KEYS_SQL["folder"], params)]
             job_keys = [j for (j,) in conn.execute(SHOW_KEYS_SQL["job"], params)]
@@ -289,5 +342,4 @@ class Recomputer:
         except BaseException:
             abort_snapshot(conn)
             raise
-        snapshot, _ = build_snapshot(booked, sub_keys, folder_keys, job_keys)
-        return snapshot, snap
+        return build_snapshot(read_usage(rows, [show]), sub_keys, folder_keys, job_keys), snap

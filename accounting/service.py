@@ -127,7 +127,7 @@ class AccountingService:
         metrics.LIMIT_RESEED_SECONDS.observe(time.monotonic() - started)
         # The store pass counts every show the database flags as managed, so shows that
         # joined the set while we were away are fully seeded before being published.
-        result = self.recomputer.store_pass(conn)
+        result, _ = self.recomputer.store_pass(conn)
         self.publish_managed(managed)
         return result
 
@@ -139,7 +139,7 @@ class AccountingService:
             self.state.bootstrapped_at = time.time()
             self.bootstrapped.set()
             logger.info(
-                "bootstrap: %d managed show(s), %d keys seeded from %d proc groups in %.3fs",
+                "bootstrap: %d managed show(s), %d keys seeded from %d usage rows in %.3fs",
                 len(self._managed),
                 result.keys,
                 result.rows,
@@ -165,7 +165,7 @@ class AccountingService:
         result = self.recomputer.run_once(conn)
         self._observe_recompute(result)
         return (
-            f"recompute: {result.keys} keys from {result.rows} proc groups, store {result.store_seconds:.3f}s, "
+            f"recompute: {result.keys} keys from {result.rows} usage rows, store {result.store_seconds:.3f}s, "
             f"pg {result.pg_seconds:.3f}s ({sum(result.pg_rows_updated.values())} rows), "
             f"drift {result.drift_cores}, evicted {result.evicted}"
         )
