@@ -135,6 +135,18 @@ LOCK_SHOWS_EXCLUSIVE = (
     f"PERFORM pg_advisory_xact_lock({SHOW_LOCK_CLASS}, x.k) "
     "FROM (SELECT DISTINCT hashtext(d.pk_show) AS k FROM {rows} d ORDER BY 1) x;"
 )
+# Database-enforced accounting of a show is one writer at a time: an exclusive lock per
+# unmanaged show (its own key space, 'acdb'), taken in show order before any counter row.
+# Concurrent bookers and releasers of one show update the same subscription, folder and point
+# rows in whatever order their statements' plans reach them; without this they deadlocked
+# (measured: 4 deadlocks, each a 1 s deadlock_timeout stall, in one 6,000-frame drain with two
+# dispatch workers). The rows' own locks already queued them, so nothing runs less parallel.
+DB_ACCOUNTING_LOCK_CLASS = 0x61636462
+LOCK_DB_SHOWS = (
+    f"PERFORM pg_advisory_xact_lock({DB_ACCOUNTING_LOCK_CLASS}, x.k) "
+    "FROM (SELECT DISTINCT hashtext(d.pk_show) AS k FROM {rows} d "
+    "JOIN show s ON s.pk_show = d.pk_show AND NOT s.b_scheduler_managed ORDER BY 1) x;"
+)
 
 RELEASE_FUNC = f"""
     IF {RELEASE_SUPPRESSED} OR NOT {NOTIFY_ENABLED} THEN
@@ -381,6 +393,7 @@ def db_accounting_func(deltas: str) -> str:
     ) THEN
         RETURN NULL;
     END IF;
+    {LOCK_DB_SHOWS.format(rows=f"({deltas})")}
     {apply_sql}
     IF v_message IS NOT NULL THEN
         RAISE EXCEPTION USING MESSAGE = v_message, ERRCODE = 'check_violation', CONSTRAINT = v_constraint;

@@ -358,3 +358,40 @@ def test_flip_to_managed_waits_for_an_in_flight_database_enforced_booking() -> N
         ).fetchone()
     assert seen == (400,)
     assert totals(farm) == expect(400, 0, 1)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_writers_of_one_unmanaged_show_queue_on_its_lock_before_touching_a_counter_row() -> None:
+    """Bookings and releases of a show update the same subscription, folder and point rows in
+    the order their statements' plans reach them; two writers could each hold one and wait for
+    the other (seen under two dispatch workers: four deadlocks, a second each). The show's
+    exclusive accounting lock, taken before any counter row, makes the second writer wait at the
+    door instead, holding nothing."""
+    farm = ff.tiny_farm(managed=False)
+    other_job = ff.create_job(farm.show, farm.folder, farm.dept, farm.facility)
+    other_layer = ff.create_layer(other_job)
+    other_frame = ff.create_frames(other_layer, 1)[0]
+    gone = ff.create_proc(farm.host, farm.frames[0], cores=300)
+    with (
+        psycopg.connect(database_conninfo()) as releaser,
+        psycopg.connect(database_conninfo()) as booker,
+        psycopg.connect(database_conninfo(), autocommit=True) as observer,
+    ):
+        releaser.execute("DELETE FROM proc WHERE pk_proc = %s", (gone.pk,))  # not committed yet
+
+        def book() -> None:
+            booker.execute(INSERT_PROC, (farm.host.pk, farm.show.pk, other_job.pk, other_layer.pk, other_frame.pk, 200))
+            booker.commit()
+
+        thread, errors = in_thread(book)
+        wait_until_blocked(observer, booker.info.backend_pid, "the booker")
+        waiting_on = observer.execute(
+            "SELECT wait_event FROM pg_stat_activity WHERE pid = %s", (booker.info.backend_pid,)
+        ).fetchone()
+        releaser.commit()
+        thread.join(10)
+    assert errors == []
+    assert waiting_on == ("advisory",)  # the show's lock, not a counter row
+    assert totals(farm)["subscription"] == (200, 0)
+    assert farm.job_resource().int_cores == 0
+    assert JobResource.objects.get(job=other_job).int_cores == 200
