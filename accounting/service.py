@@ -77,6 +77,10 @@ class AccountingService:
         self._threads: list[threading.Thread] = []
         # Other parts of the scheduler (the dispatch loop) add sections to the live view here.
         self.view_providers: dict[str, Callable[[], object]] = {}
+        # Bumped whenever the Store may have gained room (a release or cap change applied, a
+        # recompute): a dispatch loop held back by a Store cap waits on it instead of polling.
+        self._room = threading.Condition()
+        self._room_generation = 0
 
     # -- managed shows ---------------------------------------------------------------
     def managed_shows(self) -> frozenset[str]:
@@ -146,7 +150,28 @@ class AccountingService:
                 result.store_seconds,
             )
 
+    # -- waiting for room --------------------------------------------------------------------
+    def room_generation(self) -> int:
+        return self._room_generation
+
+    def wait_for_room(self, seen: int, timeout: float) -> bool:
+        """Block until the Store may have room again since generation `seen`, or `timeout` passes.
+
+        The dispatch loop's own completions free room only once their releases come back
+        through the listener (a few milliseconds); a fixed retry delay would idle the loop
+        for most of it.
+        """
+        with self._room:
+            return self._room.wait_for(lambda: self._room_generation != seen, timeout)
+
+    def _room_changed(self) -> None:
+        with self._room:
+            self._room_generation += 1
+            self._room.notify_all()
+
     def _count_event(self, channel: str, outcome: str) -> None:
+        if outcome == "applied":
+            self._room_changed()
         if outcome.startswith("dropped:"):
             metrics.DROPPED.labels(channel, outcome.split(":", 1)[1]).inc()
         elif channel == "acct_release":
@@ -155,6 +180,7 @@ class AccountingService:
             metrics.LIMIT_CHANGES.labels(outcome).inc()
 
     def _observe_recompute(self, result: RecomputeResult) -> None:
+        self._room_changed()
         self.state.last_recompute = result
         metrics.RECOMPUTE_SECONDS.observe(result.store_seconds + result.pg_seconds)
         for vertex, cores in result.drift_cores.items():

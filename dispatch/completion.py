@@ -28,6 +28,7 @@ from typing import Any
 import psycopg
 
 from dispatch.dispatcher import HOST_GIVE_BACK_TEMPLATE
+from dispatch.placement import ALL, Shard
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +102,8 @@ PROCS_OF_FRAMES_SQL = "SELECT pk_proc FROM proc WHERE pk_frame = ANY(%s::text[])
 LOST_PROCS_SQL = """
 SELECT p.pk_proc, p.pk_frame, h.str_name
 FROM proc p JOIN host_stat hs ON hs.pk_host = p.pk_host JOIN host h ON h.pk_host = p.pk_host
-WHERE hs.ts_ping < now() - make_interval(secs => %s) AND NOT p.b_local
+WHERE hs.ts_ping < now() - make_interval(secs => %(timeout)s) AND NOT p.b_local
+  AND mod(hashtext(p.pk_host) & 2147483647, %(shards)s) = %(shard)s
 """
 
 
@@ -197,22 +199,24 @@ def complete_in_transaction(cur: psycopg.Cursor[Any], completions: Sequence[Comp
     return out
 
 
-def find_lost_procs(conn: psycopg.Connection, timeout: float) -> list[tuple[str, str, str]]:
+def find_lost_procs(
+    conn: psycopg.Connection, timeout: float, shard: Shard = ALL
+) -> list[tuple[str, str, str]]:
     """(pk_proc, pk_frame, host name) of procs on hosts silent for longer than `timeout` seconds."""
     with conn.cursor() as cur:
-        cur.execute(LOST_PROCS_SQL, (timeout,))
+        cur.execute(LOST_PROCS_SQL, {"timeout": timeout, "shard": shard[0], "shards": shard[1]})
         return [tuple(r) for r in cur.fetchall()]
 
 
 def release_lost_hosts(
-    conn: psycopg.Connection, timeout: float, *, exclude: set[str] | None = None
+    conn: psycopg.Connection, timeout: float, *, exclude: set[str] | None = None, shard: Shard = ALL
 ) -> tuple[list[str], CompletionResult]:
     """Release the procs of lost hosts the same way as a completion, frames back to WAITING.
 
     `exclude`: procs another path is settling (a pending compensation) are left alone.
     Returns the released procs and the completion result.
     """
-    lost = [row for row in find_lost_procs(conn, timeout) if not exclude or row[0] not in exclude]
+    lost = [row for row in find_lost_procs(conn, timeout, shard) if not exclude or row[0] not in exclude]
     if not lost:
         return [], CompletionResult()
     for pk_proc, pk_frame, host in lost:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import psycopg
 
-from dispatch.placement import Demand, parse_tags
+from dispatch.placement import ALL, Demand, Shard, parse_tags
 
 # The seam for frame dependencies: a WAITING frame is dispatchable when this holds.
 FRAME_READY = "f.int_depend_count = 0"
@@ -47,6 +47,7 @@ WITH top_jobs AS (
   WHERE j.str_state = 'PENDING' AND NOT j.b_paused AND s.b_active AND js.int_waiting_count > 0
     AND (s.b_scheduler_managed OR NOT %(managed_only)s)
     AND NOT (j.pk_job = ANY(%(skip_jobs)s::text[]))
+    AND mod(hashtext(j.pk_job) & 2147483647, %(shards)s) = %(shard)s
     AND NOT (j.pk_show = ANY(%(skip_shows)s::text[]))
     AND NOT (j.pk_folder = ANY(%(skip_folders)s::text[]))
     -- Unmanaged shows: a core of room left on the job, its folder and some subscription
@@ -163,6 +164,7 @@ def fetch_pending(
     frames_per_layer: int,
     max_frames: int | None = None,
     skips: Skips = Skips(),
+    shard: Shard = ALL,
 ) -> list[JobWork]:
     """Pending jobs in dispatch order, each with its dispatchable layers and their first frames.
 
@@ -185,6 +187,8 @@ def fetch_pending(
                 "skip_folders": list(skips.folders),
                 "skip_layers": list(skips.layers),
                 "max_jobs": max_jobs,
+                "shard": shard[0],
+                "shards": shard[1],
             },
         )
         for r in cur.fetchall():

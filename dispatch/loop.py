@@ -53,7 +53,7 @@ from dispatch.dispatcher import (
 )
 from dispatch.feed import JobWork, Skips, fetch_pending, has_waiting_or_running
 from dispatch.launchers import Launcher, get_launcher
-from dispatch.placement import CENTI, HostRec, HostView
+from dispatch.placement import ALL, CENTI, HostRec, HostView, Shard
 
 logger = logging.getLogger(__name__)
 
@@ -156,8 +156,10 @@ class DispatchLoop:
         saturated_sleep: float | None = None,
         idle_sleep: float | None = None,
         connect: Callable[[], psycopg.Connection] | None = None,
+        shard: Shard = ALL,
     ) -> None:
         self.service = service
+        self.shard = shard
         self.store = service.store
         self.launcher = launcher
         self.managed_only = conf.dispatch_managed_only() if managed_only is None else managed_only
@@ -180,7 +182,7 @@ class DispatchLoop:
         self.mem_used_start = conf.proc_mem_used_start()
         self._connect = connect or (lambda: acct_db.connect(autocommit=True, application_name="cuesched-dispatch"))
         self._conn: psycopg.Connection | None = None
-        self.view = HostView(conf.host_fit_policy(), stale_after=self.lost_host_timeout)
+        self.view = HostView(conf.host_fit_policy(), stale_after=self.lost_host_timeout, shard=shard)
         self._hosts_loaded_at = float("-inf")
         self._lost_swept_at = float("-inf")
         self._subs: dict[str, list[tuple[str, int, int]]] = {}  # show -> [(alloc, burst, cores)] centicores
@@ -199,6 +201,7 @@ class DispatchLoop:
         self._unresolved: list[Booking] = []
         self.totals = CycleStats()
         self.cycles = 0
+        self._room_seen = 0
         # Booking window for the benchmarks: from the start of the first cycle that wrote a
         # booking (its feed query included) to the COMMIT of the last one, perf_counter seconds.
         self._cycle_started_at = 0.0
@@ -299,7 +302,11 @@ class DispatchLoop:
                 due = self.launcher.next_due()
                 wait = self.idle_sleep if due is None else min(self.idle_sleep, max(due, 0.001))
                 if self._blocked_folders or self._blocked_jobs:
-                    wait = min(wait, self.cap_retry)  # a release may be on its way to the Store
+                    # A release may be on its way to the Store: wake when the listener applies
+                    # one (or at cap_retry), and ask the Store again about every blocked folder.
+                    if self.service.wait_for_room(self._room_seen, min(wait, self.cap_retry)):
+                        self._blocked_folders.clear()
+                    continue
                 stop.wait(wait)
         finally:
             self._drop_connection()
@@ -319,6 +326,8 @@ class DispatchLoop:
         """One cycle; raises the database error that interrupted it (after settling the Store)."""
         stats = CycleStats()
         self.cycles += 1
+        # Before any Store check of this cycle: room that appears after it wakes the idle wait.
+        self._room_seen = self.service.room_generation()
         self._cycle_started_at = time.perf_counter()
         try:
             conn = self._connection()
@@ -376,7 +385,7 @@ class DispatchLoop:
 
     def _sweep_lost_hosts(self, conn: psycopg.Connection, stats: CycleStats) -> None:
         exclude = {b.pk_proc for b in self._pending_compensations} | {b.pk_proc for b in self._unresolved}
-        procs, result = release_lost_hosts(conn, self.lost_host_timeout, exclude=exclude)
+        procs, result = release_lost_hosts(conn, self.lost_host_timeout, exclude=exclude, shard=self.shard)
         if not procs:
             return
         for pk in procs:
@@ -436,6 +445,7 @@ class DispatchLoop:
             frames_per_layer=self.frames_per_layer,
             max_frames=self._feed_frames,
             skips=self._skips(now),
+            shard=self.shard,
         )
         stats.seconds["feed"] += time.perf_counter() - t0
         if not jobs:

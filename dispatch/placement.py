@@ -28,6 +28,12 @@ logger = logging.getLogger(__name__)
 CENTI = 100
 THREAD_MODE_ALL = 1
 
+# A dispatch worker's share of the farm, (index, count). Hosts and jobs are dealt out by the
+# hash of their id, so two workers never pick the same frame or the same host: what they
+# share is only the accounting (subscriptions, folders, the Store).
+Shard = tuple[int, int]
+ALL = (0, 1)
+
 # Every bookable host with its tags; effective memory is computed in Python from both columns,
 # because our own bookings move int_mem_idle but not the agent-reported int_mem_free.
 HOSTS_SQL = """
@@ -41,6 +47,7 @@ JOIN host_stat hs ON hs.pk_host = h.pk_host
 JOIN alloc a ON a.pk_alloc = h.pk_alloc
 WHERE h.str_lock_state = 'OPEN' AND hs.str_state = 'UP'
   AND hs.ts_ping >= now() - make_interval(secs => %(stale_after)s)
+  AND mod(hashtext(h.pk_host) & 2147483647, %(shards)s) = %(shard)s
 """
 HOSTS_BY_ID_SQL = HOSTS_SQL + " AND h.pk_host = ANY(%(hosts)s::text[])"
 
@@ -122,9 +129,10 @@ class Demand:
 class HostView:
     """Bookable hosts indexed by tag, then by whole idle cores."""
 
-    def __init__(self, fit: str = "tightest", *, stale_after: float = 300.0) -> None:
+    def __init__(self, fit: str = "tightest", *, stale_after: float = 300.0, shard: Shard = ALL) -> None:
         self.fit = fit
         self.stale_after = stale_after
+        self.shard = shard
         self.hosts: dict[str, HostRec] = {}
         self._by_tag: dict[str, dict[int, set[str]]] = {}
         self._max_cores = 0
@@ -136,7 +144,7 @@ class HostView:
     def load(self, conn: psycopg.Connection) -> None:
         """Replace the whole view from the database (bookable hosts only)."""
         with conn.cursor() as cur:
-            cur.execute(HOSTS_SQL, {"stale_after": self.stale_after})
+            cur.execute(HOSTS_SQL, {"stale_after": self.stale_after, "shard": self.shard[0], "shards": self.shard[1]})
             rows = cur.fetchall()
         self.hosts.clear()
         self._by_tag.clear()
@@ -151,7 +159,10 @@ class HostView:
         if not wanted:
             return
         with conn.cursor() as cur:
-            cur.execute(HOSTS_BY_ID_SQL, {"stale_after": self.stale_after, "hosts": wanted})
+            cur.execute(
+                HOSTS_BY_ID_SQL,
+                {"stale_after": self.stale_after, "hosts": wanted, "shard": self.shard[0], "shards": self.shard[1]},
+            )
             rows = cur.fetchall()
         self.generation += 1
         for pk in wanted:

@@ -150,6 +150,7 @@ class Command(BaseCommand):
         batch_size: int | None,
         seconds: float | None = None,
         hold: bool = False,
+        sharded: bool = False,
     ) -> dict[str, float]:
         """One drain to idle, or `seconds` of steady booking (the slow per-proc shape)."""
         purge_farm(spec.prefix)
@@ -171,6 +172,7 @@ class Command(BaseCommand):
                         seed=i,
                     ),
                     batch_size=batch_size,
+                    shard=(i, threads) if sharded else (0, 1),
                 )
                 for i in range(threads)
             ]
