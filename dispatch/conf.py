@@ -15,6 +15,15 @@ def dispatch_managed_only() -> bool:
     return env_bool("CUESCHED_DISPATCH_MANAGED_ONLY", False)
 
 
+def dispatch_workers() -> int:
+    """Dispatch loops in the scheduler process, each with its own share of hosts and jobs (and its
+    own database connection), sharing the one Store. More than one pays when the database is
+    far (each loop's round trips overlap the others'); on a small machine running PostgreSQL
+    too, one loop already keeps it busy. Jobs and hosts are dealt out by the hash of their ids,
+    so a job runs only on its worker's hosts: with a few big jobs, keep one worker."""
+    return max(1, env_int("CUESCHED_DISPATCH_WORKERS", 1))
+
+
 # --- batching -----------------------------------------------------------------------------
 def batch_size() -> int:
     """Bookings written per database transaction (one set-based statement per table)."""

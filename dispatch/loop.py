@@ -774,29 +774,66 @@ def _unlimited(_alloc: str) -> int:
     return _UNLIMITED_ROOM
 
 
+def merge_live_views(views: list[dict[str, Any]]) -> dict[str, Any]:
+    """One dispatch section for the live view out of each worker's: counts add up."""
+    if len(views) == 1:
+        return views[0]
+    merged: dict[str, Any] = {"workers": len(views)}
+    for view in views:
+        for key, value in view.items():
+            if isinstance(value, bool) or not isinstance(value, int | dict):
+                merged.setdefault(key, value)
+            elif isinstance(value, int):
+                merged[key] = merged.get(key, 0) + value
+            elif key == "rejected":
+                counts = merged.setdefault(key, {})
+                for table, n in value.items():
+                    counts[table] = counts.get(table, 0) + n
+            else:
+                merged.setdefault(key, {}).update(value)
+    return merged
+
+
 def dispatch_main(
     launcher: str | None = None,
     *,
     exit_when_idle: bool = False,
     loop_options: dict[str, Any] | None = None,
+    workers: int | None = None,
     **launcher_options: Any,
 ) -> Callable[[AccountingService, threading.Event], None]:
     """The foreground of `run_scheduler`: `SchedulerProcess(...).run(dispatch_main("simulated"))`.
 
-    Runs the loop on the service once its bootstrap is done, publishes the loop's counters in
-    the live view, and with `exit_when_idle` stops the whole process (sets `stop`) once no frame
-    is WAITING or RUNNING.
+    Runs `workers` loops (CUESCHED_DISPATCH_WORKERS), each on its shard of hosts and jobs with
+    its own launcher, once the service's bootstrap is done; publishes their counters in the
+    live view, and with `exit_when_idle` stops the whole process (sets `stop`) once no frame is
+    WAITING or RUNNING.
     """
 
     def main(service: AccountingService, stop: threading.Event) -> None:
-        chosen = get_launcher(launcher or conf.launcher_name(), **launcher_options)
+        count = workers or conf.dispatch_workers()
+        launchers = [get_launcher(launcher or conf.launcher_name(), **launcher_options) for _ in range(count)]
+        loops = [DispatchLoop(service, launchers[i], shard=(i, count), **(loop_options or {})) for i in range(count)]
+        service.view_providers["dispatch"] = lambda: merge_live_views([lp.live_view() for lp in loops])
+        others = [
+            threading.Thread(
+                target=lp.run, args=(stop, exit_when_idle), name=f"cuesched-dispatch-{i + 1}", daemon=True
+            )
+            for i, lp in enumerate(loops[1:])
+        ]
         try:
-            with DispatchLoop(service, chosen, **(loop_options or {})) as loop:
-                service.view_providers["dispatch"] = loop.live_view
-                loop.run(stop, exit_when_idle=exit_when_idle)
+            for thread in others:
+                thread.start()
+            loops[0].run(stop, exit_when_idle=exit_when_idle)
+            for thread in others:
+                thread.join()
         finally:
-            chosen.close()
             if exit_when_idle:
                 stop.set()
+            for thread in others:
+                thread.join(30)
+            for lp in loops:
+                lp.close()
+                lp.launcher.close()
 
     return main

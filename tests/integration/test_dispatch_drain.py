@@ -144,6 +144,37 @@ def test_dispatch_main_runs_in_the_scheduler_process_and_exits_when_idle() -> No
     assert process.service.view_providers["dispatch"]()["booked"] == 32
 
 
+@pytest.mark.parametrize("managed", [True, False], ids=["store", "database"])
+def test_two_workers_share_the_caps_and_split_the_farm(managed: bool) -> None:
+    """Two dispatch workers book one show under one folder cap: the Store (or the triggers) is
+    the only thing they share, and no cap is exceeded while both book at once."""
+    farm = seed(f"dwk{int(managed)}", managed=managed, jobs=8, folder_max_cores=1000, hosts=12)
+    process = SchedulerProcess(SchedulerOptions(bootstrap_timeout=30))
+    main = dispatch_main("simulated", exit_when_idle=True, workers=2, runtime_min=0.0, runtime_max=0.02)
+    thread = threading.Thread(target=process.run, args=(main,), daemon=True)
+    sampler = Sampler().start()
+    try:
+        thread.start()
+        thread.join(120)
+    finally:
+        sampler.stop()
+    assert not thread.is_alive(), "the workers did not exit once the farm was drained"
+    assert sampler.breaches == []
+    view = process.service.view_providers["dispatch"]()
+    assert view["workers"] == 2
+    assert view["booked"] == view["completed"] == 64
+    with autocommit() as conn:
+        _assert_drained(conn, farm)
+        # Each worker books only on its own hosts (the shard of the host id's hash), so the two
+        # never race for a host's idle cores: every frame ran on a host of its worker's shard.
+        mixed = scalar(
+            conn,
+            "SELECT count(*) FROM frame f JOIN host h ON h.str_name = f.str_host"
+            " WHERE mod(hashtext(h.pk_host) & 2147483647, 2) <> mod(hashtext(f.pk_job) & 2147483647, 2)",
+        )
+    assert mixed == 0
+
+
 def test_the_invariant_check_sees_a_breach() -> None:
     """The sampler's query is the test oracle: it must report a proc over a job's cap."""
     farm = seed("orcl", **{"jobs": 1, "job_max_cores": 100, "layer_cores_choices": (2,)})

@@ -59,6 +59,12 @@ class Command(BaseCommand):
             "(env CUESCHED_DISPATCH_MANAGED_ONLY).",
         )
         parser.add_argument(
+            "--workers",
+            type=int,
+            default=None,
+            help="Dispatch loops, each on its own share of hosts and jobs (env CUESCHED_DISPATCH_WORKERS, default 1).",
+        )
+        parser.add_argument(
             "--no-dispatch",
             action="store_true",
             help="Keep accounting in sync and published, but book nothing.",
@@ -82,6 +88,8 @@ class Command(BaseCommand):
         signal.signal(signal.SIGINT, _stop)
         signal.signal(signal.SIGTERM, _stop)
         main = None
+        if options["workers"] is not None and options["workers"] < 1:
+            raise CommandError("--workers must be at least 1")
         if not options["no_dispatch"]:
             launcher = options["launcher"] or dispatch_conf.launcher_name()
             launcher_options: dict[str, Any] = {}
@@ -93,6 +101,7 @@ class Command(BaseCommand):
                 launcher,
                 exit_when_idle=options["exit_when_idle"],
                 loop_options={"managed_only": True} if options["managed_only"] else None,
+                workers=options["workers"],
                 **launcher_options,
             )
         process = SchedulerProcess(SchedulerOptions(metrics_port=options["metrics_port"]), stop=stop)
