@@ -2,11 +2,13 @@
 
 1. Booking throughput, Store against database-enforced accounting (the same farm with
    `b_scheduler_managed = false`), on the drain workload and on a contended one (one
-   subscription, one folder), in two dispatcher shapes:
-   - batched: our loop, one set-based transaction per batch of bookings, one dispatcher;
-   - per-proc: Cuebot's shape, one booking per transaction, several dispatch threads
-     contending on the same subscription and folder rows (Cuebot books one proc per
-     transaction and its verify triggers lock those rows).
+   subscription, one folder), in three dispatcher shapes:
+   - batched: our loop, one set-based transaction per batch of bookings, one worker;
+   - workers: `--workers` such loops at once (run_scheduler --workers), each on its own share
+     of hosts and jobs, so all they share is the accounting: the Store, or the subscription,
+     folder and point rows the database path updates;
+   - per-proc: Cuebot's shape, one booking per transaction, `--threads` workers, each booking
+     taking the show's accounting rows (database path) for one transaction.
    The same shape runs for both accounting modes, so each ratio isolates the accounting.
 2. The floor: the same writes for the same bookings (frame update, proc insert, host
    update) set-based in batches of the loop's size, with no scheduling logic at all.
@@ -108,7 +110,8 @@ class Command(BaseCommand):
         parser.add_argument("--frames-per-layer", type=int, default=5)
         parser.add_argument("--sub-burst", type=int, default=600, help="cores (contended workload)")
         parser.add_argument("--folder-max-cores", type=int, default=400, help="cores (contended workload)")
-        parser.add_argument("--threads", type=int, default=4, help="dispatch threads of the per-proc shape")
+        parser.add_argument("--workers", type=int, default=2, help="dispatch workers of the contended 'workers' shape")
+        parser.add_argument("--threads", type=int, default=4, help="dispatch workers of the per-proc shape")
         parser.add_argument(
             "--per-proc-seconds",
             type=float,
@@ -218,14 +221,16 @@ class Command(BaseCommand):
 
     def _throughput(self, opts: dict[str, Any], results: dict[str, Any]) -> None:
         variants = []
-        for workload in ("drain", "contended"):
-            for shape, threads, batch in (("batched", 1, None), ("per-proc", opts["threads"], 1)):
-                if workload == "drain" and shape == "per-proc":
-                    continue  # the drain has no shared caps to contend on; one shape is enough there
-                for mode in ("store", "database"):
-                    variants.append((workload, shape, threads, batch, mode))
-        variants.insert(0, ("drain-hold", "batched", 1, None, "store"))
-        variants.insert(1, ("drain-hold", "batched", 1, None, "database"))
+        for workload, shape, threads, batch in (
+            ("drain-hold", "batched", 1, None),
+            ("drain", "batched", 1, None),
+            ("contended", "batched", 1, None),
+            # Several writers at once: what makes the shared rows (or the Store) contended.
+            ("contended", "workers", opts["workers"], None),
+            ("contended", "per-proc", opts["threads"], 1),
+        ):
+            for mode in ("store", "database"):
+                variants.append((workload, shape, threads, batch, mode))
         # Interleaved (each round runs every variant once, the floor included), so that the
         # load of this shared machine weighs on every figure alike.
         samples: dict[str, list[dict[str, float]]] = {}
@@ -235,7 +240,14 @@ class Command(BaseCommand):
                 name = f"{workload}/{shape}/{mode}"
                 spec = self._spec(opts, managed=mode == "store", contended=workload == "contended")
                 seconds = opts["per_proc_seconds"] if shape == "per-proc" else None
-                r = self._drain(spec, threads=threads, batch_size=batch, seconds=seconds, hold=workload == "drain-hold")
+                r = self._drain(
+                    spec,
+                    threads=threads,
+                    batch_size=batch,
+                    seconds=seconds,
+                    hold=workload == "drain-hold",
+                    sharded=threads > 1,
+                )
                 samples.setdefault(name, []).append(r)
                 self.stdout.write(
                     f"  {name} run {i + 1}: throughput: {r['rate']:.0f} frames/s over a {r['window']:.2f}s "
@@ -274,6 +286,7 @@ class Command(BaseCommand):
             ("drain", "batched"),
             ("drain-hold", "batched"),
             ("contended", "batched"),
+            ("contended", "workers"),
             ("contended", "per-proc"),
         ):
             s = table.get(f"{workload}/{shape}/store")
