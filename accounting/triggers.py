@@ -44,6 +44,11 @@ hence a new snapshot under READ COMMITTED); the flip trigger takes the same lock
 before it reads SUM(proc). A flip therefore waits for in-flight proc writes of the show to commit,
 and proc writes that start after it wait for the flip; no proc is counted by both paths or by
 neither.
+
+Concurrent writers of one unmanaged show: the database-enforced triggers then also take an
+exclusive lock per show (`LOCK_DB_SHOWS`) before they touch a counter row, so bookings and
+releases of the show apply one transaction at a time instead of deadlocking on the shared
+subscription, folder and point rows.
 """
 
 from __future__ import annotations
