@@ -828,8 +828,8 @@ def dispatch_main(
             for thread in others:
                 thread.join()
         finally:
-            if exit_when_idle:
-                stop.set()
+            # Dispatch is over (idle, stopped, or the first loop failed): the other workers stop too.
+            stop.set()
             for thread in others:
                 thread.join(30)
             for lp in loops:
