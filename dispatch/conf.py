@@ -79,6 +79,12 @@ def host_refresh_interval() -> float:
     return env_float("CUESCHED_HOST_REFRESH_INTERVAL", 10.0)
 
 
+def host_changes_interval() -> float:
+    """How often the host view re-reads the hosts changed lately (freed by their agents, by ops):
+    the longest a host freed outside the loop waits before it can be booked again."""
+    return env_float("CUESCHED_HOST_CHANGES_INTERVAL", 0.5)
+
+
 def lost_host_timeout() -> float:
     """A host whose host_stat.ts_ping is older than this is lost: its procs are released."""
     return env_float("CUESCHED_LOST_HOST_TIMEOUT", 300.0)

@@ -6,7 +6,8 @@ One cycle (`run_once`), all on this loop's own autocommit connection, in this or
 2. write the completions the launcher reports (the release path), which also gives the
    host view its resources back;
 3. every `lost_host_sweep_interval`, release the procs of hosts whose ping is too old;
-4. every `host_refresh_interval`, reload the host view;
+4. every `host_refresh_interval`, reload the host view, and in between, every
+   `host_changes_interval`, re-read the hosts changed lately (freed by their agents);
 5. dispatch: read pending work (`feed`), place each frame (`placement`), book it in the
    Store (`service.apply_booking`: the managed decision, once), and every `batch_size`
    bookings write them in one transaction (`dispatcher.write_batch`), launch what
@@ -184,6 +185,8 @@ class DispatchLoop:
         self._conn: psycopg.Connection | None = None
         self.view = HostView(conf.host_fit_policy(), stale_after=self.lost_host_timeout, shard=shard)
         self._hosts_loaded_at = float("-inf")
+        self._host_changes_at = float("-inf")
+        self.host_changes_interval = conf.host_changes_interval()
         self._lost_swept_at = float("-inf")
         self._subs: dict[str, list[tuple[str, int, int]]] = {}  # show -> [(alloc, burst, cores)] centicores
         # Back-off and cap state.
@@ -340,6 +343,13 @@ class DispatchLoop:
                 self._lost_swept_at = now
             if now - self._hosts_loaded_at >= self.host_refresh_interval:
                 self._reload(conn)
+                self._host_changes_at = now
+            elif now - self._host_changes_at >= self.host_changes_interval:
+                # Overlapping windows: a change committed late with an older now() is not missed.
+                window = max(2.0, 4 * self.host_changes_interval)
+                if self.view.refresh_changed(conn, window):
+                    self._sleeping.clear()  # clusters that found no host may find one now
+                self._host_changes_at = now
             self._dispatch(conn, stats)
         finally:
             self.totals.add(stats)

@@ -50,6 +50,10 @@ WHERE h.str_lock_state = 'OPEN' AND hs.str_state = 'UP'
   AND mod(hashtext(h.pk_host) & 2147483647, %(shards)s) = %(shard)s
 """
 HOSTS_BY_ID_SQL = HOSTS_SQL + " AND h.pk_host = ANY(%(hosts)s::text[])"
+# Hosts whose idle resources changed lately: every booking, completion and give-back stamps
+# host.ts_last_updated. The window overlaps the previous read, so a transaction that commits
+# after a read with an older now() is still seen by the next one.
+HOSTS_CHANGED_SQL = HOSTS_SQL + " AND h.ts_last_updated >= now() - make_interval(secs => %(window)s)"
 
 
 def parse_tags(raw: str | None) -> frozenset[str]:
@@ -169,6 +173,38 @@ class HostView:
             self._drop(pk)
         for row in rows:
             self._put(_host_from_row(row))
+
+    def refresh_changed(self, conn: psycopg.Connection, window: float) -> int:
+        """Re-read the hosts changed in the last `window` seconds; returns how many gained idle cores.
+
+        What the loop's own completions free it already knows (`set_ledger`); this is for the
+        rest: frames that host agents completed themselves (the q2 and celery launchers), kills
+        and releases by ops. Without it a host freed by its agent waited for the next full
+        reload (`host_refresh_interval`, 10 s) before it could be booked again.
+        """
+        with conn.cursor() as cur:
+            cur.execute(
+                HOSTS_CHANGED_SQL,
+                {"stale_after": self.stale_after, "window": window, "shard": self.shard[0], "shards": self.shard[1]},
+            )
+            rows = cur.fetchall()
+        gained = 0
+        for row in rows:
+            host = _host_from_row(row)
+            old = self.hosts.get(host.pk)
+            if old is not None and (old.cores_idle, old.mem_idle, old.gpus_idle, old.gpu_mem_idle) == (
+                host.cores_idle,
+                host.mem_idle,
+                host.gpus_idle,
+                host.gpu_mem_idle,
+            ):
+                continue
+            if old is None or host.idle_whole_cores > old.idle_whole_cores:
+                gained += 1
+            self.generation += 1
+            self._drop(host.pk)
+            self._put(host)
+        return gained
 
     # -- choice ---------------------------------------------------------------------------
     def find(
