@@ -58,8 +58,9 @@ def cluster_saturated_sleep() -> float:
 
 
 def cap_retry() -> float:
-    """How soon a folder the Store refused is tried again. Our own completions release through
-    the listener, a few milliseconds later, so a refusal right after them is often stale."""
+    """The longest a folder the Store refused waits before it is tried again. Our own completions
+    release through the listener a few milliseconds later, and the loop is woken as soon as the
+    listener applies a release; this bounds the wait when nothing arrives."""
     return env_float("CUESCHED_CAP_RETRY", 0.1)
 
 
