@@ -20,7 +20,7 @@ from django.utils.html import format_html
 from dispatch.models import Alloc, Folder, Job, Show
 from ops import admin_views, permissions
 from ops.admin_views import COLUMN_LABELS, shown_value
-from ops.models import Console, FolderCapEvent, JobCapEvent, ShowManagedEvent, SubscriptionCapEvent
+from ops.models import Console, FolderCapEvent, JobCapEvent, KillSwitchEvent, ShowManagedEvent, SubscriptionCapEvent
 
 
 @admin.register(Console)
@@ -159,3 +159,9 @@ class ShowManagedEventAdmin(EventAdmin):
     kind = "flip"
     columns = ["b_scheduler_managed"]
     search_fields = ("pk_show", "str_name")
+
+
+@admin.register(KillSwitchEvent)
+class KillSwitchEventAdmin(EventAdmin):
+    kind = "kill_switch"
+    columns = ["notify_enabled"]

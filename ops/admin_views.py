@@ -27,7 +27,7 @@ from cuesched_project import conf
 from dispatch.models import Folder, Job, Show, Subscription
 from ops import counters, permissions, status, why
 from ops.forms import AuditFilterForm, FlipForm, KillSwitchForm
-from ops.models import FolderCapEvent, JobCapEvent, ShowManagedEvent, SubscriptionCapEvent
+from ops.models import FolderCapEvent, JobCapEvent, KillSwitchEvent, ShowManagedEvent, SubscriptionCapEvent
 
 
 def refresh_seconds() -> float:
@@ -258,6 +258,7 @@ EVENT_KINDS = {
     "folder": (FolderCapEvent, ["int_max_cores", "int_max_gpus"]),
     "job": (JobCapEvent, ["int_max_cores", "int_max_gpus"]),
     "flip": (ShowManagedEvent, ["b_scheduler_managed"]),
+    "kill_switch": (KillSwitchEvent, ["notify_enabled"]),
 }
 COLUMN_LABELS = {
     "int_burst": "burst",
@@ -265,6 +266,7 @@ COLUMN_LABELS = {
     "int_max_cores": "max cores",
     "int_max_gpus": "max GPUs",
     "b_scheduler_managed": "managed",
+    "notify_enabled": "notifications",
 }
 
 
@@ -273,6 +275,8 @@ def shown_value(column: str, value: Any) -> str:
         return "—"
     if column == "b_scheduler_managed":
         return "scheduler" if value else "database"
+    if column == "notify_enabled":
+        return "on" if value else "OFF"
     if column in ("int_burst", "int_size"):
         return f"{centicores_to_cores(value)} cores"
     if column == "int_max_cores":
@@ -306,6 +310,8 @@ def event_target(kind: str, event: Any, names: dict[str, str] | None = None) -> 
     if kind == "job":
         pk = event.job_id
         return f"job {names.get(pk, pk)}", reverse("admin:dispatch_job_change", args=[pk])
+    if kind == "kill_switch":
+        return "accounting notifications", reverse("admin:ops_kill_switch")
     return f"show {event.str_name}", reverse("admin:ops_show_live", args=[event.pk_show])
 
 
@@ -313,6 +319,10 @@ def _matching(kind: str, q: str) -> Q:
     """Events whose object's id or name contains `q`."""
     if kind == "flip":
         return Q(pk_show__icontains=q) | Q(str_name__icontains=q)
+    if kind == "kill_switch":
+        # One object, named on the page "accounting notifications" (the kill switch).
+        named = any(q.lower() in name for name in ("accounting notifications", "kill switch"))
+        return Q() if named else Q(pk__in=[])
     if kind == "sub":
         shows = Show.objects.filter(Q(str_name__icontains=q) | Q(pk__icontains=q)).values("pk")
         return Q(pk_subscription__icontains=q) | Q(show__in=shows)

@@ -10,12 +10,14 @@ from __future__ import annotations
 import pghistory
 from django.db import models
 
+from accounting.models import AccountingSettings
 from dispatch.models import FolderResource, JobResource, Show, Subscription
 from ops.audit import ChangeEvent, audit_attrs
 
 SUB_CAPS = ["int_burst", "int_size"]
 CAP_MAXES = ["int_max_cores", "int_max_gpus"]
 SHOW_FLAG = ["b_scheduler_managed"]
+KILL_SWITCH = ["notify_enabled"]
 
 EVENT_META = {"ordering": ["-pgh_created_at", "-pgh_id"]}
 
@@ -46,6 +48,13 @@ class AuditedShow(Show):
         proxy = True
         app_label = "ops"
         verbose_name = "show"
+
+
+class AuditedAccountingSettings(AccountingSettings):
+    class Meta:
+        proxy = True
+        app_label = "ops"
+        verbose_name = "accounting settings"
 
 
 pghistory.track(
@@ -83,6 +92,19 @@ pghistory.track(
     attrs=audit_attrs(Show, SHOW_FLAG),
     meta={**EVENT_META, "verbose_name": "managed flip"},
 )(AuditedShow)
+
+
+# Who turned accounting notifications off, and when, is the first question after an over-booking.
+# Only UPDATEs are recorded: the row always exists (recreated after every migrate), and a
+# missing row reads as on.
+pghistory.track(
+    ChangeEvent("kill_switch", KILL_SWITCH),
+    fields=["id", *KILL_SWITCH],
+    model_name="KillSwitchEvent",
+    app_label="ops",
+    attrs=audit_attrs(AccountingSettings, KILL_SWITCH),
+    meta={**EVENT_META, "verbose_name": "kill switch change"},
+)(AuditedAccountingSettings)
 
 
 class Console(models.Model):

@@ -53,6 +53,7 @@ VIEWABLE = [
     ("ops", "foldercapevent"),
     ("ops", "jobcapevent"),
     ("ops", "showmanagedevent"),
+    ("ops", "killswitchevent"),
 ]
 
 # (app_label, codename) per group. Operators change the cap rows through the cap forms (which

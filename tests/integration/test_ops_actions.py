@@ -15,8 +15,8 @@ from django.db import connection
 from accounting import actions
 from accounting.models import AccountingSettings
 from dispatch.models import FolderResource, JobResource, Show, Subscription
-from ops import permissions
-from ops.models import FolderCapEvent, JobCapEvent, ShowManagedEvent, SubscriptionCapEvent
+from ops import admin_views, permissions
+from ops.models import FolderCapEvent, JobCapEvent, KillSwitchEvent, ShowManagedEvent, SubscriptionCapEvent
 from tests.integration.farm_fixtures import create_proc, tiny_farm
 from tests.integration.ops_support import make_user
 
@@ -163,19 +163,44 @@ def test_kill_switch_action(operator: object) -> None:
     assert AccountingSettings.notifications_enabled()
 
 
+def test_every_kill_switch_change_is_in_the_audit_trail_with_who_made_it(operator: object) -> None:
+    actions.set_notifications(False, actor=operator)
+    # And one outside the console, straight in SQL: recorded too, under its database role.
+    with connection.cursor() as cur:
+        cur.execute("UPDATE cuesched_accounting_settings SET notify_enabled = true")
+    first, second = KillSwitchEvent.objects.order_by("pgh_id")
+    assert (first.old_notify_enabled, first.notify_enabled) == (True, False)
+    assert first.pgh_context.metadata["username"] == operator.get_username()
+    assert (second.old_notify_enabled, second.notify_enabled) == (False, True)
+    assert second.db_role == first.db_role != ""
+    entries = admin_views.audit_events(kind="kill_switch")
+    assert [(e["object"], e["old"], e["new"]) for e in entries] == [
+        ("accounting notifications", "OFF", "on"),
+        ("accounting notifications", "on", "OFF"),
+    ]
+    assert admin_views.audit_events(kind="kill_switch", q="kill") == entries
+    assert admin_views.audit_events(kind="kill_switch", q="some job") == []
+
+
 def test_audit_triggers_are_installed() -> None:
     with connection.cursor() as cur:
         cur.execute("SELECT tgname FROM pg_trigger WHERE tgname LIKE 'pgtrigger_%%' AND NOT tgisinternal")
         names = {row[0] for row in cur.fetchall()}
-    for stem in ("sub_caps_update", "folder_caps_update", "job_caps_update", "managed_flip_update"):
+    stems = ("sub_caps_update", "folder_caps_update", "job_caps_update", "managed_flip_update", "kill_switch_update")
+    for stem in stems:
         assert any(name.startswith(f"pgtrigger_{stem}_") for name in names), stem
 
 
-def test_the_migration_makes_the_groups_of_ops_permissions() -> None:
+def test_the_migrations_make_the_groups_of_ops_permissions() -> None:
+    # 0002 made the groups; later migrations add what later models need. Together they must
+    # give exactly ops.permissions.GROUP_PERMISSIONS (a group's permissions have no order).
     migration = importlib.import_module("ops.migrations.0002_groups")
-    assert migration.GROUP_PERMISSIONS == {k: list(v) for k, v in permissions.GROUP_PERMISSIONS.items()}
+    added = importlib.import_module("ops.migrations.0004_kill_switch_audit_permission")
+    frozen = {k: set(v) | set(added.ADDED.get(k, [])) for k, v in migration.GROUP_PERMISSIONS.items()}
+    assert frozen == {k: set(v) for k, v in permissions.GROUP_PERMISSIONS.items()}
     Group.objects.filter(name__in=[permissions.OPERATORS, permissions.VIEWERS]).delete()
     migration.create_groups(django_apps, None)
+    added.add_permissions(django_apps, None)
     for name, perms in permissions.GROUP_PERMISSIONS.items():
         got = set(Group.objects.get(name=name).permissions.values_list("content_type__app_label", "codename"))
         assert got == set(perms)
