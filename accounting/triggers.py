@@ -145,7 +145,9 @@ LOCK_SHOWS_EXCLUSIVE = (
 # Concurrent bookers and releasers of one show update the same subscription, folder and point
 # rows in whatever order their statements' plans reach them; without this they deadlocked
 # (measured: 4 deadlocks, each a 1 s deadlock_timeout stall, in one 6,000-frame drain with two
-# dispatch workers). The rows' own locks already queued them, so nothing runs less parallel.
+# dispatch workers). Writers of one show that share a subscription, folder or department
+# already queued on those rows; the cost is that writers of different allocations, folders and
+# departments of one show now queue too, for the rest of their transactions.
 DB_ACCOUNTING_LOCK_CLASS = 0x61636462
 LOCK_DB_SHOWS = (
     f"PERFORM pg_advisory_xact_lock({DB_ACCOUNTING_LOCK_CLASS}, x.k) "
