@@ -366,7 +366,7 @@ def test_writers_of_one_unmanaged_show_queue_on_its_lock_before_touching_a_count
     the order their statements' plans reach them; two writers could each hold one and wait for
     the other (seen under two dispatch workers: four deadlocks, a second each). The show's
     exclusive accounting lock, taken before any counter row, makes the second writer wait at the
-    door instead, holding nothing."""
+    door instead, holding no counter row."""
     farm = ff.tiny_farm(managed=False)
     other_job = ff.create_job(farm.show, farm.folder, farm.dept, farm.facility)
     other_layer = ff.create_layer(other_job)
