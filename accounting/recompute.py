@@ -42,7 +42,7 @@ import psycopg
 
 from accounting.limits import FOLDER_LIMITS_SQL, JOB_LIMITS_SQL, SUB_LIMITS_SQL, abort_snapshot, begin_snapshot
 from accounting.store import CounterSnapshot, PgSnapshot, Store
-from accounting.triggers import SHOW_LOCK_CLASS
+from accounting.triggers import LOCK_SHOWS_SQL
 from accounting.units import centicores_to_cores
 
 logger = logging.getLogger(__name__)
@@ -85,10 +85,6 @@ RECOMPUTE_WORK_MEM = "64MB"
 # The PostgreSQL side: the usage read by the Store side arrives as arrays, and five
 # data-modifying CTEs rewrite only the rows of still-managed shows whose totals differ (a
 # key with no procs left is 0). Run after LOCK_SHOWS_SQL in the same transaction.
-LOCK_SHOWS_SQL = (
-    f"SELECT pg_advisory_xact_lock_shared({SHOW_LOCK_CLASS}, k) "
-    "FROM (SELECT DISTINCT hashtext(s) AS k FROM unnest(%(shows)s::text[]) s ORDER BY 1) x"
-)
 PG_REFRESH_SQL = """
 WITH managed AS MATERIALIZED (
   SELECT pk_show FROM show WHERE b_scheduler_managed AND pk_show = ANY(%(shows)s::text[])

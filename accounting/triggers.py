@@ -140,6 +140,14 @@ LOCK_SHOWS_EXCLUSIVE = (
     f"PERFORM pg_advisory_xact_lock({SHOW_LOCK_CLASS}, x.k) "
     "FROM (SELECT DISTINCT hashtext(d.pk_show) AS k FROM {rows} d ORDER BY 1) x;"
 )
+# The same shared lock from a client, for the shows in %(shows)s: a writer that must see the
+# managed flag no flip can change under it (the dispatcher's batch, the recompute's display
+# write). Run it as its own statement, so the next one's snapshot starts after any flip it
+# waited for.
+LOCK_SHOWS_SQL = (
+    f"SELECT pg_advisory_xact_lock_shared({SHOW_LOCK_CLASS}, x.k) "
+    "FROM (SELECT DISTINCT hashtext(s) AS k FROM unnest(%(shows)s::text[]) AS s ORDER BY 1) AS x"
+)
 # Database-enforced accounting of a show is one writer at a time: an exclusive lock per
 # unmanaged show (its own key space, 'acdb'), taken in show order before any counter row.
 # Concurrent bookers and releasers of one show update the same subscription, folder and point

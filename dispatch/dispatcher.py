@@ -150,14 +150,6 @@ UNION ALL
 SELECT 's', pk_show, b_scheduler_managed::int::bigint, NULL, NULL, NULL FROM shows
 """
 
-# Taken before BOOK_SQL, in its own statement so that BOOK_SQL's snapshot (which reads
-# show.b_scheduler_managed) starts after any flip we waited for. The same shared advisory lock
-# the proc triggers take; a flip to unmanaged takes it exclusively (accounting.triggers).
-LOCK_SHOWS_SQL = f"""
-SELECT pg_advisory_xact_lock_shared({acct_triggers.SHOW_LOCK_CLASS}, x.k)
-FROM (SELECT DISTINCT hashtext(s) AS k FROM unnest(%s::text[]) AS s ORDER BY 1) AS x
-"""
-
 # Compensation after a failed launch, in the reference order proc -> host -> frame, each
 # statement seeing the one before. Only what this transaction deleted is given back.
 COMPENSATE_DELETE_PROCS_SQL = """
@@ -256,7 +248,9 @@ def write_batch(
     with conn.cursor() as cur:
         cur.execute("BEGIN")
         try:
-            cur.execute(LOCK_SHOWS_SQL, (sorted({b.layer.job.show for b in bookings}),))
+            # Before BOOK_SQL, whose snapshot (reading show.b_scheduler_managed) then starts
+            # after any flip this waited for.
+            cur.execute(acct_triggers.LOCK_SHOWS_SQL, {"shows": sorted({b.layer.job.show for b in bookings})})
             for group in (managed, unmanaged):
                 if group:
                     _write_group(cur, group, result, {"mem_used": mem_used, "stale_after": stale_after})
