@@ -28,7 +28,7 @@ from typing import Any
 import psycopg
 
 from dispatch.dispatcher import HOST_GIVE_BACK_TEMPLATE
-from dispatch.placement import ALL, Shard
+from dispatch.placement import ALL, Shard, in_shard, shard_params
 
 logger = logging.getLogger(__name__)
 
@@ -99,11 +99,11 @@ RETURNING j.pk_job
 
 PROCS_OF_FRAMES_SQL = "SELECT pk_proc FROM proc WHERE pk_frame = ANY(%s::text[])"
 
-LOST_PROCS_SQL = """
+LOST_PROCS_SQL = f"""
 SELECT p.pk_proc, p.pk_frame, h.str_name
 FROM proc p JOIN host_stat hs ON hs.pk_host = p.pk_host JOIN host h ON h.pk_host = p.pk_host
 WHERE hs.ts_ping < now() - make_interval(secs => %(timeout)s) AND NOT p.b_local
-  AND mod(hashtext(p.pk_host) & 2147483647, %(shards)s) = %(shard)s
+  AND {in_shard('p.pk_host')}
 """
 
 
@@ -204,7 +204,7 @@ def find_lost_procs(
 ) -> list[tuple[str, str, str]]:
     """(pk_proc, pk_frame, host name) of procs on hosts silent for longer than `timeout` seconds."""
     with conn.cursor() as cur:
-        cur.execute(LOST_PROCS_SQL, {"timeout": timeout, "shard": shard[0], "shards": shard[1]})
+        cur.execute(LOST_PROCS_SQL, {"timeout": timeout, **shard_params(shard)})
         return [tuple(r) for r in cur.fetchall()]
 
 

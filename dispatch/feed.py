@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import psycopg
 
-from dispatch.placement import ALL, Demand, Shard, parse_tags
+from dispatch.placement import ALL, Demand, Shard, in_shard, parse_tags, shard_params
 
 # The seam for frame dependencies: a WAITING frame is dispatchable when this holds.
 FRAME_READY = "f.int_depend_count = 0"
@@ -32,7 +32,7 @@ FRAME_READY = "f.int_depend_count = 0"
 # then their layers. Whether a layer has WAITING frames is left to the frame query, which
 # probes the partial WAITING index per layer: layer_stat is rewritten on every frame state
 # change and is not worth a scan here.
-PENDING_LAYERS_SQL = """
+PENDING_LAYERS_SQL = f"""
 WITH top_jobs AS (
   SELECT j.pk_job, j.str_name AS job_name, j.pk_show, s.str_name AS show_name, j.pk_folder,
          j.pk_facility, j.pk_dept, j.str_os, j.int_max_retries, s.b_scheduler_managed,
@@ -47,7 +47,7 @@ WITH top_jobs AS (
   WHERE j.str_state = 'PENDING' AND NOT j.b_paused AND s.b_active AND js.int_waiting_count > 0
     AND (s.b_scheduler_managed OR NOT %(managed_only)s)
     AND NOT (j.pk_job = ANY(%(skip_jobs)s::text[]))
-    AND mod(hashtext(j.pk_job) & 2147483647, %(shards)s) = %(shard)s
+    AND {in_shard('j.pk_job')}
     AND NOT (j.pk_show = ANY(%(skip_shows)s::text[]))
     AND NOT (j.pk_folder = ANY(%(skip_folders)s::text[]))
     -- Unmanaged shows: a core of room left on the job, its folder and some subscription
@@ -187,8 +187,7 @@ def fetch_pending(
                 "skip_folders": list(skips.folders),
                 "skip_layers": list(skips.layers),
                 "max_jobs": max_jobs,
-                "shard": shard[0],
-                "shards": shard[1],
+                **shard_params(shard),
             },
         )
         for r in cur.fetchall():

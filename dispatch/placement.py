@@ -34,20 +34,29 @@ THREAD_MODE_ALL = 1
 Shard = tuple[int, int]
 ALL = (0, 1)
 
+
+def in_shard(column: str) -> str:
+    """SQL: the row whose id `column` belongs to the shard in %(shard)s of %(shards)s (see shard_params)."""
+    return f"mod(hashtext({column}) & 2147483647, %(shards)s) = %(shard)s"
+
+
+def shard_params(shard: Shard) -> dict[str, int]:
+    return {"shard": shard[0], "shards": shard[1]}
+
 # Every bookable host with its tags; effective memory is computed in Python from both columns,
 # because our own bookings move int_mem_idle but not the agent-reported int_mem_free.
-HOSTS_SQL = """
+HOSTS_SQL = f"""
 SELECT h.pk_host, h.str_name, h.pk_alloc, a.pk_facility, hs.str_os, h.int_thread_mode,
        h.int_cores, h.int_cores_idle, h.int_mem_idle, hs.int_mem_free, hs.int_mem_total,
        h.int_gpus_idle, h.int_gpu_mem_idle, hs.int_gpu_mem_free,
        COALESCE((SELECT array_agg(DISTINCT t.str_tag) FROM host_tag t WHERE t.pk_host = h.pk_host),
-                '{}'::text[])
+                '{{}}'::text[])
 FROM host h
 JOIN host_stat hs ON hs.pk_host = h.pk_host
 JOIN alloc a ON a.pk_alloc = h.pk_alloc
 WHERE h.str_lock_state = 'OPEN' AND hs.str_state = 'UP'
   AND hs.ts_ping >= now() - make_interval(secs => %(stale_after)s)
-  AND mod(hashtext(h.pk_host) & 2147483647, %(shards)s) = %(shard)s
+  AND {in_shard('h.pk_host')}
 """
 HOSTS_BY_ID_SQL = HOSTS_SQL + " AND h.pk_host = ANY(%(hosts)s::text[])"
 # Hosts whose idle resources changed lately: every booking, completion and give-back stamps
@@ -148,7 +157,7 @@ class HostView:
     def load(self, conn: psycopg.Connection) -> None:
         """Replace the whole view from the database (bookable hosts only)."""
         with conn.cursor() as cur:
-            cur.execute(HOSTS_SQL, {"stale_after": self.stale_after, "shard": self.shard[0], "shards": self.shard[1]})
+            cur.execute(HOSTS_SQL, {"stale_after": self.stale_after, **shard_params(self.shard)})
             rows = cur.fetchall()
         self.hosts.clear()
         self._by_tag.clear()
@@ -165,7 +174,7 @@ class HostView:
         with conn.cursor() as cur:
             cur.execute(
                 HOSTS_BY_ID_SQL,
-                {"stale_after": self.stale_after, "hosts": wanted, "shard": self.shard[0], "shards": self.shard[1]},
+                {"stale_after": self.stale_after, "hosts": wanted, **shard_params(self.shard)},
             )
             rows = cur.fetchall()
         self.generation += 1
@@ -185,7 +194,7 @@ class HostView:
         with conn.cursor() as cur:
             cur.execute(
                 HOSTS_CHANGED_SQL,
-                {"stale_after": self.stale_after, "window": window, "shard": self.shard[0], "shards": self.shard[1]},
+                {"stale_after": self.stale_after, "window": window, **shard_params(self.shard)},
             )
             rows = cur.fetchall()
         gained = 0
