@@ -72,8 +72,12 @@ class ActionResult:
         return bool(self.changes)
 
 
-def _actor_context(actor: Any, action: str) -> pghistory.context:
-    """The audit context: the console user when there is one (a command passes a name)."""
+def audit_context(actor: Any, action: str) -> pghistory.context:
+    """The audit context the ops triggers record with each change: who asked and for what.
+
+    `actor` is the console user, a name (a command passes one), or None. Every action that
+    writes audited rows runs inside it, here and in dispatch.actions.
+    """
     if actor is None:
         return pghistory.context(action=action)
     if isinstance(actor, str):
@@ -160,7 +164,7 @@ def flip_show(show_id: str, managed: bool, *, actor: Any) -> ActionResult:
     if not isinstance(managed, bool):
         raise ValidationError("managed must be true or false", code="invalid")
     result = ActionResult(target=show_id)
-    with transaction.atomic(durable=True), _actor_context(actor, "flip_show"):
+    with transaction.atomic(durable=True), audit_context(actor, "flip_show"):
         show = Show.objects.select_for_update().only("b_scheduler_managed").get(pk=show_id)
         result.changes = _write(
             Show, show_id, {"b_scheduler_managed": show.b_scheduler_managed}, {"b_scheduler_managed": managed}
@@ -183,7 +187,7 @@ def set_subscription(
     if size_cores is not None:
         wanted["int_size"] = validate_burst(size_cores, "size")
     result = ActionResult(target=sub_id)
-    with transaction.atomic(durable=True), _actor_context(actor, "set_subscription"):
+    with transaction.atomic(durable=True), audit_context(actor, "set_subscription"):
         sub = Subscription.objects.select_for_update().only("int_burst", "int_size", "show", "alloc").get(pk=sub_id)
         current = {"int_burst": sub.int_burst, "int_size": sub.int_size}
         result.changes = _write(Subscription, sub_id, current, wanted)
@@ -239,7 +243,7 @@ def set_folder_caps(
     """Set a folder's max cores (whole cores, -1 unlimited) and/or max GPUs."""
     wanted = _max_wanted(max_cores, max_gpus)
     result = ActionResult(target=folder_id)
-    with transaction.atomic(durable=True), _actor_context(actor, "set_folder_caps"):
+    with transaction.atomic(durable=True), audit_context(actor, "set_folder_caps"):
         row = FolderResource.objects.select_for_update().only("int_max_cores", "int_max_gpus").get(folder_id=folder_id)
         current = {"int_max_cores": row.int_max_cores, "int_max_gpus": row.int_max_gpus}
         result.changes = _write(FolderResource, row.pk, current, wanted)
@@ -252,7 +256,7 @@ def set_job_caps(job_id: str, *, max_cores: int | None = None, max_gpus: int | N
     """Set a job's max cores (whole cores, -1 unlimited) and/or max GPUs."""
     wanted = _max_wanted(max_cores, max_gpus)
     result = ActionResult(target=job_id)
-    with transaction.atomic(durable=True), _actor_context(actor, "set_job_caps"):
+    with transaction.atomic(durable=True), audit_context(actor, "set_job_caps"):
         row = JobResource.objects.select_for_update().only("int_max_cores", "int_max_gpus").get(job_id=job_id)
         current = {"int_max_cores": row.int_max_cores, "int_max_gpus": row.int_max_gpus}
         result.changes = _write(JobResource, row.pk, current, wanted)
@@ -266,7 +270,7 @@ def set_notifications(enabled: bool, *, actor: Any) -> ActionResult:
     if not isinstance(enabled, bool):
         raise ValidationError("enabled must be true or false", code="invalid")
     result = ActionResult(target=str(SETTINGS_ROW_ID))
-    with transaction.atomic(durable=True), _actor_context(actor, "set_notifications"):
+    with transaction.atomic(durable=True), audit_context(actor, "set_notifications"):
         row = AccountingSettings.objects.select_for_update().filter(id=SETTINGS_ROW_ID).first()
         if row is None:
             AccountingSettings.objects.create(id=SETTINGS_ROW_ID, notify_enabled=enabled)

@@ -31,7 +31,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import pghistory
 import psycopg
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, OperationalError, connection, transaction
@@ -39,6 +38,7 @@ from django.db.models.functions import Now
 
 from accounting import actions as accounting_actions
 from accounting import triggers as acct_triggers
+from accounting.actions import audit_context
 from accounting.notify import LIMIT_CHANNEL
 from dispatch.completion import EXIT_STATUS_KILLED, FINISH_JOBS_SQL, Completion, complete_in_transaction
 from dispatch.frameset import frame_name
@@ -141,13 +141,6 @@ class JobNotFound(LookupError):
 # --- helpers ---------------------------------------------------------------------------------
 
 
-def _context(actor: Any, action: str) -> pghistory.context:
-    """Audit context (recorded by the ops audit triggers on the rows they watch, e.g. job caps)."""
-    if actor is None:
-        return pghistory.context(action=action)
-    if isinstance(actor, str):
-        return pghistory.context(action=action, username=actor)
-    return pghistory.context(action=action, user=actor.pk, username=actor.get_username())
 
 
 def _pg() -> psycopg.Cursor[Any]:
@@ -195,7 +188,7 @@ def submit_job(spec: Any, *, user: str | None, actor: Any = None) -> SubmitResul
     update notifications at commit.
     """
     try:
-        with transaction.atomic(durable=True), _context(actor if actor is not None else user, "submit_job"):
+        with transaction.atomic(durable=True), audit_context(actor if actor is not None else user, "submit_job"):
             plan = plan_job(spec, user=user)
             return _write_job(plan)
     except IntegrityError as exc:
@@ -329,7 +322,7 @@ def resume_job(job: Job | str, *, actor: Any = None) -> JobActionResult:
 
 
 def _set_paused(job_id: str, paused: bool, actor: Any, action: str) -> JobActionResult:
-    with transaction.atomic(durable=True), _context(actor, action):
+    with transaction.atomic(durable=True), audit_context(actor, action):
         changed = Job.objects.filter(pk=job_id).exclude(b_paused=paused).update(b_paused=paused)
     return JobActionResult(job_id, action, changed)
 
@@ -339,7 +332,7 @@ def set_priority(job: Job | str, priority: int, *, actor: Any = None) -> JobActi
     if isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= MAX_PRIORITY:
         raise ValidationError(f"priority must be a whole number from 0 to {MAX_PRIORITY}, not {priority!r}")
     job_id = _job_id(job)
-    with transaction.atomic(durable=True), _context(actor, "priority"):
+    with transaction.atomic(durable=True), audit_context(actor, "priority"):
         changed = JobResource.objects.filter(job_id=job_id).exclude(int_priority=priority).update(int_priority=priority)
     return JobActionResult(job_id, "priority", changed, {"priority": priority})
 
@@ -382,7 +375,7 @@ def kill_job(job: Job | str, *, actor: Any = None, launcher: Any = None) -> JobA
 
 
 def _kill(job_id: str, actor: Any) -> JobActionResult:
-    with transaction.atomic(durable=True), _context(actor, "kill"):
+    with transaction.atomic(durable=True), audit_context(actor, "kill"):
         finished = (
             Job.objects.filter(pk=job_id)
             .exclude(str_state="FINISHED")
@@ -411,7 +404,7 @@ def retry_frames(
     with frames to retry is opened again.
     """
     job_id = _job_id(job)
-    with transaction.atomic(durable=True), _context(actor, "retry"):
+    with transaction.atomic(durable=True), audit_context(actor, "retry"):
         params, sql = _frame_scope(RETRY_SQL, job_id, frames, layer)
         with _pg() as cur:
             cur.execute(sql, params)
@@ -431,7 +424,7 @@ def eat_frames(
     """WAITING, DEAD and DEPEND frames to EATEN (done without running), which satisfies the
     dependencies on them; a job left with nothing to run is FINISHED."""
     job_id = _job_id(job)
-    with transaction.atomic(durable=True), _context(actor, "eat"):
+    with transaction.atomic(durable=True), audit_context(actor, "eat"):
         params, sql = _frame_scope(EAT_SQL, job_id, frames, layer)
         with _pg() as cur:
             cur.execute(sql, params)
