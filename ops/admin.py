@@ -23,13 +23,8 @@ from ops.admin_views import COLUMN_LABELS, shown_value
 from ops.models import Console, FolderCapEvent, JobCapEvent, KillSwitchEvent, ShowManagedEvent, SubscriptionCapEvent
 
 
-@admin.register(Console)
-class ConsoleAdmin(admin.ModelAdmin):
-    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return permissions.can_view(request.user)
-
-    def has_module_permission(self, request: HttpRequest) -> bool:
-        return permissions.can_view(request.user)
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """Nothing in the ops app is added, changed or deleted through the admin's forms."""
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
@@ -39,6 +34,15 @@ class ConsoleAdmin(admin.ModelAdmin):
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
+
+
+@admin.register(Console)
+class ConsoleAdmin(ReadOnlyAdmin):
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return permissions.can_view(request.user)
+
+    def has_module_permission(self, request: HttpRequest) -> bool:
+        return permissions.can_view(request.user)
 
     def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
         return self._guard(admin_views.overview)(request)
@@ -76,7 +80,7 @@ TARGET_NAMES: dict[str, Any] = {
 }
 
 
-class EventAdmin(admin.ModelAdmin):
+class EventAdmin(ReadOnlyAdmin):
     """Read-only history rows, filterable by time, database role and label."""
 
     columns: list[str] = []
@@ -118,15 +122,6 @@ class EventAdmin(admin.ModelAdmin):
     def who(self, obj: Any) -> str:
         meta = obj.pgh_context.metadata if obj.pgh_context_id else {}
         return meta.get("username") or "—"
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
 
     def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
         extra = {"ops_audit_url": reverse("admin:ops_audit")}
