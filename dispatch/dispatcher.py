@@ -66,6 +66,8 @@ _CAP_TABLES = {
     acct_triggers.CAP_FOLDER_MAX_GPUS: "folder_gpus",
     acct_triggers.CAP_JOB_MAX_GPUS: "job_gpus",
 }
+# The rejection tables that mean "a database-enforced cap refused it" (not a guard of this batch).
+CAP_REFUSALS = frozenset(_CAP_TABLES.values())
 
 # SQLSTATEs after which the same group is simply written again.
 _RETRY_SQLSTATES = {"40P01", "40001"}  # deadlock, serialization failure

@@ -46,6 +46,7 @@ from accounting.store import Applied, BookingDelta, LimitExceeded
 from dispatch import conf
 from dispatch.completion import Completion, complete, release_lost_hosts
 from dispatch.dispatcher import (
+    CAP_REFUSALS,
     AmbiguousCommitError,
     Booking,
     compensate,
@@ -705,11 +706,37 @@ class DispatchLoop:
                 if len(batch) >= self.batch_size:
                     bookings = batch[:]
                     batch.clear()  # the batch writer owns them now, and settles them whatever happens
-                    self._flush(conn, bookings, stats)
+                    refused = self._flush(conn, bookings, stats)
+                    if refused and self._absorb_refusals(refused, room, full_folders, job):
+                        return
         if managed and least_skipped and not booked_any:
             self._blocked_jobs[job.pk] = (least_skipped, time.monotonic())
 
-    def _flush(self, conn: psycopg.Connection, bookings: list[Booking], stats: CycleStats) -> None:
+    @staticmethod
+    def _absorb_refusals(
+        refused: list[tuple[Booking, str]], room: dict[Any, int], full_folders: set[str], job: JobWork
+    ) -> bool:
+        """Close, for the rest of the cycle, each cap the database trigger refused; True if `job` must stop.
+
+        Only database-enforced bookings meet these refusals (their pre-check read counters that
+        other writers have moved since). Without this the cycle would go on sending the same
+        folder's next frames, each to be refused in a transaction of its own.
+        """
+        stop = False
+        for b, table in refused:
+            owner = b.layer.job
+            if table in ("folder", "folder_gpus"):
+                room[("folder", owner.folder)] = 0
+                full_folders.add(owner.folder)
+                stop = stop or owner.folder == job.folder
+            elif table == "subscription":
+                room[(owner.show, b.host.alloc)] = 0
+            elif table in ("job", "job_gpus"):
+                stop = stop or owner.pk == job.pk
+        return stop
+
+    def _flush(self, conn: psycopg.Connection, bookings: list[Booking], stats: CycleStats) -> list[tuple[Booking, str]]:
+        """Write `bookings`, launch and confirm what committed; returns the cap refusals of the database."""
         stats.batches += 1
         if self.first_booking_cycle_at is None:
             self.first_booking_cycle_at = self._cycle_started_at
@@ -739,6 +766,7 @@ class DispatchLoop:
         if result.failed_hosts:
             view.reload_hosts(conn, result.failed_hosts)
         self._launch(conn, result.written, stats)
+        return [(b, table) for b, table in result.rejected if table in CAP_REFUSALS]
 
     def _launch(self, conn: psycopg.Connection, written: list[Booking], stats: CycleStats) -> None:
         if not written:

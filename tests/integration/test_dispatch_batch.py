@@ -6,8 +6,19 @@ import uuid
 
 import pytest
 
+from dispatch import loop as loop_module
 from dispatch.dispatcher import write_batch
-from tests.integration.dispatch_support import ONE_CORE, autocommit, plan, scalar, seed, violations
+from tests.integration.dispatch_support import (
+    ONE_CORE,
+    autocommit,
+    fast_launcher,
+    make_loop,
+    plan,
+    scalar,
+    seed,
+    violations,
+)
+from tests.integration.runtime_support import running_scheduler
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -74,3 +85,34 @@ def test_guards_drop_only_their_own_bookings() -> None:
         assert all(returned[h] == after_idle[h] for h in returned)
         started = {r[0] for r in conn.execute("SELECT pk_frame FROM frame WHERE str_state = 'RUNNING'").fetchall()}
         assert started == {b.frame.pk for b in result.written}
+
+
+def test_a_folder_the_trigger_refused_gets_no_more_bookings_that_cycle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Database-enforced: the pre-check read the folder's room before another writer took it.
+
+    The first booking of the cycle is refused by the trigger; the cycle must not go on sending
+    the folder's other frames (each refused in a transaction of its own, under the show's lock).
+    """
+    seed("bref", managed=False, jobs=3, frames_per_layer=4, folder_max_cores=400, job_max_cores=-1, **ONE_CORE)
+    real_fetch = loop_module.fetch_pending
+
+    def fetch_then_another_writer_fills_the_folder(conn, **kw):
+        jobs = real_fetch(conn, **kw)
+        with autocommit() as other:
+            _jobs, theirs = plan(other, {2: 4}, managed=False)
+            assert len(write_batch(other, theirs, mem_used=256_000).written) == 4
+        return jobs
+
+    monkeypatch.setattr(loop_module, "fetch_pending", fetch_then_another_writer_fills_the_folder)
+    with running_scheduler() as proc, autocommit() as conn:
+        loop = make_loop(proc.service, fast_launcher(), batch_size=1)
+        try:
+            stats = loop.run_once()
+        finally:
+            loop.close()
+        # The feed showed 8 frames of jobs 0 and 1 with room for 4: one refusal, then nothing.
+        assert stats.booked == 0
+        assert dict(stats.rejected) == {"folder": 1}
+        assert stats.batches == 1
+        assert scalar(conn, "SELECT count(*) FROM proc") == 4
+        assert violations(conn) == []
