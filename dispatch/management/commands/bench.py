@@ -12,7 +12,9 @@
    The same shape runs for both accounting modes, so each ratio isolates the accounting.
 2. The floor: the same writes for the same bookings (frame update, proc insert, host
    update) set-based in batches of the loop's size, with no scheduling logic at all.
-3. Recompute cycle at 100k procs over 10k jobs, notification-to-Store delay p50/p99 over
+3. Release throughput: `--agents` host agents completing one frame per transaction, as
+   `run_agent` does, Store against database-enforced accounting on one show.
+4. Recompute cycle at 100k procs over 10k jobs, notification-to-Store delay p50/p99 over
    1,000 releases, Store book+confirm pairs per second.
 
 Writes bench.json and bench.png into --out.
@@ -25,6 +27,7 @@ import os
 import threading
 import time
 from argparse import ArgumentParser
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -37,12 +40,19 @@ from accounting.bench import Spread
 from accounting.management.commands import bench_store
 from accounting.service import AccountingService
 from dispatch import conf
+from dispatch.completion import Completion, complete
 from dispatch.launchers.simulated import SimulatedLauncher
 from dispatch.loop import DispatchLoop
-from dispatch.seeding import FarmSpec, purge_farm, seed_farm
+from dispatch.seeding import FarmSpec, purge_farm, seed_farm, show_name
 from dispatch.stress import QUIET_LOOPS, env
 
 VACUUMED = "frame, proc, host, host_stat, job, job_stat, job_resource, layer, layer_stat, layer_resource"
+
+# The procs of the held drain, in the order the agents report them.
+HELD_PROCS_SQL = """
+SELECT p.pk_proc FROM proc p JOIN show s ON s.pk_show = p.pk_show
+WHERE s.str_name = ANY(%s) ORDER BY p.ts_booked, p.pk_proc LIMIT %s
+"""
 
 # The floor: one batch of planned bookings (frame, host, cores, memory) as the three writes
 # of a booking, set-based in one transaction. The plan (which frame on which host) is made
@@ -118,12 +128,16 @@ class Command(BaseCommand):
             default=10.0,
             help="the per-proc shape books for this long (it would take minutes to drain the farm)",
         )
+        parser.add_argument("--agents", type=int, default=8, help="host agents reporting completions (releases part)")
+        parser.add_argument("--release-count", type=int, default=3000, help="completions timed per releases run")
         parser.add_argument("--recompute-jobs", type=int, default=10_000)
         parser.add_argument("--recompute-frames", type=int, default=10, help="procs per job")
         parser.add_argument("--releases", type=int, default=1000)
         parser.add_argument("--store-pairs", type=int, default=200_000)
         parser.add_argument(
-            "--skip", default="", help="comma list of parts to skip: throughput, floor, accounting (quick runs)"
+            "--skip",
+            default="",
+            help="comma list of parts to skip: throughput, floor, releases, accounting (quick runs)",
         )
 
     # -- one drain --------------------------------------------------------------------------
@@ -154,8 +168,13 @@ class Command(BaseCommand):
         seconds: float | None = None,
         hold: bool = False,
         sharded: bool = False,
+        while_held: Callable[[], dict[str, float]] | None = None,
     ) -> dict[str, float]:
-        """One drain to idle, or `seconds` of steady booking (the slow per-proc shape)."""
+        """One drain to idle, or `seconds` of steady booking (the slow per-proc shape).
+
+        With `hold` nothing completes; `while_held` then runs once every frame is booked, with
+        the accounting service still listening, and its figures join the result.
+        """
         purge_farm(spec.prefix)
         seed_farm(spec)
         with db.connect(application_name="cuesched-bench") as conn:
@@ -200,6 +219,7 @@ class Command(BaseCommand):
             w.join(600)
         wall = time.perf_counter() - started
         loop_stop.set()
+        held = while_held() if while_held is not None else {}
         stop.set()
         service.join()
         firsts = [lp.first_booking_cycle_at for lp in loops if lp.first_booking_cycle_at is not None]
@@ -217,6 +237,7 @@ class Command(BaseCommand):
             "wall": wall,
             "booked": booked,
             **{f"rejected_{k}": v for k, v in rejected.items()},
+            **held,
         }
 
     def _throughput(self, opts: dict[str, Any], results: dict[str, Any]) -> None:
@@ -300,6 +321,60 @@ class Command(BaseCommand):
         results["ratios"] = ratios
         for k, v in ratios.items():
             self.stdout.write(f"ratio Store / database-enforced, {k}: {v:.2f}x")
+
+    def _release_once(self, opts: dict[str, Any], *, managed: bool) -> float:
+        """Completions/s when `--agents` host agents each report one frame per transaction.
+
+        The production release path (`run_agent` writes each frame's end itself), on one show
+        with every frame of the drain workload running: database-enforced, each release
+        updates the show's counter rows under its accounting lock; with the Store, it only
+        notifies.
+        """
+        spec = self._spec(opts, managed=managed, contended=False)
+        count = min(opts["release_count"], spec.jobs * spec.layers * spec.frames_per_layer)
+        shows = [show_name(spec.prefix, i) for i in range(spec.shows)]
+
+        def release() -> dict[str, float]:
+            with db.connect(application_name="cuesched-bench") as conn:
+                procs = [r[0] for r in conn.execute(HELD_PROCS_SQL, (shows, count))]
+            todo = iter(procs)
+            lock = threading.Lock()
+
+            def agent() -> None:
+                with db.connect(autocommit=True, application_name="cuesched-bench-agent") as conn:
+                    while True:
+                        with lock:
+                            pk = next(todo, None)
+                        if pk is None:
+                            return
+                        complete(conn, [Completion(pk, 0)])
+
+            agents = [threading.Thread(target=agent, daemon=True) for _ in range(opts["agents"])]
+            started = time.perf_counter()
+            for a in agents:
+                a.start()
+            for a in agents:
+                a.join(600)
+            return {"releases": len(procs), "release_seconds": time.perf_counter() - started}
+
+        r = self._drain(spec, threads=1, batch_size=None, hold=True, while_held=release)
+        return r["releases"] / r["release_seconds"] if r["release_seconds"] else 0.0
+
+    def _releases(self, opts: dict[str, Any], results: dict[str, Any]) -> None:
+        rates: dict[str, list[float]] = {"store": [], "database": []}
+        for i in range(opts["runs"]):
+            for mode in rates:
+                rates[mode].append(self._release_once(opts, managed=mode == "store"))
+                self.stdout.write(f"  releases/{mode} run {i + 1}: {rates[mode][-1]:.0f} completions/s")
+        table = {mode: _spread(values) for mode, values in rates.items()}
+        ratio = table["store"]["median"] / table["database"]["median"] if table["database"]["median"] else 0.0
+        results["releases"] = {"agents": opts["agents"], "rate": table, "ratio": ratio}
+        for mode, spread in table.items():
+            self.stdout.write(
+                f"releases/{mode}, {opts['agents']} agents, one frame per transaction: "
+                f"{self._fmt(spread, 'completions/s')}"
+            )
+        self.stdout.write(f"ratio Store / database-enforced, releases: {ratio:.2f}x")
 
     def _floor_once(self, opts: dict[str, Any]) -> float:
         batch = conf.batch_size()
@@ -395,6 +470,8 @@ class Command(BaseCommand):
         }
         if "throughput" not in skip:
             self._throughput(opts, results)
+        if "releases" not in skip:
+            self._releases(opts, results)
         if "accounting" not in skip:
             self._accounting(opts, results)
         results["load_average_after"] = os.getloadavg()
@@ -410,7 +487,7 @@ def chart(results: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 6), gridspec_kw={"width_ratios": [3, 2]})
+    fig, (ax1, ax3, ax2) = plt.subplots(1, 3, figsize=(16, 6), gridspec_kw={"width_ratios": [3, 1, 2]})
     names, med, lo, hi, colors = [], [], [], [], []
     for name, row in results.get("throughput", {}).items():
         names.append(name.replace("/", "\n"))
@@ -440,6 +517,28 @@ def chart(results: dict[str, Any], path: Path) -> None:
         fontsize=9,
     )
     ax1.legend(fontsize=8)
+    if "releases" in results:
+        rel = results["releases"]
+        spreads = [rel["rate"]["store"], rel["rate"]["database"]]
+        meds = [r["median"] for r in spreads]
+        ax3.bar(
+            [0, 1],
+            meds,
+            yerr=[[m - r["min"] for m, r in zip(meds, spreads, strict=True)],
+                  [r["max"] - m for m, r in zip(meds, spreads, strict=True)]],
+            color=["tab:blue", "tab:orange"],
+            capsize=4,
+        )  # fmt: skip
+        for i, v in enumerate(meds):
+            ax3.text(i, v, f"{v:.0f}", ha="center", va="bottom", fontsize=8)
+        ax3.set_xticks([0, 1], ["store", "database"], fontsize=8)
+        ax3.set_ylabel("completions per second (median, min-max)")
+        ax3.set_title(
+            f"Releases: {rel['agents']} agents,\none frame per transaction\nStore/database: {rel['ratio']:.2f}x",
+            fontsize=9,
+        )
+    else:
+        ax3.set_axis_off()
     labels, values, targets = [], [], []
     if "recompute" in results:
         c = results["recompute"]["cycle"]
