@@ -720,7 +720,8 @@ class DispatchLoop:
 
         Only database-enforced bookings meet these refusals (their pre-check read counters that
         other writers have moved since). Without this the cycle would go on sending the same
-        folder's next frames, each to be refused in a transaction of its own.
+        folder's next frames, each to be refused in a transaction of its own. A GPU refusal
+        closes the folder for core-only frames too: one cycle of under-booking, the safe side.
         """
         stop = False
         for b, table in refused:

@@ -32,7 +32,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
 
 from accounting import bench as acct_bench
 from accounting import db
@@ -339,15 +339,19 @@ class Command(BaseCommand):
                 procs = [r[0] for r in conn.execute(HELD_PROCS_SQL, (shows, count))]
             todo = iter(procs)
             lock = threading.Lock()
+            errors: list[BaseException] = []
 
             def agent() -> None:
-                with db.connect(autocommit=True, application_name="cuesched-bench-agent") as conn:
-                    while True:
-                        with lock:
-                            pk = next(todo, None)
-                        if pk is None:
-                            return
-                        complete(conn, [Completion(pk, 0)])
+                try:
+                    with db.connect(autocommit=True, application_name="cuesched-bench-agent") as conn:
+                        while True:
+                            with lock:
+                                pk = next(todo, None)
+                            if pk is None:
+                                return
+                            complete(conn, [Completion(pk, 0)])
+                except BaseException as exc:  # reported below: a dead agent must not pass for a fast one
+                    errors.append(exc)
 
             agents = [threading.Thread(target=agent, daemon=True) for _ in range(opts["agents"])]
             started = time.perf_counter()
@@ -355,7 +359,10 @@ class Command(BaseCommand):
                 a.start()
             for a in agents:
                 a.join(600)
-            return {"releases": len(procs), "release_seconds": time.perf_counter() - started}
+            elapsed = time.perf_counter() - started
+            if errors:
+                raise CommandError(f"a release agent failed: {errors[0]!r}") from errors[0]
+            return {"releases": len(procs), "release_seconds": elapsed}
 
         r = self._drain(spec, threads=1, batch_size=None, hold=True, while_held=release)
         return r["releases"] / r["release_seconds"] if r["release_seconds"] else 0.0
