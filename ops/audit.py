@@ -56,11 +56,15 @@ class OldNewRowEvent(pgh_trigger.Event):
         return pgtrigger.Func(f'INSERT INTO "{event_model._meta.db_table}" ({cols}) VALUES ({vals}); RETURN NULL;')
 
 
-class ChangeEvent(pghistory.UpdateEvent):
-    """An UPDATE of any of `fields` records one event with old and new values."""
+class _OldNewTracker:
+    """Installs `OldNewRowEvent` in place of pghistory's own event trigger."""
 
-    def __init__(self, label: str, fields: list[str]) -> None:
-        super().__init__(label, condition=pghistory.AnyChange(*fields), row=pghistory.New, level=pgtrigger.Row)
+    label: str
+    trigger_name: str
+    row: str
+    operation: Any
+    condition: Any
+    level: Any
 
     def add_event_trigger(self, event_model: Any) -> None:
         pgtrigger.register(
@@ -74,6 +78,24 @@ class ChangeEvent(pghistory.UpdateEvent):
                 level=self.level,
             )
         )(event_model.pgh_tracked_model)
+
+
+class ChangeEvent(_OldNewTracker, pghistory.UpdateEvent):
+    """An UPDATE of any of `fields` records one event with old and new values."""
+
+    def __init__(self, label: str, fields: list[str]) -> None:
+        super().__init__(label, condition=pghistory.AnyChange(*fields), row=pghistory.New, level=pgtrigger.Row)
+
+
+class CreateEvent(_OldNewTracker, pghistory.InsertEvent):
+    """An INSERT records one event: the new values, old ones empty.
+
+    For a row that always exists and cannot be deleted (the kill switch): the only way to
+    write it other than by an UPDATE is TRUNCATE, which no row trigger sees, then INSERT.
+    """
+
+    def __init__(self, label: str) -> None:
+        super().__init__(label, row=pghistory.New, level=pgtrigger.Row)
 
 
 def old_fields(model: type[models.Model], names: list[str]) -> dict[str, models.Field]:

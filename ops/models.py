@@ -12,7 +12,7 @@ from django.db import models
 
 from accounting.models import AccountingSettings
 from dispatch.models import FolderResource, JobResource, Show, Subscription
-from ops.audit import ChangeEvent, audit_attrs
+from ops.audit import ChangeEvent, CreateEvent, audit_attrs
 
 SUB_CAPS = ["int_burst", "int_size"]
 CAP_MAXES = ["int_max_cores", "int_max_gpus"]
@@ -95,10 +95,11 @@ pghistory.track(
 
 
 # Who turned accounting notifications off, and when, is the first question after an over-booking.
-# Only UPDATEs are recorded: the row always exists (recreated after every migrate), and a
-# missing row reads as on.
+# The row always exists (made by migrate, and a trigger refuses its DELETE), so it changes by
+# UPDATE; the one other way, TRUNCATE then INSERT, is recorded by its INSERT (old value empty).
 pghistory.track(
     ChangeEvent("kill_switch", KILL_SWITCH),
+    CreateEvent("kill_switch"),
     fields=["id", *KILL_SWITCH],
     model_name="KillSwitchEvent",
     app_label="ops",

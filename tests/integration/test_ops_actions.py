@@ -182,11 +182,40 @@ def test_every_kill_switch_change_is_in_the_audit_trail_with_who_made_it(operato
     assert admin_views.audit_events(kind="kill_switch", q="some job") == []
 
 
+def test_a_kill_switch_row_written_by_insert_is_in_the_audit_trail(operator: object) -> None:
+    """The row cannot be deleted, but TRUNCATE bypasses row triggers: the INSERT after it is recorded."""
+    with connection.cursor() as cur:
+        cur.execute("TRUNCATE cuesched_accounting_settings")
+        cur.execute(
+            "INSERT INTO cuesched_accounting_settings (id, notify_enabled, ts_updated) VALUES (1, false, now())"
+        )
+    assert not AccountingSettings.notifications_enabled()
+    (event,) = KillSwitchEvent.objects.all()
+    assert (event.old_notify_enabled, event.notify_enabled) == (None, False)
+    assert event.db_role == connection.settings_dict["USER"]
+    entries = admin_views.audit_events(kind="kill_switch")
+    assert [(e["object"], e["old"], e["new"]) for e in entries] == [("accounting notifications", "—", "OFF")]
+    # The console's own path when the row is missing (it creates it) says who, too.
+    with connection.cursor() as cur:
+        cur.execute("TRUNCATE cuesched_accounting_settings")
+    actions.set_notifications(False, actor=operator)
+    latest = KillSwitchEvent.objects.order_by("-pgh_id").first()
+    assert (latest.old_notify_enabled, latest.notify_enabled) == (None, False)
+    assert latest.pgh_context.metadata["username"] == operator.get_username()
+
+
 def test_audit_triggers_are_installed() -> None:
     with connection.cursor() as cur:
         cur.execute("SELECT tgname FROM pg_trigger WHERE tgname LIKE 'pgtrigger_%%' AND NOT tgisinternal")
         names = {row[0] for row in cur.fetchall()}
-    stems = ("sub_caps_update", "folder_caps_update", "job_caps_update", "managed_flip_update", "kill_switch_update")
+    stems = (
+        "sub_caps_update",
+        "folder_caps_update",
+        "job_caps_update",
+        "managed_flip_update",
+        "kill_switch_update",
+        "kill_switch_insert",
+    )
     for stem in stems:
         assert any(name.startswith(f"pgtrigger_{stem}_") for name in names), stem
 
