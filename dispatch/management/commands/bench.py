@@ -219,9 +219,11 @@ class Command(BaseCommand):
             w.join(600)
         wall = time.perf_counter() - started
         loop_stop.set()
-        held = while_held() if while_held is not None else {}
-        stop.set()
-        service.join()
+        try:
+            held = while_held() if while_held is not None else {}
+        finally:
+            stop.set()
+            service.join()
         firsts = [lp.first_booking_cycle_at for lp in loops if lp.first_booking_cycle_at is not None]
         lasts = [lp.last_commit_at for lp in loops if lp.last_commit_at is not None]
         window = (max(lasts) - min(firsts)) if firsts and lasts else 0.0
