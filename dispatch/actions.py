@@ -141,8 +141,6 @@ class JobNotFound(LookupError):
 # --- helpers ---------------------------------------------------------------------------------
 
 
-
-
 def _pg() -> psycopg.Cursor[Any]:
     """A server-side-binding cursor on Django's connection, inside its current transaction.
 

@@ -158,6 +158,14 @@ def complete(conn: psycopg.Connection, completions: Sequence[Completion]) -> Com
     return out
 
 
+def complete_params(completions: Sequence[Completion]) -> dict[str, Any]:
+    """COMPLETE_SQL's parameters: the procs, and each one's (exit status, requeue) keyed by proc."""
+    return {
+        "proc": [c.pk_proc for c in completions],
+        "status": Jsonb({c.pk_proc: [c.exit_status, c.requeue] for c in completions}),
+    }
+
+
 def complete_in_transaction(cur: psycopg.Cursor[Any], completions: Sequence[Completion]) -> CompletionResult:
     """The completion statements on a cursor inside a transaction the caller owns and commits.
 
@@ -167,13 +175,7 @@ def complete_in_transaction(cur: psycopg.Cursor[Any], completions: Sequence[Comp
     out = CompletionResult()
     if not completions:
         return out
-    cur.execute(
-        COMPLETE_SQL,
-        {
-            "proc": [c.pk_proc for c in completions],
-            "status": Jsonb({c.pk_proc: [c.exit_status, c.requeue] for c in completions}),
-        },
-    )
+    cur.execute(COMPLETE_SQL, complete_params(completions))
     released: list[tuple[str, str, str]] = []  # (pk_proc, pk_frame, pk_job)
     ended: dict[str, str] = {}  # pk_frame -> new state
     for kind, key, a, b, c, d, e, f, g in cur.fetchall():

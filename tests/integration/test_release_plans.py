@@ -12,9 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from psycopg.types.json import Jsonb
 
-from dispatch.completion import COMPLETE_SQL, Completion, complete
+from dispatch.completion import COMPLETE_SQL, Completion, complete, complete_params
 from dispatch.dispatcher import write_batch
 from tests.integration.dispatch_support import ONE_CORE, autocommit, plan, scalar, seed, violations
 
@@ -41,13 +40,7 @@ def _explain_completion(conn, completions: list[Completion]) -> dict[str, Any]:
     with conn.cursor() as cur:
         cur.execute("BEGIN")
         try:
-            cur.execute(
-                "EXPLAIN (ANALYZE, FORMAT JSON) " + COMPLETE_SQL,
-                {
-                    "proc": [c.pk_proc for c in completions],
-                    "status": Jsonb({c.pk_proc: [c.exit_status, c.requeue] for c in completions}),
-                },
-            )
+            cur.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + COMPLETE_SQL, complete_params(completions))
             return cur.fetchone()[0][0]["Plan"]
         finally:
             cur.execute("ROLLBACK")
