@@ -140,7 +140,7 @@ def measure_notify_delay(prefix: str, releases: int = 1000) -> NotifyFigures:
         if channel == "acct_release":
             applied.set()
 
-    listener = Listener(service.store, on_connect=lambda: _reseed(service), on_event=on_event)
+    listener = Listener(service.store, on_connect=lambda _identity: _reseed(service), on_event=on_event)
     stop = threading.Event()
     thread = threading.Thread(target=listener.run, args=(stop,), daemon=True)
     thread.start()

@@ -6,11 +6,14 @@ release) and the limit reseed (for a cap) heal whatever it would have said.
 
 Payloads, compact JSON written by the triggers in `accounting.triggers`:
 - `acct_release`: show, alloc, folder, job, layer, dept (UUID text), cores (signed whole
-  cores, negative for a release), gpus (signed), xid (the deleting transaction's
-  `pg_current_xact_id()`, optional for payloads from an older writer such as Cuebot).
+  cores: negative for a release, positive for a proc written or grown outside the scheduler or
+  the new side of a move), gpus (signed), xid (the writing transaction's `pg_current_xact_id()`,
+  optional for payloads from an older writer such as Cuebot).
 - `acct_limit_change`: `{"vertex": "sub", show, alloc, burst}` or
-  `{"vertex": "folder"|"job", id, max_cores?, max_gpus?}` in whole cores (-1 unlimited),
-  plus the optional xid. Writers may add keys (the triggers add `seq`); they are ignored.
+  `{"vertex": "folder"|"job", id, max_cores?, max_gpus?}` in whole cores (-1 unlimited), or
+  either with `"removed": true` for a deleted row, plus the optional xid. Writers may add keys
+  (the triggers add `seq`); they are ignored.
+- `acct_resync`: `{"table": <name>, xid}`, a TRUNCATE no row-level message can describe.
 """
 
 from __future__ import annotations
@@ -20,10 +23,20 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from accounting.notify import CHANNELS, LIMIT_CHANNEL, RELEASE_CHANNEL
+from accounting.notify import CHANNELS, HEARTBEAT_CHANNEL, LIMIT_CHANNEL, RELEASE_CHANNEL, RESYNC_CHANNEL
 from accounting.store import BookingDelta, LimitChange, LimitKind
 
-__all__ = ["CHANNELS", "LIMIT_CHANNEL", "RELEASE_CHANNEL", "LimitNotice", "PayloadError", "Release"]
+__all__ = [
+    "CHANNELS",
+    "HEARTBEAT_CHANNEL",
+    "LIMIT_CHANNEL",
+    "RELEASE_CHANNEL",
+    "RESYNC_CHANNEL",
+    "LimitNotice",
+    "PayloadError",
+    "Release",
+    "Resync",
+]
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
@@ -42,6 +55,12 @@ class Release:
 @dataclass(frozen=True, slots=True)
 class LimitNotice:
     changes: tuple[LimitChange, ...]
+    xid: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Resync:
+    table: str
     xid: int | None
 
 
@@ -102,29 +121,51 @@ def parse_release(payload: str) -> Release:
     return Release(delta=delta, xid=_xid(data))
 
 
+# vertex -> (max cores, max GPUs, both, removed)
 _VERTEX_KINDS = {
-    "folder": (LimitKind.FOLDER_MAX_CORES, LimitKind.FOLDER_MAX_GPUS),
-    "job": (LimitKind.JOB_MAX_CORES, LimitKind.JOB_MAX_GPUS),
+    "folder": (LimitKind.FOLDER_MAX_CORES, LimitKind.FOLDER_MAX_GPUS, LimitKind.FOLDER_CAPS, LimitKind.FOLDER_REMOVED),
+    "job": (LimitKind.JOB_MAX_CORES, LimitKind.JOB_MAX_GPUS, LimitKind.JOB_CAPS, LimitKind.JOB_REMOVED),
 }
 
 
+def _removed(data: dict[str, Any]) -> bool:
+    value = data.get("removed", False)
+    if not isinstance(value, bool):
+        raise PayloadError(f"field 'removed' must be a boolean, got {type(value).__name__}")
+    return value
+
+
 def parse_limit_change(payload: str) -> LimitNotice:
-    """Expand a cap message into its changes: cores first, then GPUs, as the reference does."""
+    """A cap message as Store changes: one for both fields of a row, as Cuebot's one field each."""
     data = _object(payload)
     vertex = data.get("vertex")
     if vertex == "sub":
         key = (_id(data, "show"), _id(data, "alloc"))
+        if _removed(data):
+            return LimitNotice((LimitChange(LimitKind.SUB_REMOVED, key, 0),), _xid(data))
         burst = _int(data, "burst", INT64_MIN, INT64_MAX)
         return LimitNotice((LimitChange(LimitKind.SUB_BURST, key, burst),), _xid(data))  # type: ignore[arg-type]
     if vertex in _VERTEX_KINDS:
-        cores_kind, gpus_kind = _VERTEX_KINDS[vertex]
+        cores_kind, gpus_kind, both_kind, removed_kind = _VERTEX_KINDS[vertex]
         ident = _id(data, "id")
-        changes = []
+        if _removed(data):
+            return LimitNotice((LimitChange(removed_kind, ident, 0),), _xid(data))
         max_cores = _int(data, "max_cores", INT64_MIN, INT64_MAX, required=False)
+        max_gpus = _int(data, "max_gpus", INT64_MIN, INT64_MAX, required=False)
+        if max_cores is not None and max_gpus is not None:
+            return LimitNotice((LimitChange(both_kind, ident, (max_cores, max_gpus)),), _xid(data))
+        changes = []
         if max_cores is not None:
             changes.append(LimitChange(cores_kind, ident, max_cores))
-        max_gpus = _int(data, "max_gpus", INT64_MIN, INT64_MAX, required=False)
         if max_gpus is not None:
             changes.append(LimitChange(gpus_kind, ident, max_gpus))
         return LimitNotice(tuple(changes), _xid(data))
     raise PayloadError(f"unknown vertex {vertex!r}")
+
+
+def parse_resync(payload: str) -> Resync:
+    data = _object(payload)
+    table = data.get("table")
+    if not isinstance(table, str) or not table:
+        raise PayloadError("missing field 'table'")
+    return Resync(table=table[:64], xid=_xid(data))

@@ -7,6 +7,12 @@ over-book), which is why the listener triggers it on reconnect instead of waitin
 The three reads share one REPEATABLE READ snapshot whose `pg_current_snapshot()` goes to
 `Store.set_caps`, so a cap notified by a transaction this reseed could not see is kept,
 and a notification the reseed already saw is not applied again on top of a newer value.
+A reseed is complete: a cap the Store holds but the database no longer has for a managed
+show (a deleted subscription, a finished job) is removed, so the key fails closed.
+
+`fill_caps` reads the caps of a few folders and jobs the Store does not hold (a new job, one
+reopened, one whose cap row came back) the same way, right before the dispatch loop books
+them: the Store refuses a folder or job whose caps it does not know.
 """
 
 from __future__ import annotations
@@ -47,6 +53,18 @@ WHERE s.b_scheduler_managed AND j.str_state <> 'FINISHED'
 
 SNAPSHOT_SQL = "SELECT pg_current_snapshot()::text"
 
+# The caps of the folders and jobs the dispatch loop is about to book, whatever the show's flag
+# (the loop only books shows the Store enforces). Finished jobs are left out, as by the reseed.
+FILL_FOLDERS_SQL = """
+SELECT fr.pk_folder, fr.int_max_cores, fr.int_max_gpus FROM folder_resource fr
+WHERE fr.pk_folder = ANY(%(folders)s::text[])
+"""
+FILL_JOBS_SQL = """
+SELECT jr.pk_job, jr.int_max_cores, jr.int_max_gpus FROM job_resource jr
+JOIN job j ON j.pk_job = jr.pk_job
+WHERE jr.pk_job = ANY(%(jobs)s::text[]) AND j.str_state <> 'FINISHED'
+"""
+
 
 @dataclass(frozen=True)
 class LimitRows:
@@ -85,15 +103,33 @@ def read_limits(conn: psycopg.Connection) -> LimitRows:
 def reseed_limits(store: Store, conn: psycopg.Connection) -> LimitRows:
     started = time.monotonic()
     rows = read_limits(conn)
-    store.set_caps(rows.subs, rows.folders, rows.jobs, pg_snapshot=rows.pg_snapshot)
+    removed = store.set_caps(rows.subs, rows.folders, rows.jobs, pg_snapshot=rows.pg_snapshot, complete=True)
     logger.info(
-        "limit reseed: %d subscriptions, %d folders, %d jobs in %.3fs",
+        "limit reseed: %d subscriptions, %d folders, %d jobs in %.3fs (%d caps removed)",
         len(rows.subs),
         len(rows.folders),
         len(rows.jobs),
         time.monotonic() - started,
+        removed,
     )
     return rows
+
+
+def fill_caps(store: Store, conn: psycopg.Connection, folders: list[str], jobs: list[str]) -> LimitRows:
+    """Load the caps of these folders and jobs into the Store, fenced by the read's snapshot."""
+    try:
+        snap = begin_snapshot(conn)
+        params = {"folders": folders, "jobs": jobs}
+        folder_rows = {
+            fid: (centicores_to_cores_cap(mc), int(mg)) for fid, mc, mg in conn.execute(FILL_FOLDERS_SQL, params)
+        }
+        job_rows = {jid: (centicores_to_cores_cap(mc), int(mg)) for jid, mc, mg in conn.execute(FILL_JOBS_SQL, params)}
+        conn.execute("COMMIT")
+    except BaseException:
+        abort_snapshot(conn)
+        raise
+    store.set_caps({}, folder_rows, job_rows, pg_snapshot=snap)
+    return LimitRows(subs={}, folders=folder_rows, jobs=job_rows, pg_snapshot=snap)
 
 
 def abort_snapshot(conn: psycopg.Connection) -> None:

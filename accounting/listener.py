@@ -7,6 +7,20 @@ the new connection, and the xids in the payloads let the Store apply each one ex
 once either way. This closes the reference's unsafe gap, a cap decrease missed while
 disconnected lingering until the next 5-minute reseed.
 
+Liveness has a deadline. A path that still acknowledges but delivers nothing (a frozen
+proxy, a half-open TCP connection) looks like a quiet one, and a probe query on it would
+block forever. So the scheduler NOTIFYs itself on `cuesched_heartbeat` from another
+connection (`HeartbeatSender`) and the listener only reads: the age of the last heartbeat it
+received (counted from when it was sent) is how stale its view of the database can be, since
+notifications arrive in commit order. Past `CUESCHED_HEARTBEAT_DEADLINE` the listener drops
+the connection, reconnects and reseeds; meanwhile `fresh()` is false and the service books no
+managed show.
+
+Each (re)connect also reads the server's identity (`pg_control_system().system_identifier`)
+and its current `xmax`, and hands them to `on_connect`: after a failover to another server
+the recorded snapshots and transaction ids order nothing, and the service must forget them
+before it reseeds.
+
 A payload that does not parse is logged with its raw text, counted and dropped. No
 exception escapes the loop: anything unexpected is logged, the connection is dropped and
 re-made with capped exponential backoff.
@@ -14,8 +28,10 @@ re-made with capped exponential backoff.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
+import secrets
 import threading
 import time
 from collections import deque
@@ -45,52 +61,149 @@ class ListenerStats:
     injected_drops: int = 0
     last_error: str | None = None
     last_reseed_seconds: float | None = None
+    resyncs: int = 0
+    heartbeats: int = 0
+    wedges: int = 0
+    # Monotonic time up to which everything committed is known to have arrived: the send time
+    # of the newest heartbeat received, or the start of the last reseed, whichever is later.
+    fresh_as_of: float | None = None
+    server_id: str | None = None
     # The latest applied cap changes (vertex, key, field, value, unix time), newest last: the
     # ops console shows when the scheduler applied an operator's edit.
     recent_caps: deque[tuple[str, str, str, int, float]] = field(default_factory=lambda: deque(maxlen=500))
 
 
 _CAP_FIELDS = {
-    LimitKind.SUB_BURST: ("sub", "burst"),
-    LimitKind.FOLDER_MAX_CORES: ("folder", "max_cores"),
-    LimitKind.FOLDER_MAX_GPUS: ("folder", "max_gpus"),
-    LimitKind.JOB_MAX_CORES: ("job", "max_cores"),
-    LimitKind.JOB_MAX_GPUS: ("job", "max_gpus"),
+    LimitKind.SUB_BURST: ("sub", ("burst",)),
+    LimitKind.FOLDER_MAX_CORES: ("folder", ("max_cores",)),
+    LimitKind.FOLDER_MAX_GPUS: ("folder", ("max_gpus",)),
+    LimitKind.JOB_MAX_CORES: ("job", ("max_cores",)),
+    LimitKind.JOB_MAX_GPUS: ("job", ("max_gpus",)),
+    LimitKind.FOLDER_CAPS: ("folder", ("max_cores", "max_gpus")),
+    LimitKind.JOB_CAPS: ("job", ("max_cores", "max_gpus")),
 }
 
 
-def _cap_record(change: LimitChange) -> tuple[str, str, str, int, float]:
-    vertex, name = _CAP_FIELDS[change.kind]
+def _cap_records(change: LimitChange) -> list[tuple[str, str, str, int, float]]:
+    """One (vertex, key, field, value, time) per field the change set; removals set none."""
+    if change.kind not in _CAP_FIELDS:
+        return []
+    vertex, names = _CAP_FIELDS[change.kind]
     key = ":".join(change.key) if isinstance(change.key, tuple) else change.key
-    return (vertex, key, name, change.value, time.time())
+    values = change.value if isinstance(change.value, tuple) else (change.value,)
+    now = time.time()
+    return [(vertex, key, name, value, now) for name, value in zip(names, values, strict=True)]
+
+
+IDENTITY_SQL = """
+SELECT (SELECT system_identifier::text FROM pg_control_system()), pg_snapshot_xmax(pg_current_snapshot())::text
+"""
+
+
+@dataclass(frozen=True)
+class ServerIdentity:
+    """Which server a connection reached, and how far its transaction ids had got."""
+
+    system_id: str | None
+    xmax: int
+
+
+def read_identity(conn: psycopg.Connection) -> ServerIdentity:
+    try:
+        row = conn.execute(IDENTITY_SQL).fetchone()
+    except psycopg.errors.InsufficientPrivilege:
+        # pg_control_system() is restricted on some installations: fall back to the xmax check.
+        row = (None, conn.execute("SELECT pg_snapshot_xmax(pg_current_snapshot())::text").fetchone()[0])  # type: ignore[index]
+    assert row is not None
+    return ServerIdentity(system_id=row[0], xmax=int(row[1]))
+
+
+class HeartbeatSender:
+    """NOTIFYs `cuesched_heartbeat` every `interval` from a connection of its own.
+
+    Its own connection and thread: a send blocked on a dead path must not stop the listener
+    from noticing that nothing comes back. `sent_at(seq)` tells the listener when a heartbeat
+    it received left.
+    """
+
+    def __init__(self, interval: float, connect: Callable[[], psycopg.Connection] | None = None) -> None:
+        self.interval = interval
+        self.token = secrets.token_hex(8)
+        self._connect = connect or (lambda: db.connect(autocommit=True, application_name="cuesched-heartbeat"))
+        self._seq = itertools.count(1)
+        self._sent: dict[int, float] = {}
+        self._lock = threading.Lock()
+        self.errors = 0
+
+    def sent_at(self, payload: str) -> float | None:
+        token, _, seq = payload.partition(":")
+        if token != self.token or not seq.isdigit():
+            return None
+        with self._lock:
+            return self._sent.pop(int(seq), None)
+
+    def run(self, stop: threading.Event) -> None:
+        conn: psycopg.Connection | None = None
+        while not stop.is_set():
+            try:
+                if conn is None or conn.closed or conn.broken:
+                    conn = self._connect()
+                seq = next(self._seq)
+                with self._lock:
+                    self._sent[seq] = time.monotonic()
+                    for old in [k for k in self._sent if k < seq - 1000]:
+                        del self._sent[old]
+                conn.execute("SELECT pg_notify(%s, %s)", (channels.HEARTBEAT_CHANNEL, f"{self.token}:{seq}"))
+            except Exception as exc:
+                self.errors += 1
+                logger.debug("heartbeat send failed: %s", exc)
+                if conn is not None:
+                    conn.close()
+                conn = None
+            stop.wait(self.interval)
+        if conn is not None:
+            conn.close()
+
+
+class ListenerWedgedError(RuntimeError):
+    """No heartbeat came back within the deadline: the path is treated as dead."""
 
 
 class Listener:
-    """Consumes `acct_release` and `acct_limit_change` into the Store.
+    """Consumes `acct_release`, `acct_limit_change` and `acct_resync` into the Store.
 
-    `on_connect(conn_factory)` runs after LISTEN on every connect; it must reseed caps
-    and counters and raise on failure (the listener then reconnects and retries).
-    `on_event` is called after each handled notification (metrics, tests).
+    `on_connect(identity)` runs after LISTEN on every connect; it must reseed caps and
+    counters (forgetting recorded snapshots first if the server changed) and raise on failure
+    (the listener then reconnects and retries). `on_resync(table)` runs for a TRUNCATE.
+    `on_event` is called after each handled notification (metrics, tests). With a
+    `heartbeat`, a session that receives none of its heartbeats for `deadline` seconds is
+    dropped and re-made.
     """
 
     def __init__(
         self,
         store: Store,
         *,
-        on_connect: Callable[[], None] | None = None,
+        on_connect: Callable[[ServerIdentity], None] | None = None,
         on_event: Callable[[str, str], None] | None = None,
+        on_resync: Callable[[str], None] | None = None,
+        heartbeat: HeartbeatSender | None = None,
+        deadline: float = 3.0,
         backoff_initial: float = 0.1,
         backoff_max: float = 10.0,
-        poll_timeout: float = 0.5,
-        probe_interval: float = 5.0,
+        poll_timeout: float = 0.2,
+        connect: Callable[[], psycopg.Connection] | None = None,
     ) -> None:
         self.store = store
         self.on_connect = on_connect
         self.on_event = on_event
+        self.on_resync = on_resync
+        self.heartbeat = heartbeat
+        self.deadline = deadline
         self.backoff_initial = backoff_initial
         self.backoff_max = backoff_max
         self.poll_timeout = poll_timeout
-        self.probe_interval = probe_interval
+        self._connect = connect or (lambda: db.connect(autocommit=True, application_name="cuesched-listener"))
         self.stats = ListenerStats()
         self.connected = threading.Event()
         # Fault injection for the stress suite: drop this share of acct_release messages.
@@ -108,7 +221,7 @@ class Listener:
                     self.stats.injected_drops += 1
                     return "dropped:injected"
                 release = channels.parse_release(payload)
-                if self.store.apply_release(release.delta, release.xid):
+                if self.store.apply_delta(release.delta, release.xid):
                     self.stats.releases_applied += 1
                     return "applied"
                 self.stats.releases_skipped += 1
@@ -119,11 +232,25 @@ class Listener:
                 for change in notice.changes:
                     if self.store.apply_limit_change(change, notice.xid):
                         self.stats.limits_applied += 1
-                        self.stats.recent_caps.append(_cap_record(change))
+                        self.stats.recent_caps.extend(_cap_records(change))
                         outcome = "applied"
                     else:
                         self.stats.limits_skipped += 1
                 return outcome
+            if channel == channels.HEARTBEAT_CHANNEL:
+                sent = self.heartbeat.sent_at(payload) if self.heartbeat is not None else None
+                if sent is None:
+                    return "dropped:foreign"  # another scheduler's, or one sent before a reconnect
+                self.stats.heartbeats += 1
+                self.stats.fresh_as_of = max(self.stats.fresh_as_of or sent, sent)
+                return "heartbeat"
+            if channel == channels.RESYNC_CHANNEL:
+                resync = channels.parse_resync(payload)
+                self.stats.resyncs += 1
+                logger.warning("listener: %s was truncated; reseeding the Store", resync.table)
+                if self.on_resync is not None:
+                    self.on_resync(resync.table)
+                return "applied"
             logger.debug("ignoring notification on unexpected channel %r", channel)
             return "dropped:channel"
         except channels.PayloadError as exc:
@@ -159,17 +286,32 @@ class Listener:
             metrics.LISTENER_RECONNECTS.inc()
         self.stats.state = "stopped"
 
+    def fresh(self, max_age: float | None = None) -> bool:
+        """Whether everything committed more than `max_age` seconds ago has surely arrived."""
+        if self.stats.state != "listening" or self.stats.fresh_as_of is None:
+            return False
+        return time.monotonic() - self.stats.fresh_as_of <= (self.deadline if max_age is None else max_age)
+
+    def heartbeat_age(self) -> float | None:
+        fresh_as_of = self.stats.fresh_as_of
+        return None if fresh_as_of is None else time.monotonic() - fresh_as_of
+
     def _session(self, stop: threading.Event) -> None:
-        conn = db.connect(autocommit=True, application_name="cuesched-listener")
+        self.stats.fresh_as_of = None
+        conn = self._connect()
         self._conn = conn
         self.backend_pid = conn.info.backend_pid
         for channel in channels.CHANNELS:
             conn.execute(f"LISTEN {channel}")
+        identity = read_identity(conn)
+        self.stats.server_id = identity.system_id
         self.stats.state = "reseeding"
         started = time.monotonic()
         if self.on_connect is not None:
-            self.on_connect()
+            self.on_connect(identity)
         self.stats.last_reseed_seconds = time.monotonic() - started
+        # The reseed read everything committed before it started; later commits are queued here.
+        self.stats.fresh_as_of = started
         self.stats.state = "listening"
         self.stats.connected_since = time.time()
         self.connected.set()
@@ -180,22 +322,23 @@ class Listener:
             self.backend_pid,
             self.stats.last_reseed_seconds,
         )
-        last_probe = time.monotonic()
         while not stop.is_set():
+            # Only reads on this connection: a query on a frozen path would block for good.
             for note in conn.notifies(timeout=self.poll_timeout):
                 outcome = self.handle(note.channel, note.payload)
                 if self.on_event is not None:
                     self.on_event(note.channel, outcome)
                 if stop.is_set():
                     return
-            # A terminated backend surfaces as an error inside notifies(); a quiet but dead
-            # path only on traffic, hence a cheap probe every few seconds of silence.
-            if time.monotonic() - last_probe >= self.probe_interval:
-                conn.execute("SELECT 1")
-                last_probe = time.monotonic()
+            age = self.heartbeat_age()
+            if self.heartbeat is not None and age is not None and age > self.deadline:
+                self.stats.wedges += 1
+                metrics.LISTENER_WEDGES.inc()
+                raise ListenerWedgedError(f"no heartbeat came back for {age:.1f}s (deadline {self.deadline:.1f}s)")
 
     def _close(self) -> None:
         conn, self._conn = self._conn, None
+        self.stats.fresh_as_of = None
         if conn is not None and not conn.closed:
             try:
                 conn.close()

@@ -6,6 +6,12 @@ counters are in the Store would let the first booking see its whole burst free. 
 order is always: seed caps (a full limit reseed), seed its counters from SUM(proc), then
 publish. If the seed fails the additions wait for the next tick; removals apply at once
 (a show leaving the set is enforced by the database again, which is the safe direction).
+
+A show is published with the flip generation its seed read (`cuesched_show_flip`, bumped by
+every flip either way). A show whose generation moved since (it went unmanaged and back,
+however fast) counts as added again: its published state is dropped and it is re-seeded
+before it is published again. The booking transaction checks the generation, so even inside
+the tick nothing books on the stale seed.
 """
 
 from __future__ import annotations
@@ -16,30 +22,30 @@ from dataclasses import dataclass
 import psycopg
 
 from accounting.limits import reseed_limits
-from accounting.recompute import Recomputer
+from accounting.recompute import MANAGED_SQL, Recomputer
 
 logger = logging.getLogger(__name__)
 
-MANAGED_SHOWS_SQL = "SELECT pk_show FROM show WHERE b_scheduler_managed"
+Managed = dict[str, int]  # show -> flip generation
 
 
 @dataclass(frozen=True)
 class RefreshResult:
-    published: frozenset[str]
+    published: Managed
     added: frozenset[str]
     removed: frozenset[str]
     deferred: frozenset[str]
 
 
-def read_managed(conn: psycopg.Connection) -> frozenset[str]:
-    return frozenset(row[0] for row in conn.execute(MANAGED_SHOWS_SQL))
+def read_managed(conn: psycopg.Connection) -> Managed:
+    return {show: int(generation) for show, generation in conn.execute(MANAGED_SQL)}
 
 
-def refresh_managed(current: frozenset[str], recomputer: Recomputer, conn: psycopg.Connection) -> RefreshResult:
+def refresh_managed(current: Managed, recomputer: Recomputer, conn: psycopg.Connection) -> RefreshResult:
     """One tick of the managed-shows cache. Raises only if the set itself cannot be read."""
     new = read_managed(conn)
-    added = new - current
-    removed = current - new
+    added = frozenset(s for s, g in new.items() if current.get(s) != g)
+    removed = frozenset(s for s in current if s not in new)
     if not added:
         return RefreshResult(new, frozenset(), removed, frozenset())
     try:
@@ -59,5 +65,5 @@ def refresh_managed(current: frozenset[str], recomputer: Recomputer, conn: psyco
             )
     except (psycopg.Error, OSError) as exc:
         logger.warning("managed-flip seed failed, deferring %d show(s) to the next tick: %s", len(added), exc)
-        return RefreshResult(new - added, frozenset(), removed, added)
+        return RefreshResult({s: g for s, g in new.items() if s not in added}, frozenset(), removed, added)
     return RefreshResult(new, added, removed, frozenset())

@@ -65,6 +65,33 @@ LOOP_ERRORS = Counter(
     ["loop"],
     registry=REGISTRY,
 )
+LISTENER_WEDGES = Counter(
+    "cuesched_listener_wedges_total",
+    "Listener sessions dropped because no heartbeat came back within CUESCHED_HEARTBEAT_DEADLINE.",
+    registry=REGISTRY,
+)
+HEARTBEAT_AGE = Gauge(
+    "cuesched_listener_heartbeat_age_seconds",
+    "Age of the newest heartbeat the listener received, from its send (how stale the Store's view may be).",
+    registry=REGISTRY,
+)
+RESYNCS = Counter(
+    "cuesched_resyncs_total", "Full reseeds on acct_resync (a TRUNCATE of proc or a cap table).", registry=REGISTRY
+)
+DB_RECONCILE_DRIFT = Gauge(
+    "cuesched_db_reconcile_drift_cores",
+    "Cores the last reconcile of unmanaged shows corrected in the database counters, by table.",
+    ["table"],
+    registry=REGISTRY,
+)
+LEASE_GENERATION = Gauge(
+    "cuesched_scheduler_lease_generation", "The scheduler lease generation this process books under.", registry=REGISTRY
+)
+FORGOTTEN = Counter(
+    "cuesched_server_changes_total",
+    "Times the scheduler found another server (or transaction ids gone back) and dropped its snapshots.",
+    registry=REGISTRY,
+)
 
 
 def serve(port: int, addr: str = "127.0.0.1") -> None:

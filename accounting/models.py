@@ -59,3 +59,75 @@ class AccountingSettings(models.Model):
     def set_notifications_enabled(cls, enabled: bool) -> None:
         """Flip the kill switch; it takes effect for every connection when the caller commits."""
         cls.objects.update_or_create(id=SETTINGS_ROW_ID, defaults={"notify_enabled": enabled})
+
+
+class AccountingEpoch(models.Model):
+    """One row that every statement moving accounting keys bumps (a flip, a host or job move).
+
+    A proc writer at REPEATABLE READ or SERIALIZABLE locks it FOR SHARE before it reads any key,
+    so a move or flip that committed after its snapshot fails it with a serialization failure
+    (40001) instead of letting it account against a key that has moved (see
+    `accounting.triggers`). READ COMMITTED writers never touch it.
+    """
+
+    id = models.PositiveSmallIntegerField(primary_key=True, default=SETTINGS_ROW_ID, editable=False)
+    int_moves = models.BigIntegerField(db_default=0, default=0)
+    ts_moved = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        db_table = accounting_triggers.EPOCH_TABLE
+        verbose_name = "accounting epoch"
+        constraints = [
+            models.CheckConstraint(condition=models.Q(id=SETTINGS_ROW_ID), name="cuesched_accounting_epoch_single_row"),
+        ]
+        triggers = accounting_triggers.epoch_triggers()
+
+    def __str__(self) -> str:
+        return f"{self.int_moves} key moves"
+
+
+class ShowFlip(models.Model):
+    """How many times each show changed owner; written by the flip trigger, read by the scheduler.
+
+    The scheduler publishes a show as managed together with the generation its seed read, and
+    its booking transaction checks that generation: a show that went unmanaged and back since
+    the seed books nothing until it is seeded again, however fast the round trip was. No
+    foreign key: the trigger writes it for whatever show row is flipped.
+    """
+
+    pk_show = models.CharField(max_length=36, primary_key=True)
+    int_generation = models.BigIntegerField(db_default=0, default=0)
+    b_managed = models.BooleanField()
+    ts_flipped = models.DateTimeField()
+
+    class Meta:
+        db_table = accounting_triggers.SHOW_FLIP_TABLE
+        verbose_name = "show flip"
+
+    def __str__(self) -> str:
+        return f"show {self.pk_show} generation {self.int_generation}"
+
+
+class SchedulerLease(models.Model):
+    """The one-scheduler fence: which scheduler may commit bookings, by generation.
+
+    A scheduler that takes the advisory lock bumps `int_generation` (under the exclusive
+    accounting-keys lock, so the previous holder's last batch has committed first) and every
+    booking transaction it writes checks the generation it got. A scheduler whose lock session
+    died and was replaced cannot commit a single booking after the takeover.
+    """
+
+    id = models.PositiveSmallIntegerField(primary_key=True, default=SETTINGS_ROW_ID, editable=False)
+    int_generation = models.BigIntegerField(db_default=0, default=0)
+    str_holder = models.CharField(max_length=255, db_default="", default="")
+    ts_acquired = models.DateTimeField(null=True)
+
+    class Meta:
+        db_table = "cuesched_scheduler_lease"
+        verbose_name = "scheduler lease"
+        constraints = [
+            models.CheckConstraint(condition=models.Q(id=SETTINGS_ROW_ID), name="cuesched_scheduler_lease_single_row"),
+        ]
+
+    def __str__(self) -> str:
+        return f"generation {self.int_generation} held by {self.str_holder or 'nobody'}"

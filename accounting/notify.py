@@ -3,22 +3,31 @@
 The triggers in `accounting.triggers` emit two channels inside the writing transaction, so a
 notification is delivered if and only if its write commits:
 
-* `acct_release` (one message per (show, alloc, folder, job, layer, dept) per DELETE statement
-  on `proc`, for shows with `b_scheduler_managed = true`, non-local procs)::
+* `acct_release`: a signed usage delta, one message per (show, alloc, folder, job, layer, dept)
+  per statement that changes what non-local procs of a scheduler-managed show book: a proc
+  DELETE (negative), a proc INSERT or resize made outside the scheduler (positive), a proc, host
+  or job whose accounting keys move (a negative message for the old key, a positive one for the
+  new)::
 
     {"show":"<id>","alloc":"<id>","folder":"<id>","job":"<id>","layer":"<id>","dept":"<id>",
      "cores":-4,"gpus":-2,"xid":1234,"seq":1}
 
-  `cores` is the negated centicore sum of the group truncated toward zero once per message;
-  `gpus` is negated verbatim.
+  `cores` is the group's centicore sum rounded toward +infinity once per message (a release of
+  250 centicores is -2, a booking of 250 is +3): rounding may only ever leave the Store HIGH.
 
-* `acct_limit_change` (one message per changed or inserted row, managed shows only)::
+* `acct_limit_change` (one message per inserted, changed or deleted cap row, every show)::
 
     {"vertex":"sub","show":"<id>","alloc":"<id>","burst":15,"xid":1234,"seq":1}
     {"vertex":"folder","id":"<pk_folder>","max_cores":8,"max_gpus":3,"xid":1234,"seq":2}
-    {"vertex":"job","id":"<pk_job>","max_cores":-1,"xid":1234,"seq":3}
+    {"vertex":"job","id":"<pk_job>","removed":true,"xid":1234,"seq":3}
 
-  A folder/job UPDATE carries only the fields whose raw value changed; an INSERT carries both.
+  Folder and job messages carry both fields; `removed` says the row was deleted.
+
+* `acct_resync` (a TRUNCATE of proc or of a cap table: no per-row message is possible)::
+
+    {"table":"proc","xid":1234}
+
+* `cuesched_heartbeat`: the scheduler's own liveness probe of its LISTEN path (text payload).
 
 `xid` is the writing transaction (`pg_current_xact_id()`), so the scheduler can tell whether a
 snapshot it read (`pg_current_snapshot()`) already contains the write. `seq` numbers the trigger
@@ -27,8 +36,9 @@ one already queued by the same transaction, and two deletes of equal procs of on
 cap set to 2, then 1, then 2 again) would otherwise collapse into one message.
 
 Kill switch: `accounting.models.AccountingSettings.notify_enabled` (one row, read by every
-trigger statement). The database-enforced accounting of shows that are not scheduler-managed is
-not affected by it.
+trigger statement) silences `acct_release` and `acct_limit_change`. `acct_resync` is always sent:
+it is rare, and without it a truncated cap table would leave stale caps until the limit reseed.
+The database-enforced accounting of shows that are not scheduler-managed is not affected by it.
 """
 
 from __future__ import annotations
@@ -40,10 +50,13 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 RELEASE_CHANNEL = "acct_release"
 LIMIT_CHANNEL = "acct_limit_change"
-CHANNELS = (RELEASE_CHANNEL, LIMIT_CHANNEL)
+RESYNC_CHANNEL = "acct_resync"
+HEARTBEAT_CHANNEL = "cuesched_heartbeat"
+CHANNELS = (RELEASE_CHANNEL, LIMIT_CHANNEL, RESYNC_CHANNEL, HEARTBEAT_CHANNEL)
 
-# Transaction-local marker read by the release trigger (set_config(..., is_local => true)).
-SUPPRESS_RELEASE_SETTING = "cuesched.suppress_release"
+# Transaction-local marker read by the proc triggers (set_config(..., is_local => true)): the
+# Store already accounts for this transaction's proc writes, so they send no usage delta.
+STORE_ACCOUNTED_SETTING = "cuesched.store_accounted"
 # Transaction-local counter that makes every payload of a transaction distinct.
 NOTIFY_SEQ_SETTING = "cuesched.notify_seq"
 
@@ -64,44 +77,46 @@ _LIBPQ_OPTIONS = frozenset(
     }
 )
 
-SUPPRESS_RELEASE_SQL = f"SELECT set_config('{SUPPRESS_RELEASE_SETTING}', 'on', true)"
-RELEASE_SUPPRESSED_SQL = f"SELECT COALESCE(current_setting('{SUPPRESS_RELEASE_SETTING}', true), '') = 'on'"
+STORE_ACCOUNTED_SQL = f"SELECT set_config('{STORE_ACCOUNTED_SETTING}', 'on', true)"
+STORE_ACCOUNTED_CHECK_SQL = f"SELECT COALESCE(current_setting('{STORE_ACCOUNTED_SETTING}', true), '') = 'on'"
 
 
 class NotInTransactionError(RuntimeError):
     """The marker was set outside a transaction, where it would vanish before the DELETE runs."""
 
 
-def suppress_release_in_transaction(cursor_or_connection: Any) -> None:
-    """Make the rest of the current transaction's proc deletes emit no `acct_release`.
+def mark_store_accounted(cursor_or_connection: Any) -> None:
+    """Make the rest of the current transaction's proc writes send no usage delta (`acct_release`).
 
-    For the scheduler's compensating delete after a failed launch: the booking was already
-    rolled back in the Store, so a release would subtract it a second time. The marker is
-    transaction-local (it ends with COMMIT or ROLLBACK) and affects no other connection.
-    Cap-change notifications and the database-enforced accounting of unmanaged shows are not
-    affected. Accepts a Django connection or cursor, or a psycopg connection or cursor; raises
-    `NotInTransactionError` when there is no open transaction to scope it to.
+    Only the scheduler may say this, and only for writes its Store accounts itself: the booking
+    transaction (the Store booked those procs before the INSERT, so a delta would count them
+    twice) and the compensating delete after a failed launch (the booking is rolled back in the
+    Store, so a release would subtract it twice). The marker is transaction-local (it ends with
+    COMMIT or ROLLBACK) and affects no other connection. Cap-change notifications and the
+    database-enforced accounting of unmanaged shows are not affected. Accepts a Django
+    connection or cursor, or a psycopg connection or cursor; raises `NotInTransactionError`
+    when there is no open transaction to scope it to.
     """
     # django.db.connection is a proxy, not a BaseDatabaseWrapper: recognise it by what it has.
     if isinstance(cursor_or_connection, BaseDatabaseWrapper) or hasattr(cursor_or_connection, "in_atomic_block"):
         if not cursor_or_connection.in_atomic_block:
-            raise NotInTransactionError("suppress_release_in_transaction needs transaction.atomic()")
+            raise NotInTransactionError("mark_store_accounted needs transaction.atomic()")
         with cursor_or_connection.cursor() as cursor:
-            cursor.execute(SUPPRESS_RELEASE_SQL)
+            cursor.execute(STORE_ACCOUNTED_SQL)
         return
     django_db = getattr(cursor_or_connection, "db", None)
     if isinstance(django_db, BaseDatabaseWrapper):  # a Django CursorWrapper
         if not django_db.in_atomic_block:
-            raise NotInTransactionError("suppress_release_in_transaction needs transaction.atomic()")
-        cursor_or_connection.execute(SUPPRESS_RELEASE_SQL)
+            raise NotInTransactionError("mark_store_accounted needs transaction.atomic()")
+        cursor_or_connection.execute(STORE_ACCOUNTED_SQL)
         return
     conn = cursor_or_connection.connection if isinstance(cursor_or_connection, psycopg.Cursor) else None
     conn = conn or cursor_or_connection
     if not isinstance(conn, psycopg.Connection):
         raise TypeError(f"expected a Django or psycopg connection or cursor, got {type(conn).__name__}")
-    conn.execute(SUPPRESS_RELEASE_SQL)
+    conn.execute(STORE_ACCOUNTED_SQL)
     if conn.info.transaction_status != psycopg.pq.TransactionStatus.INTRANS:
-        raise NotInTransactionError("suppress_release_in_transaction ran outside a transaction")
+        raise NotInTransactionError("mark_store_accounted ran outside a transaction")
 
 
 def conninfo_from_settings(settings_dict: dict[str, Any]) -> str:

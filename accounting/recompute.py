@@ -24,8 +24,8 @@ PostgreSQL side (0.64 s to about 0.3 s, `manage.py bench_accounting`).
 The PostgreSQL side writes sums from a snapshot a few milliseconds old. That is harmless
 for a managed show (nothing but this pass writes its usage columns) and would be wrong for
 a show flipped to unmanaged meanwhile, whose columns the database path now keeps exactly.
-So the write takes the shared per-show lock the proc triggers take, which a flip takes
-exclusively, and only then re-reads which shows are managed: a flip that committed first
+So the write takes the shared accounting-keys lock the proc triggers take, which a flip
+takes exclusively, and only then re-reads which shows are managed: a flip that committed first
 is seen and its show skipped; one that comes later waits and rewrites the show from
 SUM(proc) itself.
 """
@@ -42,8 +42,8 @@ import psycopg
 
 from accounting.limits import FOLDER_LIMITS_SQL, JOB_LIMITS_SQL, SUB_LIMITS_SQL, abort_snapshot, begin_snapshot
 from accounting.store import CounterSnapshot, PgSnapshot, Store
-from accounting.triggers import LOCK_SHOWS_SQL
-from accounting.units import centicores_to_cores
+from accounting.triggers import LOCK_KEYS_SHARED_SQL
+from accounting.units import usage_to_cores
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,12 @@ BOOKED_SQL = USAGE_SQL.format(shows="p.pk_show IN (SELECT pk_show FROM show WHER
 # is published as managed.
 SHOW_BOOKED_SQL = USAGE_SQL.format(shows="p.pk_show = %(show)s")
 
-MANAGED_SQL = "SELECT pk_show FROM show WHERE b_scheduler_managed"
+# Managed shows with their flip generation (see accounting.models.ShowFlip).
+MANAGED_SQL = """
+SELECT s.pk_show, COALESCE(f.int_generation, 0) FROM show s
+LEFT JOIN cuesched_show_flip f ON f.pk_show = s.pk_show
+WHERE s.b_scheduler_managed
+"""
 
 SHOW_KEYS_SQL = {
     "sub": "SELECT pk_show, pk_alloc FROM subscription WHERE pk_show = %(show)s",
@@ -222,8 +227,8 @@ def build_snapshot(
 ) -> CounterSnapshot:
     """A CounterSnapshot over a zero baseline: a key whose procs all drained resets to 0.
 
-    Centicores were summed per key by the database; each key is converted once, so the
-    truncation to whole cores happens once per key, as in the reference.
+    Centicores were summed per key by the database; each key is converted once, rounding
+    up (a key holding 2.5 cores reads 3: a counter may read high, never low).
     """
     snapshot = CounterSnapshot(
         sub=dict.fromkeys(sub_keys, (0, 0)),
@@ -232,7 +237,7 @@ def build_snapshot(
     )
     for target, sums in ((snapshot.sub, usage.sub), (snapshot.folder, usage.folder), (snapshot.job, usage.job)):
         for key, (cc, gg) in sums.items():
-            target[key] = (centicores_to_cores(cc), gg)
+            target[key] = (usage_to_cores(cc), gg)
     return snapshot
 
 
@@ -254,6 +259,10 @@ class Recomputer:
     def __init__(self, store: Store, lock: threading.Lock | None = None) -> None:
         self.store = store
         self.lock = lock or threading.Lock()
+        # Called with the managed shows (and generations) a pass's snapshot saw, before its
+        # overwrite: the service unpublishes a show the snapshot saw unmanaged or flipped since
+        # its seed, since the overwrite is about to treat its keys as zero.
+        self.on_managed: Callable[[dict[str, int]], None] | None = None
         # Test hook (the stress suite's recompute straddle): called between begin_recompute
         # and the snapshot read, so bookings can land inside the window on purpose.
         self.before_snapshot: Callable[[], None] | None = None
@@ -273,7 +282,8 @@ class Recomputer:
                 snap = begin_snapshot(conn)
                 conn.execute(f"SET LOCAL work_mem = '{RECOMPUTE_WORK_MEM}'")
                 rows = conn.execute(BOOKED_SQL).fetchall()
-                shows = [s for (s,) in conn.execute(MANAGED_SQL)]
+                managed = {s: int(g) for s, g in conn.execute(MANAGED_SQL)}
+                shows = list(managed)
                 sub_keys = [(s, a) for s, a, _ in conn.execute(SUB_LIMITS_SQL)]
                 folder_keys = [f for f, _, _ in conn.execute(FOLDER_LIMITS_SQL)]
                 job_keys = [j for j, _, _ in conn.execute(JOB_LIMITS_SQL)]
@@ -282,6 +292,8 @@ class Recomputer:
                 # No overwrite: the stale bucket is carried once more (a safe over-count).
                 abort_snapshot(conn)
                 raise
+            if self.on_managed is not None:
+                self.on_managed(managed)
             usage = read_usage(rows, shows)
             before = store.audit_snapshot()
             db_jobs = set(job_keys)
@@ -310,7 +322,7 @@ class Recomputer:
         try:
             with conn.transaction():
                 params = refresh_params(usage)
-                conn.execute(LOCK_SHOWS_SQL, params)
+                conn.execute(LOCK_KEYS_SHARED_SQL)
                 counts = conn.execute(PG_REFRESH_SQL, params).fetchone() or ()
             result.pg_rows_updated = dict(zip(PG_REFRESH_TABLES, counts, strict=True))
         except psycopg.Error as exc:

@@ -1,13 +1,19 @@
-"""The scheduler process: singleton lock, accounting service, live view, metrics, dispatch.
+"""The scheduler process: singleton lock and lease, accounting service, live view, metrics, dispatch.
 
 `manage.py run_scheduler` is a thin wrapper around `SchedulerProcess`; tests run the same
 object in a thread. Stopping is cooperative through one Event (set by SIGINT/SIGTERM).
+
+A standby (`standby=True`) waits for the lock instead of refusing to start; once it has the
+lock it takes the lease (which waits for the previous holder's last booking batch) and only
+then bootstraps, so its Store starts from a SUM(proc) that holds every booking the previous
+holder committed. A scheduler whose lease is taken over stops.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -15,6 +21,7 @@ import psycopg
 
 from accounting import live, metrics, singleton
 from accounting.service import AccountingService
+from cuesched_project import conf
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +33,7 @@ class SchedulerOptions:
     publish_interval: float = 1.0
     bootstrap_timeout: float | None = None
     lock_check_interval: float = 5.0
+    standby: bool = False
 
 
 class SchedulerProcess:
@@ -48,12 +56,25 @@ class SchedulerProcess:
         self._lock_conn: psycopg.Connection | None = None
         self._publisher: threading.Thread | None = None
         self._lock_guard: threading.Thread | None = None
+        self._lock_checked_at = time.monotonic()
         self.lock_lost = False
         self.ready = threading.Event()
+        self.lease_taken_at: float | None = None
 
     def start(self) -> None:
-        """Lock, bootstrap (blocking), then the publisher. Raises SchedulerAlreadyRunning."""
-        self._lock_conn = singleton.acquire()
+        """Lock and lease, bootstrap (blocking), then the publisher. Raises SchedulerAlreadyRunning."""
+        if self.options.standby:
+            logger.info("standby: waiting for the scheduler lock")
+            self._lock_conn = singleton.wait_for_lock(self.stop, conf.standby_poll_interval())
+            if self._lock_conn is None:
+                return
+        else:
+            self._lock_conn = singleton.acquire()
+        generation = singleton.take_lease(self._lock_conn)
+        self.lease_taken_at = time.time()
+        self.service.lease_generation = generation
+        metrics.LEASE_GENERATION.set(generation)
+        logger.info("scheduler lease taken: generation %d", generation)
         metrics.serve(self.options.metrics_port, self.options.metrics_addr)
         self.service.start(self.stop, bootstrap_timeout=self.options.bootstrap_timeout)
         self._publisher = threading.Thread(
@@ -74,12 +95,22 @@ class SchedulerProcess:
         backend). Left alone, a second scheduler could then start beside this one. So the
         lock is re-taken on a new session; if another scheduler got it first, this one stops.
         """
-        while not self.stop.wait(self.options.lock_check_interval):
-            try:
-                self._lock_conn = singleton.still_held(self._lock_conn)
-            except singleton.SchedulerAlreadyRunning as exc:
-                logger.error("lost the scheduler lock and another scheduler holds it now; stopping: %s", exc)
+        while not self.stop.wait(min(self.options.lock_check_interval, 0.5)):
+            if self.service.lease_lost.is_set():
+                logger.error("the scheduler lease moved to another scheduler; stopping")
                 self.lock_lost = True
+                self.stop.set()
+                return
+            now = time.monotonic()
+            if now - self._lock_checked_at < self.options.lock_check_interval:
+                continue
+            self._lock_checked_at = now
+            try:
+                self._lock_conn = singleton.still_held(self._lock_conn, self.service.lease_generation)
+            except (singleton.SchedulerAlreadyRunning, singleton.LeaseLost) as exc:
+                logger.error("lost the scheduler lock and another scheduler held it; stopping: %s", exc)
+                self.lock_lost = True
+                self.service.lease_lost.set()
                 self.stop.set()
             except psycopg.Error as exc:
                 logger.warning("scheduler lock session lost, retrying: %s", exc)
@@ -88,6 +119,8 @@ class SchedulerProcess:
     def run(self, main: Callable[[AccountingService, threading.Event], None] | None = None) -> None:
         try:
             self.start()
+            if self._lock_conn is None:
+                return  # a standby stopped before it got the lock
             if main is not None and not self.stop.is_set():
                 main(self.service, self.stop)
             else:

@@ -7,8 +7,14 @@ Start-up order (each step blocking on the one before):
 1. the listener connects and LISTENs, then reseeds: managed set, caps, counters. That
    first reseed IS the bootstrap, so no cap change can fall between the bootstrap and
    the LISTEN (a gap the reference leaves open);
-2. only then the recompute, limit reseed and managed-shows loops start, and the caller
-   may start dispatching.
+2. only then the recompute, limit reseed, managed-shows and reconcile loops start, and the
+   caller may start dispatching.
+
+The Store enforces only while it can trust what it holds (`can_enforce`): the listener's
+heartbeat is fresh (everything committed up to a bounded time ago has arrived), the
+process holds the scheduler lease, and the last reseed ran against the server the dispatch
+loops talk to. Otherwise `apply_booking` refuses managed bookings with the table
+`accounting_paused`; database-enforced shows are unaffected.
 """
 
 from __future__ import annotations
@@ -22,12 +28,15 @@ from dataclasses import dataclass, field
 import psycopg
 
 from accounting import db, metrics
-from accounting.limits import reseed_limits
-from accounting.listener import Listener
-from accounting.managed_shows import read_managed, refresh_managed
+from accounting.limits import fill_caps, reseed_limits
+from accounting.listener import HeartbeatSender, Listener, ServerIdentity
+from accounting.managed_shows import Managed, read_managed, refresh_managed
 from accounting.recompute import Recomputer, RecomputeResult
+from accounting.reconcile import reconcile_unmanaged
 from accounting.store import Applied, BookingDelta, LimitExceeded, Store
 from cuesched_project import conf
+
+PAUSED = "accounting_paused"
 
 logger = logging.getLogger(__name__)
 
@@ -61,19 +70,40 @@ class ServiceState:
     last_recompute: RecomputeResult | None = None
     loops: dict[str, LoopState] = field(default_factory=dict)
     managed_published_at: dict[str, float] = field(default_factory=dict)
+    last_reconcile_drift: dict[str, int] = field(default_factory=dict)
+    server_changes: int = 0
 
 
 class AccountingService:
     """Facade over the Store for the hot path; the managed decision is taken once per booking."""
 
-    def __init__(self, store: Store | None = None) -> None:
+    def __init__(
+        self, store: Store | None = None, *, listener_connect: Callable[[], psycopg.Connection] | None = None
+    ) -> None:
         self.store = store or Store()
-        self._managed: frozenset[str] = frozenset()
+        self._managed: Managed = {}
         self._managed_lock = threading.Lock()
         self.recomputer = Recomputer(self.store)
+        self.recomputer.on_managed = self._unpublish_stale
         self.state = ServiceState()
         self.bootstrapped = threading.Event()
-        self.listener = Listener(self.store, on_connect=self._reseed_on_connect, on_event=self._count_event)
+        self.heartbeat = HeartbeatSender(conf.heartbeat_interval())
+        self.listener = Listener(
+            self.store,
+            on_connect=self._reseed_on_connect,
+            on_event=self._count_event,
+            on_resync=self._resync,
+            heartbeat=self.heartbeat,
+            deadline=conf.heartbeat_deadline(),
+            connect=listener_connect,
+        )
+        # The scheduler lease this process books under (set by SchedulerProcess; None = no fence,
+        # for tests that drive the service alone), and the server the Store was seeded against.
+        self.lease_generation: int | None = None
+        self.lease_lost = threading.Event()
+        self.server_id: str | None = None
+        self._max_xmax = 0
+        self._managed_wakeup = threading.Event()
         self._threads: list[threading.Thread] = []
         # Other parts of the scheduler (the dispatch loop) add sections to the live view here.
         self.view_providers: dict[str, Callable[[], object]] = {}
@@ -84,26 +114,71 @@ class AccountingService:
 
     # -- managed shows ---------------------------------------------------------------
     def managed_shows(self) -> frozenset[str]:
-        return self._managed
+        return frozenset(self._managed)
 
-    def publish_managed(self, shows: frozenset[str]) -> None:
+    def managed_generation(self, show: str) -> int | None:
+        """The flip generation the show was seeded at, or None if it is not published."""
+        return self._managed.get(show)
+
+    def publish_managed(self, shows: Managed | frozenset[str]) -> None:
         """Replace the managed set atomically; callers seed a show before publishing it."""
+        new = dict(shows) if isinstance(shows, dict) else dict.fromkeys(shows, 0)
         with self._managed_lock:
             now = time.time()
-            for show in shows - self._managed:
+            for show in new.keys() - self._managed.keys():
                 self.state.managed_published_at[show] = now
-            for show in self._managed - shows:
+            for show in self._managed.keys() - new.keys():
                 self.state.managed_published_at.pop(show, None)
-            self._managed = frozenset(shows)
-        metrics.MANAGED_SHOWS.set(len(shows))
+            self._managed = new
+        metrics.MANAGED_SHOWS.set(len(new))
 
     def is_managed(self, show: str) -> bool:
         return show in self._managed
+
+    def _unpublish_stale(self, snapshot_managed: dict[str, int]) -> None:
+        """Before a recompute's overwrite: drop shows its snapshot saw unmanaged or re-flipped."""
+        with self._managed_lock:
+            stale = [s for s, g in self._managed.items() if snapshot_managed.get(s) != g]
+            if not stale:
+                return
+            self._managed = {s: g for s, g in self._managed.items() if s not in stale}
+            for show in stale:
+                self.state.managed_published_at.pop(show, None)
+        logger.info("recompute: %d show(s) flipped since their seed; unpublished until re-seeded", len(stale))
+        metrics.MANAGED_SHOWS.set(len(self._managed))
+        self._managed_wakeup.set()
+
+    def request_managed_refresh(self) -> None:
+        """Run the managed-shows tick now (a booking met a flip the Store has not seen)."""
+        self._managed_wakeup.set()
+
+    # -- whether the Store may enforce ---------------------------------------------------
+    def can_enforce(self) -> bool:
+        return self.listener.fresh() and not self.lease_lost.is_set() and self.bootstrapped.is_set()
+
+    def pause_reason(self) -> str | None:
+        if self.lease_lost.is_set():
+            return "this scheduler lost its lease to another one"
+        if not self.listener.fresh():
+            age = self.listener.heartbeat_age()
+            state = self.listener.stats.state
+            return (
+                f"the listener is {state}" if age is None else f"the listener's last heartbeat is {age:.1f}s old"
+            ) + f" (deadline {self.listener.deadline:.1f}s): caps may have changed unseen"
+        return None
+
+    def accepts_server(self, system_id: str | None) -> bool:
+        """Whether a dispatch connection reached the server the Store was last seeded against."""
+        return system_id is None or self.server_id is None or system_id == self.server_id
 
     # -- hot path ----------------------------------------------------------------------
     def apply_booking(self, delta: BookingDelta) -> BookingResult:
         if delta.show not in self._managed:
             return NotManaged(delta)
+        if not self.can_enforce():
+            age = self.listener.heartbeat_age()
+            metrics.REJECTIONS.labels(PAUSED).inc()
+            return LimitExceeded(PAUSED, int((age or 0) * 1000), int(self.listener.deadline * 1000))
         result = self.store.book(delta)
         if isinstance(result, LimitExceeded):
             metrics.REJECTIONS.labels(result.table).inc()
@@ -122,6 +197,11 @@ class AccountingService:
         if isinstance(booking, Applied):
             self.store.rollback(booking.delta)
 
+    def fill_caps(self, conn: psycopg.Connection, folders: list[str], jobs: list[str]) -> None:
+        """Load caps the Store lacks for folders and jobs about to be booked (it refuses them meanwhile)."""
+        if folders or jobs:
+            fill_caps(self.store, conn, folders, jobs)
+
     # -- seeds -------------------------------------------------------------------------
     def reseed_all(self, conn: psycopg.Connection) -> RecomputeResult:
         """Managed set, caps, then counters, then publish: the bootstrap and the reconnect heal."""
@@ -135,9 +215,33 @@ class AccountingService:
         self.publish_managed(managed)
         return result
 
-    def _reseed_on_connect(self) -> None:
+    def _check_server(self, identity: ServerIdentity) -> None:
+        """Forget every recorded snapshot and xid when the server (or its xid counter) changed."""
+        changed = (
+            identity.system_id is not None and self.server_id is not None and identity.system_id != self.server_id
+        ) or identity.xmax < self._max_xmax
+        if changed:
+            self.state.server_changes += 1
+            metrics.FORGOTTEN.inc()
+            logger.warning(
+                "listener: the database is another server now (system id %s -> %s, xmax %d after %d seen): "
+                "forgetting every recorded snapshot and transaction id before the reseed",
+                self.server_id,
+                identity.system_id,
+                identity.xmax,
+                self._max_xmax,
+            )
+            self.store.forget_sources()
+            self._max_xmax = 0
+        self._max_xmax = max(self._max_xmax, identity.xmax)
+
+    def _reseed_on_connect(self, identity: ServerIdentity | None = None) -> None:
+        if identity is not None:
+            self._check_server(identity)
         with db.connect(application_name="cuesched-reseed") as conn:
             result = self.reseed_all(conn)
+        if identity is not None:
+            self.server_id = identity.system_id
         self._observe_recompute(result)
         if not self.bootstrapped.is_set():
             self.state.bootstrapped_at = time.time()
@@ -169,7 +273,16 @@ class AccountingService:
             self._room_generation += 1
             self._room.notify_all()
 
+    def _resync(self, table: str) -> None:
+        """A TRUNCATE: no row-level message was possible, so everything is read again."""
+        metrics.RESYNCS.inc()
+        with db.connect(application_name="cuesched-resync") as conn:
+            result = self.reseed_all(conn)
+        self._observe_recompute(result)
+
     def _count_event(self, channel: str, outcome: str) -> None:
+        if outcome == "heartbeat" or outcome == "dropped:foreign":
+            return
         if outcome == "applied":
             self._room_changed()
         if outcome.startswith("dropped:"):
@@ -203,7 +316,10 @@ class AccountingService:
         return f"limit reseed: {len(rows.subs)} subs, {len(rows.folders)} folders, {len(rows.jobs)} jobs"
 
     def _managed_tick(self, conn: psycopg.Connection) -> str:
-        result = refresh_managed(self._managed, self.recomputer, conn)
+        self._managed_wakeup.clear()
+        # A show whose generation moved is re-seeded: stop enforcing it now, not after the seed.
+        current = dict(self._managed)
+        result = refresh_managed(current, self.recomputer, conn)
         if result.published != self._managed:
             self.publish_managed(result.published)
         return (
@@ -211,13 +327,38 @@ class AccountingService:
             f"{len(result.deferred)} deferred"
         )
 
+    def _reconcile_tick(self, conn: psycopg.Connection) -> str:
+        result = reconcile_unmanaged(conn)
+        self.state.last_reconcile_drift = result.drift_cores
+        for table, cores in result.drift_cores.items():
+            metrics.DB_RECONCILE_DRIFT.labels(table).set(cores)
+        if any(result.drift_cores.values()):
+            logger.warning("reconcile: unmanaged shows' counters had drifted from SUM(proc): %s", result.drift_cores)
+        return f"reconcile: {result.shows} unmanaged show(s), drift {result.drift_cores}"
+
     def _run_loop(
-        self, name: str, interval: float, tick: Callable[[psycopg.Connection], str], stop: threading.Event
+        self,
+        name: str,
+        interval: float,
+        tick: Callable[[psycopg.Connection], str],
+        stop: threading.Event,
+        wakeup: threading.Event | None = None,
     ) -> None:
-        """Fixed interval, first tick skipped (start-up did the work), errors logged, never ends."""
+        """Fixed interval (or sooner when `wakeup` is set), first tick skipped, errors logged, never ends."""
         loop = self.state.loops.setdefault(name, LoopState(interval=interval))
         conn: psycopg.Connection | None = None
-        while not stop.wait(interval):
+
+        def wait() -> bool:
+            if wakeup is None:
+                return stop.wait(interval)
+            deadline = time.monotonic() + interval
+            while not stop.is_set():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or wakeup.wait(min(remaining, 0.1)):
+                    return stop.is_set()
+            return True
+
+        while not wait():
             started = time.monotonic()
             try:
                 if conn is None or conn.closed or conn.broken:
@@ -244,7 +385,8 @@ class AccountingService:
         self._threads.append(thread)
 
     def start(self, stop: threading.Event, *, bootstrap_timeout: float | None = None) -> None:
-        """Start the listener, block until the bootstrap reseed succeeded, then the loops."""
+        """Start the heartbeat and the listener, block until the bootstrap reseed succeeded, then the loops."""
+        self._spawn("heartbeat", self.heartbeat.run, stop)
         self._spawn("listener", self.listener.run, stop)
         deadline = None if bootstrap_timeout is None else time.monotonic() + bootstrap_timeout
         while not self.bootstrapped.wait(0.2):
@@ -254,7 +396,16 @@ class AccountingService:
                 raise TimeoutError(f"bootstrap did not complete: {self.listener.stats.last_error}")
         self._spawn("recompute", self._run_loop, "recompute", conf.recompute_interval(), self._recompute_tick, stop)
         self._spawn("limits", self._run_loop, "limits", conf.limit_reseed_interval(), self._limits_tick, stop)
-        self._spawn("managed", self._run_loop, "managed", conf.managed_shows_ttl(), self._managed_tick, stop)
+        self._spawn(
+            "managed",
+            self._run_loop,
+            "managed",
+            conf.managed_shows_ttl(),
+            self._managed_tick,
+            stop,
+            self._managed_wakeup,
+        )
+        self._spawn("reconcile", self._run_loop, "reconcile", conf.db_reconcile_interval(), self._reconcile_tick, stop)
 
     def join(self, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout

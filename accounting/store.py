@@ -18,16 +18,26 @@ integers on the hot path (a list subscript is the cheapest mutable cell CPython 
     6 settled1_c   7 settled1_g    confirmed while epoch % 2 == 1
     8 snapshot                     PgSnapshot the absolute value was last read under, or None
 
-Beyond the reference design (accounting-design.md §6.2), the Store can close three races when
-the runtime passes transaction ids and snapshots; with `None` it behaves exactly like the
-reference:
+Where it departs from the reference design (accounting-design.md §6.2), always toward HIGH
+counters and closed caps:
 
-* Exactly-once releases (`apply_release`): a late release after a recompute no longer
-  subtracts a proc the snapshot had already dropped.
-* Caps vs reseed (`set_caps`, `apply_limit_change`): a reseed that read its rows before a cap
-  change committed can no longer overwrite the newer value a notification delivered, and a
-  notification the reseed already reflects is not re-applied over an even newer value.
-* Eviction (`evict_jobs`): finished jobs can be dropped so memory stays flat.
+* Signed deltas, exactly once (`apply_delta`): a usage delta from any writer (a release, a proc
+  written or resized outside the scheduler, a move of its keys) is skipped on a key whose last
+  absolute value was read under a snapshot that already saw the delta's transaction. A key the
+  Store does not hold gets only the positive part of a delta: what it never counted cannot be
+  taken back.
+* Caps fail closed (`book`): a folder or job whose caps the Store does not hold is refused
+  (`folder_unseeded`, `job_unseeded`), like a missing burst always was. The reference failed
+  open, so a new job, a reopened one or one whose cap row was deleted booked without its max
+  until the next reseed. The runtime loads a missing cap before it books (`fill_caps`).
+* Caps vs reseed (`set_caps`, `apply_limit_change`): a reseed or fill that read its rows before
+  a cap change committed can never overwrite the newer value a notification delivered, nor
+  resurrect a cap a notification or a later reseed removed (the removal leaves its source
+  behind as a tombstone).
+* Eviction (`evict_jobs`) drops only counters that hold nothing, never caps; a complete limit
+  reseed removes caps it no longer finds, fenced like every other cap write.
+* `forget_sources` drops every recorded snapshot and transaction id: after a failover to a
+  server whose transaction ids are not this server's, none of them orders anything.
 """
 
 from __future__ import annotations
@@ -54,6 +64,8 @@ FOLDER = "folder"
 JOB = "job"
 FOLDER_GPUS = "folder_gpus"
 JOB_GPUS = "job_gpus"
+FOLDER_UNSEEDED = "folder_unseeded"
+JOB_UNSEEDED = "job_unseeded"
 
 
 # --------------------------------------------------------------------------- value types
@@ -158,25 +170,31 @@ class PgSnapshot:
 
 
 class LimitKind(enum.Enum):
-    """The five enforced caps a notification can change."""
+    """The five enforced caps a notification can change, both of a row at once, or its removal."""
 
     SUB_BURST = "sub_burst"
     FOLDER_MAX_CORES = "folder_max_cores"
     FOLDER_MAX_GPUS = "folder_max_gpus"
     JOB_MAX_CORES = "job_max_cores"
     JOB_MAX_GPUS = "job_max_gpus"
+    FOLDER_CAPS = "folder_caps"  # value: (max_cores, max_gpus)
+    JOB_CAPS = "job_caps"
+    SUB_REMOVED = "sub_removed"  # value ignored
+    FOLDER_REMOVED = "folder_removed"
+    JOB_REMOVED = "job_removed"
 
 
 @dataclass(frozen=True, slots=True)
 class LimitChange:
-    """One cap change: `key` is (show, alloc) for SUB_BURST, else the folder or job id.
+    """One cap change: `key` is (show, alloc) for SUB_*, else the folder or job id.
 
-    `value` is in whole cores or GPUs; -1 (any value <= 0 for folder/job) means unlimited.
+    `value` is in whole cores or GPUs; -1 (any value <= 0 for folder/job) means unlimited. The
+    *_CAPS kinds carry (max_cores, max_gpus); the *_REMOVED kinds carry nothing (0).
     """
 
     kind: LimitKind
     key: tuple[str, str] | str
-    value: int
+    value: int | tuple[int, int]
 
 
 @dataclass(frozen=True)
@@ -192,8 +210,17 @@ class Caps:
 # reseed that wrote it (PgSnapshot), or None (unknown: reference behaviour).
 _CapSource = int | PgSnapshot | None
 
-_FOLDER_KINDS = {LimitKind.FOLDER_MAX_CORES: 0, LimitKind.FOLDER_MAX_GPUS: 1}
-_JOB_KINDS = {LimitKind.JOB_MAX_CORES: 0, LimitKind.JOB_MAX_GPUS: 1}
+# kind -> (vertex, field): 0 max cores, 1 max GPUs, 2 both, 3 removed.
+_PAIR_KINDS = {
+    LimitKind.FOLDER_MAX_CORES: ("folder", 0),
+    LimitKind.FOLDER_MAX_GPUS: ("folder", 1),
+    LimitKind.FOLDER_CAPS: ("folder", 2),
+    LimitKind.FOLDER_REMOVED: ("folder", 3),
+    LimitKind.JOB_MAX_CORES: ("job", 0),
+    LimitKind.JOB_MAX_GPUS: ("job", 1),
+    LimitKind.JOB_CAPS: ("job", 2),
+    LimitKind.JOB_REMOVED: ("job", 3),
+}
 
 
 def _new_counter() -> list:
@@ -268,10 +295,11 @@ class Store:
     def book(self, delta: BookingDelta) -> Applied | LimitExceeded:
         """Check every cap in the reference order, then add the delta live and in-flight.
 
-        Order: cores (only if > 0) against burst, folder, job; then GPUs (only if > 0) against
-        folder, job. A missing, zero or negative burst rejects every positive core booking
-        (an unseeded subscription fails closed); a folder/job cap <= 0 or missing is unlimited
-        (fails open). Reaching a cap exactly is allowed. On rejection nothing is mutated.
+        Order: cores (only if > 0) against burst; a folder, then a job, whose caps the Store does
+        not hold (fails closed); then cores against folder, job; then GPUs (only if > 0) against
+        folder, job. A missing, zero or negative burst rejects every positive core booking; a
+        folder/job cap <= 0 is unlimited. Reaching a cap exactly is allowed. On rejection
+        nothing is mutated.
         """
         dc = delta.cores
         dg = delta.gpus
@@ -290,31 +318,32 @@ class Store:
                     limit = self._burst.get(skey, 0)
                     if limit <= 0 or cur + dc > limit:
                         return LimitExceeded(SUBSCRIPTION, cur, limit)
-                    if fcap is not None:
-                        limit = fcap[0]
-                        if limit > 0:
-                            cur = 0 if fc is None else fc[0]
-                            if cur + dc > limit:
-                                return LimitExceeded(FOLDER, cur, limit)
-                    if jcap is not None:
-                        limit = jcap[0]
-                        if limit > 0:
-                            cur = 0 if jc is None else jc[0]
-                            if cur + dc > limit:
-                                return LimitExceeded(JOB, cur, limit)
+                if fcap is None:
+                    return LimitExceeded(FOLDER_UNSEEDED, 0 if fc is None else fc[0], 0)
+                if jcap is None:
+                    return LimitExceeded(JOB_UNSEEDED, 0 if jc is None else jc[0], 0)
+                if dc > 0:
+                    limit = fcap[0]
+                    if limit > 0:
+                        cur = 0 if fc is None else fc[0]
+                        if cur + dc > limit:
+                            return LimitExceeded(FOLDER, cur, limit)
+                    limit = jcap[0]
+                    if limit > 0:
+                        cur = 0 if jc is None else jc[0]
+                        if cur + dc > limit:
+                            return LimitExceeded(JOB, cur, limit)
                 if dg > 0:
-                    if fcap is not None:
-                        limit = fcap[1]
-                        if limit > 0:
-                            cur = 0 if fc is None else fc[1]
-                            if cur + dg > limit:
-                                return LimitExceeded(FOLDER_GPUS, cur, limit)
-                    if jcap is not None:
-                        limit = jcap[1]
-                        if limit > 0:
-                            cur = 0 if jc is None else jc[1]
-                            if cur + dg > limit:
-                                return LimitExceeded(JOB_GPUS, cur, limit)
+                    limit = fcap[1]
+                    if limit > 0:
+                        cur = 0 if fc is None else fc[1]
+                        if cur + dg > limit:
+                            return LimitExceeded(FOLDER_GPUS, cur, limit)
+                    limit = jcap[1]
+                    if limit > 0:
+                        cur = 0 if jc is None else jc[1]
+                        if cur + dg > limit:
+                            return LimitExceeded(JOB_GPUS, cur, limit)
             if sc is None:
                 sc = self._sub[skey] = _new_counter()
             if fc is None:
@@ -407,24 +436,25 @@ class Store:
 
     # ----------------------------------------------------------------------- releases
 
-    def apply_release(self, delta: BookingDelta, xid: int | None = None) -> bool:
-        """Add a (negative) release delta to the live totals of keys that already exist.
+    def apply_delta(self, delta: BookingDelta, xid: int | None = None) -> bool:
+        """Add a signed usage delta (a release, an outside booking, one side of a move) live.
 
-        Unknown keys are skipped and never created; no cap check, no floor, in-flight and
-        settled amounts untouched (a release concerns a long-settled booking).
+        No cap check, no floor; in-flight and settled amounts are untouched (the delta
+        concerns a proc that has committed). A key the Store holds gets the whole delta; a key
+        it does not hold is created with only the positive part (a proc it never counted cannot
+        be taken back, and one it did not know about must now count).
 
-        Exactly-once: `xid` is the deleting transaction (`pg_current_xact_id()`). Each key
+        Exactly-once: `xid` is the writing transaction (`pg_current_xact_id()`). Each key
         remembers the snapshot its absolute value was last read under (`overwrite_counters`,
         `seed_show_booked`). If that snapshot already shows `xid` as finished, the snapshot's
-        SUM already excluded the proc, so subtracting again would read LOW: the key is
-        skipped. Anything the snapshot cannot vouch for (no recorded snapshot, or `xid` not
-        yet visible in it) gets the release, which is always correct or high. Each key is
-        decided on its own, since the three keys may have been written by different passes.
-        With `xid=None` every existing key gets the release (reference behaviour).
+        SUM already reflects the write, so applying it again would double it (a release
+        would read LOW): the key is skipped. Anything the snapshot cannot vouch for (no
+        recorded snapshot, or `xid` not yet visible in it) gets the delta. Each key is decided
+        on its own, since the three keys may have been written by different passes.
 
-        While a snapshot read is open (`open_release_window`, `begin_recompute`) the release
-        is also logged, so the absolute write that ends the read can put it back if the
-        snapshot still counted the proc.
+        While a snapshot read is open (`open_release_window`, `begin_recompute`) the delta
+        is also logged, so the absolute write that ends the read can apply it again if the
+        snapshot did not see it.
 
         Returns whether at least one key was changed.
         """
@@ -434,12 +464,19 @@ class Store:
         with self._lock:
             if self._window is not None and xid is not None:
                 self._window.append((delta, xid))
-            for counter in (
-                self._sub.get((delta.show, delta.alloc)),
-                self._folder.get(delta.folder),
-                self._job.get(delta.job),
+            for table, key in (
+                (self._sub, (delta.show, delta.alloc)),
+                (self._folder, delta.folder),
+                (self._job, delta.job),
             ):
+                counter = table.get(key)
                 if counter is None:
+                    if dc <= 0 and dg <= 0:
+                        continue
+                    counter = table[key] = _new_counter()
+                    counter[0] = max(dc, 0)
+                    counter[1] = max(dg, 0)
+                    applied = True
                     continue
                 if xid is not None:
                     seen = counter[8]
@@ -511,7 +548,7 @@ class Store:
         live value.
 
         `pg_snapshot` (the `pg_current_snapshot()` of the read) is recorded on each key
-        written, for `apply_release`'s exactly-once rule; None records "unknown".
+        written, for `apply_delta`'s exactly-once rule; None records "unknown".
 
         Deviation: `epoch` must be the value the latest `begin_recompute` returned. A stale
         epoch could have the parity of the current one, and clearing that bucket would erase
@@ -541,13 +578,18 @@ class Store:
             self._replay_window(snapshot, pg_snapshot)
 
     def seed_show_booked(self, snapshot: CounterSnapshot, pg_snapshot: PgSnapshot | None = None) -> None:
-        """Set absolute live totals for a show about to be published as managed.
+        """Set absolute live totals for a show about to be published (or re-published) as managed.
 
-        Safe without the epoch protocol because the hot path cannot book an unpublished show;
-        in-flight, buckets and epoch are untouched and absent keys are left alone. The
+        `cores = snap + inflight + settled[current epoch]`, as `overwrite_counters` keeps them:
+        a show re-seeded after a flip round trip can still have bookings in flight (their
+        write will fail its generation check and roll back, which subtracts them again), and
+        confirms since the last recompute began may postdate the snapshot. Confirms of the
+        other bucket predate the last pass's begin, hence this snapshot: not carried. Buckets,
+        in-flight amounts and the epoch are untouched; absent keys are left alone. The
         snapshot is recorded per key like `overwrite_counters` does.
         """
         with self._lock:
+            kc = 4 + 2 * (self._epoch & 1)
             for table, values in (
                 (self._sub, snapshot.sub),
                 (self._folder, snapshot.folder),
@@ -557,8 +599,8 @@ class Store:
                     counter = table.get(key)
                     if counter is None:
                         counter = table[key] = _new_counter()
-                    counter[0] = cores
-                    counter[1] = gpus
+                    counter[0] = cores + counter[2] + counter[kc]
+                    counter[1] = gpus + counter[3] + counter[kc + 1]
                     counter[8] = pg_snapshot
             self._replay_window(snapshot, pg_snapshot)
 
@@ -570,15 +612,25 @@ class Store:
         folders: Mapping[str, tuple[int, int]],
         jobs: Mapping[str, tuple[int, int]],
         pg_snapshot: PgSnapshot | None = None,
-    ) -> None:
-        """Bulk write from a limit reseed: insert or replace, never delete.
+        *,
+        complete: bool = False,
+    ) -> int:
+        """Bulk write from a limit reseed (`complete=True`) or a fill of a few keys; returns removals.
 
-        With `pg_snapshot` (the snapshot the reseed read its rows under), a field is left
-        alone when what last wrote it is provably newer than those rows: a notification whose
-        transaction the snapshot does not yet see, or an overlapping reseed that read a later
-        snapshot. Folder and job fields are decided separately, since cores and GPUs change
-        through separate notifications. Without a snapshot every row is written (reference).
+        With `pg_snapshot` (the snapshot the rows were read under), a field is left alone when
+        what last wrote it is provably newer than those rows: a notification whose transaction
+        the snapshot does not see, an overlapping reseed or fill that read a later snapshot, or
+        a removal of either kind (its source stays behind as a tombstone, so an older read
+        cannot bring the cap back). Folder and job fields are decided separately, since
+        Cuebot's notifications change one at a time.
+
+        `complete` says the rows are every cap the database has for the Store's shows: a key
+        the Store holds but the rows lack (a deleted subscription, a finished job, a show no
+        longer managed) is removed, unless its source is newer than the snapshot, and the
+        tombstones of earlier removals that this snapshot supersedes are purged. Without a
+        snapshot every row is written (reference) and nothing is removed.
         """
+        removed = 0
         with self._lock:
             burst = self._burst
             burst_src = self._burst_src
@@ -589,6 +641,32 @@ class Store:
                 burst_src[key] = pg_snapshot
             self._set_pair_caps(self._folder_caps, self._folder_cap_src, folders, pg_snapshot)
             self._set_pair_caps(self._job_caps, self._job_cap_src, jobs, pg_snapshot)
+            if complete and pg_snapshot is not None:
+                removed += self._prune_caps(burst, burst_src, subs, pg_snapshot, pair=False)
+                removed += self._prune_caps(self._folder_caps, self._folder_cap_src, folders, pg_snapshot, pair=True)
+                removed += self._prune_caps(self._job_caps, self._job_cap_src, jobs, pg_snapshot, pair=True)
+        return removed
+
+    @staticmethod
+    def _prune_caps(caps: dict, sources: dict, rows: Mapping, pg_snapshot: PgSnapshot, *, pair: bool) -> int:
+        """Under the lock: remove caps a complete read no longer has; purge superseded tombstones."""
+        removed = 0
+        for key in [k for k in caps if k not in rows]:
+            src = sources.get(key)
+            fields = src if pair else (src,)
+            if fields is None:
+                fields = (None, None) if pair else (None,)
+            if any(_reseed_is_stale(f, pg_snapshot) for f in fields):
+                continue  # written after this read: keep it until a read that sees it
+            del caps[key]
+            sources[key] = (pg_snapshot, pg_snapshot) if pair else pg_snapshot
+            removed += 1
+        for key in [k for k in sources if k not in caps and k not in rows]:
+            src = sources[key]
+            fields = src if pair else (src,)
+            if all(f is not pg_snapshot and not _reseed_is_stale(f, pg_snapshot) for f in fields):
+                del sources[key]  # this complete read postdates the removal: nothing older can land now
+        return removed
 
     @staticmethod
     def _set_pair_caps(
@@ -599,16 +677,20 @@ class Store:
     ) -> None:
         for key, (max_cores, max_gpus) in rows.items():
             old = caps.get(key)
+            src_cores, src_gpus = sources.get(key, (None, None))
+            stale_cores = _reseed_is_stale(src_cores, pg_snapshot)
+            stale_gpus = _reseed_is_stale(src_gpus, pg_snapshot)
             if old is None:
+                if stale_cores or stale_gpus:
+                    continue  # removed after this read: the key stays closed until a newer read
                 caps[key] = (max_cores, max_gpus)
                 sources[key] = (pg_snapshot, pg_snapshot)
                 continue
-            src_cores, src_gpus = sources.get(key, (None, None))
-            if _reseed_is_stale(src_cores, pg_snapshot):
+            if stale_cores:
                 max_cores = old[0]
             else:
                 src_cores = pg_snapshot
-            if _reseed_is_stale(src_gpus, pg_snapshot):
+            if stale_gpus:
                 max_gpus = old[1]
             else:
                 src_gpus = pg_snapshot
@@ -616,67 +698,91 @@ class Store:
             sources[key] = (src_cores, src_gpus)
 
     def apply_limit_change(self, change: LimitChange, xid: int | None = None) -> bool:
-        """Set one cap from a notification; returns False when skipped as already superseded.
+        """Set (or remove) one cap from a notification; returns False when skipped.
 
-        A folder or job without a cap entry is first created as (-1, -1) so the other
-        dimension stays unlimited until the next reseed. `xid` is the transaction that made
-        the change: if the reseed that last wrote this field already saw it, the reseed's
-        value is at least as new and is kept. Notifications among themselves need no
-        ordering check: PostgreSQL delivers them in commit order, which xids do not follow.
+        Skipped when the reseed or fill that last wrote the field already saw `xid` (its value
+        is at least as new), and, for a folder or job the Store does not hold, when the message
+        names one field only (Cuebot's format): the other field is unknown, and a missing key
+        fails closed until a fill or reseed reads both. A removal leaves its `xid` as the
+        field's source, so a reseed that read the row before the delete cannot resurrect it.
+        Notifications among themselves need no ordering check: PostgreSQL delivers them in
+        commit order, which xids do not follow.
         """
         kind = change.kind
         key = change.key
         value = change.value
         with self._lock:
-            if kind is LimitKind.SUB_BURST:
+            if kind is LimitKind.SUB_BURST or kind is LimitKind.SUB_REMOVED:
                 if _notification_is_stale(self._burst_src.get(key), xid):
                     return False
-                self._burst[key] = value
-                self._burst_src[key] = xid
+                if kind is LimitKind.SUB_REMOVED:
+                    self._burst.pop(key, None)  # type: ignore[call-overload]
+                else:
+                    self._burst[key] = value  # type: ignore[index, assignment]
+                self._burst_src[key] = xid  # type: ignore[index]
                 return True
-            if kind in _FOLDER_KINDS:
-                caps, sources, index = self._folder_caps, self._folder_cap_src, _FOLDER_KINDS[kind]
+            vertex, index = _PAIR_KINDS[kind]
+            if vertex == "folder":
+                caps, sources = self._folder_caps, self._folder_cap_src
             else:
-                caps, sources, index = self._job_caps, self._job_cap_src, _JOB_KINDS[kind]
-            old = caps.get(key, (-1, -1))
-            src = sources.get(key, (None, None))
-            if _notification_is_stale(src[index], xid):
+                caps, sources = self._job_caps, self._job_cap_src
+            old = caps.get(key)  # type: ignore[call-overload]
+            src = sources.get(key, (None, None))  # type: ignore[call-overload]
+            if index >= 2:
+                if _notification_is_stale(src[0], xid) and _notification_is_stale(src[1], xid):
+                    return False
+                if index == 3:
+                    caps.pop(key, None)  # type: ignore[call-overload]
+                else:
+                    caps[key] = value  # type: ignore[index, assignment]
+                sources[key] = (xid, xid)  # type: ignore[index]
+                return True
+            if old is None or _notification_is_stale(src[index], xid):
                 return False
             if index == 0:
-                caps[key] = (value, old[1])
-                sources[key] = (xid, src[1])
+                caps[key] = (value, old[1])  # type: ignore[index]
+                sources[key] = (xid, src[1])  # type: ignore[index]
             else:
-                caps[key] = (old[0], value)
-                sources[key] = (src[0], xid)
+                caps[key] = (old[0], value)  # type: ignore[index]
+                sources[key] = (src[0], xid)  # type: ignore[index]
             return True
+
+    def forget_sources(self) -> None:
+        """Drop every recorded snapshot and transaction id (a failover: they order nothing now).
+
+        Counters and caps keep their values; the next absolute writes (the reseed that must
+        follow) then apply unconditionally, and until then every delta is applied (high).
+        """
+        with self._lock:
+            for table in (self._sub, self._folder, self._job):
+                for counter in table.values():
+                    counter[8] = None
+            self._burst_src = {k: None for k in self._burst}
+            self._folder_cap_src = {k: (None, None) for k in self._folder_caps}
+            self._job_cap_src = {k: (None, None) for k in self._job_caps}
+            self._window = None
 
     # ----------------------------------------------------------------------- eviction
 
     def evict_jobs(self, jobs: Iterable[str]) -> int:
-        """Drop the counter and caps of jobs that hold nothing; returns how many were dropped.
+        """Drop the counters of jobs that hold nothing; returns how many were dropped.
 
-        The runtime calls this for FINISHED jobs with no procs left, so memory stays flat
-        over months of jobs (the reference never evicts). A job is kept while anything could
-        still be a booking: live cores or GPUs, in-flight amounts, or settled buckets not yet
-        proven to be in a snapshot. A finished job whose counter is stuck high (a release was
-        lost, and FINISHED jobs drop out of the recompute baseline) therefore stays until the
-        runtime overwrites it with (0, 0); keeping it is the safe side. Subscription and
-        folder entries are not evicted here: they are few and long-lived.
+        The runtime calls this for jobs that left the recompute's universe (FINISHED or
+        deleted) with no procs, so memory stays flat over months of jobs (the reference never
+        evicts). A job is kept while anything could still be a booking: live cores or GPUs,
+        in-flight amounts, or settled buckets not yet proven to be in a snapshot. Caps are
+        never touched here: a job reopened after its counter went can only book once its caps
+        are known again, and only a complete limit reseed (fenced by its snapshot) removes a
+        cap. Subscription and folder counters are few and long-lived: not evicted.
         """
         evicted = 0
         with self._lock:
             for job in jobs:
                 counter = self._job.get(job)
-                if counter is not None and any(counter[:8]):
+                if counter is None or any(counter[:8]):
                     continue
-                found = counter is not None
-                if found:
-                    del self._job[job]
-                if self._job_caps.pop(job, None) is not None:
-                    found = True
-                self._job_cap_src.pop(job, None)
-                if found:
-                    evicted += 1
+                del self._job[job]
+                evicted += 1
         return evicted
 
     # ----------------------------------------------------------------------- reads

@@ -1,70 +1,87 @@
 """Every accounting trigger, and the SQL it runs.
 
 In OpenCue, Cuebot's DAOs send these signals; here PostgreSQL does, so every writer (our own
-completion path, the admin, a script, a Cuebot sharing the database) produces them. The
-triggers are attached in the farm models' `Meta.triggers` and installed by `migrate`.
+completion path, the admin, a script, a DBA in psql, a Cuebot sharing the database) produces
+them. The triggers are attached in the farm models' `Meta.triggers` and installed by `migrate`.
 
-What runs where (all AFTER ... FOR EACH STATEMENT with transition tables):
+The rule they enforce: **every change to a booked amount, or to the key it is booked against,
+is an event sent in the writing transaction and applied once.** A proc books
+(show, alloc, folder, job, layer, dept) where alloc is its host's and folder and dept its job's,
+so the events are:
 
-| table | event | trigger | does |
-|---|---|---|---|
-| proc | DELETE | acct_release | `acct_release` per (show, alloc, folder, job, layer, dept), managed shows |
-| proc | INSERT, DELETE, UPDATE | acct_db_insert/delete/update | unmanaged shows: keep the five tables, enforce caps |
-| subscription | INSERT, UPDATE | acct_limit_sub_insert/update | `acct_limit_change` vertex sub |
-| folder_resource | INSERT, UPDATE | acct_limit_folder_insert/update | `acct_limit_change` vertex folder |
-| job_resource | INSERT, UPDATE | acct_limit_job_insert/update | `acct_limit_change` vertex job |
-| show | UPDATE | acct_show_flip | a flip waits for in-flight proc writes; to unmanaged: rewrite from SUM(proc) |
-| cuesched_accounting_settings | DELETE | acct_settings_keep_row | the kill-switch row cannot be deleted |
-
-Per-row against statement-level release (`manage.py bench_triggers`: 10,000 procs of one managed
-show in 20 layers, DELETE + COMMIT, medians; ranges over three sessions on the shared 2-core dev
-machine under a load of 2.5-4 from other work, so read them as ratios):
-
-| release trigger | one DELETE of 10,000 procs | 10,000 single-row DELETEs, one transaction |
+| table | event | does |
 |---|---|---|
-| statement-level, transition table (kept) | 98-112 ms, 20 messages | 0.96-2.8 s, 10,000 messages |
-| per-row | 290-660 ms, 10,000 messages | 0.63-1.4 s, 10,000 messages |
-| no triggers at all | 35-89 ms | 0.14-0.32 s |
+| proc | INSERT, UPDATE of an accounted column, DELETE | signed deltas of the old and new keys |
+| host | UPDATE OF pk_alloc | its running procs move subscription |
+| job | UPDATE OF pk_folder, pk_dept | its running procs move folder and point |
+| proc | TRUNCATE | unmanaged counters rebuilt, `acct_resync` |
+| subscription, folder_resource, job_resource | INSERT, UPDATE, DELETE | `acct_limit_change`, every show |
+| subscription, folder_resource, job_resource | TRUNCATE | `acct_resync` |
+| show | UPDATE OF b_scheduler_managed | flip generation; to unmanaged: rebuild from SUM(proc) |
+| cuesched_accounting_settings, _epoch | DELETE | refused: the single rows must stay |
 
-Statement-level is 3-6x cheaper on a bulk delete and sends one aggregated message per key instead
-of one per proc (the listener applies 20 deltas, not 10,000). Per-row is ~30-40 us cheaper per
-single-row statement (fewer, simpler queries than a transition-table aggregate); against the
-COMMIT of a one-proc completion transaction that difference is noise, so statement-level is kept.
-The COMMIT that queues 10,000 notifications costs ~8 ms either way.
+Each delta goes to the side that owns its show at that moment: a scheduler-managed show's
+deltas become `acct_release` messages for the Store (unless the transaction carries the
+scheduler's own "Store-accounted" marker: its bookings and compensations are already in the
+Store); an unmanaged show's deltas update the five counter tables in the same statement, with
+the caps checked for every positive delta (the statement fails with `check_violation` and the
+cap's constraint name, as Cuebot's `verify_*` triggers do).
 
-The database-enforced path of an unmanaged show costs about the same as a release on a bulk
-delete (~100 ms), but 10,000 single-row statements in ONE transaction take 30-45 s: every
-statement updates the same five counter rows, and row versions written by a still-open
-transaction cannot be pruned, so each update walks all earlier ones (quadratic; Cuebot's legacy
-path has the same shape). Write such changes as one statement, or one transaction per proc.
+Ordering, the part that makes "applied once" hold under concurrency. A delta is only right if
+the keys it reads (the show's flag, the host's allocation, the job's folder) cannot change
+between the read and the commit. So:
 
-Concurrency with a managed flip: every proc trigger first takes a shared transaction-level
-advisory lock per show of its rows, and only then reads `b_scheduler_managed` (a new statement,
-hence a new snapshot under READ COMMITTED); the flip trigger takes the same locks exclusively
-before it reads SUM(proc). A flip therefore waits for in-flight proc writes of the show to commit,
-and proc writes that start after it wait for the flip; no proc is counted by both paths or by
-neither.
+* every proc statement takes ONE shared transaction-level advisory lock (`ACCT_LOCK`) before it
+  reads any key, in a statement of its own (under READ COMMITTED the next statement's snapshot
+  then starts after whatever it waited for);
+* every statement that can move keys under running procs (a flip, `UPDATE host SET pk_alloc`,
+  `UPDATE job SET pk_folder / pk_dept`) takes the same lock exclusively in a BEFORE STATEMENT
+  trigger, before it locks any row, so it waits for in-flight proc writes and later ones wait
+  for it; its AFTER ROW trigger then sees every committed proc it moves;
+* a mover must run at READ COMMITTED (at REPEATABLE READ its snapshot predates the procs it
+  waited for) and is refused otherwise; it bumps `cuesched_accounting_epoch`, which a proc
+  writer at REPEATABLE READ or SERIALIZABLE locks FOR SHARE, so a move or flip committed after
+  that writer's snapshot fails it with a serialization failure (40001) instead of letting it
+  account against a key it cannot see has moved.
 
-Concurrent writers of one unmanaged show: the database-enforced triggers then also take an
-exclusive lock per show (`LOCK_DB_SHOWS`) before they touch a counter row, so bookings and
-releases of the show apply one transaction at a time instead of deadlocking on the shared
-subscription, folder and point rows.
+Advisory locks live in the lock table only: no tuple lock, no WAL on the hot path. The scheduler's
+booking transaction takes the shared lock in its first statement, which also makes the lease
+takeover of a standby scheduler (exclusive) wait for the old scheduler's last batch.
+
+Concurrent writers of one unmanaged show additionally take an exclusive lock per show
+(`LOCK_DB_SHOWS`) before they touch a counter row, so bookings and releases of the show apply
+one transaction at a time instead of deadlocking on the shared subscription, folder and point
+rows.
+
+Cost (`manage.py bench_triggers`, see docs/benchmarks.md): statement-level triggers with
+transition tables send one aggregated message per key per statement; a bulk delete of 10,000
+procs sends 20 messages, not 10,000. Keys are read once per statement into arrays, which the
+notification and the database-enforced halves then share.
 """
 
 from __future__ import annotations
 
 import pgtrigger
 
-from accounting.notify import LIMIT_CHANNEL, NOTIFY_SEQ_SETTING, RELEASE_CHANNEL, SUPPRESS_RELEASE_SETTING
+from accounting.notify import (
+    LIMIT_CHANNEL,
+    NOTIFY_SEQ_SETTING,
+    RELEASE_CHANNEL,
+    RESYNC_CHANNEL,
+    STORE_ACCOUNTED_SETTING,
+)
 
 SETTINGS_TABLE = "cuesched_accounting_settings"
+EPOCH_TABLE = "cuesched_accounting_epoch"
+SHOW_FLIP_TABLE = "cuesched_show_flip"
 CORE_MULTIPLIER = 100  # centicores per core, as Cuebot's CENTICORES_PER_CORE
 
 # --- SQL expressions shared by the trigger bodies ---------------------------------------------
 
 # The kill switch. A missing row reads as on: a notification is only a hint, an extra one is safe.
 NOTIFY_ENABLED = f"COALESCE((SELECT notify_enabled FROM {SETTINGS_TABLE} WHERE id = 1), true)"
-RELEASE_SUPPRESSED = f"COALESCE(current_setting('{SUPPRESS_RELEASE_SETTING}', true), '') = 'on'"
+STORE_ACCOUNTED = f"COALESCE(current_setting('{STORE_ACCOUNTED_SETTING}', true), '') = 'on'"
+READ_COMMITTED = "current_setting('transaction_isolation') = 'read committed'"
 CURRENT_XID = "pg_current_xact_id()::text::bigint"
 # Next value of the transaction-local payload counter (reset by COMMIT / ROLLBACK).
 NEXT_SEQ = (
@@ -80,8 +97,20 @@ def json_id(expr: str) -> str:
 
 
 def cores_from_centicores(expr: str) -> str:
-    """Integer division truncating toward zero, as Java and Rust (-250 -> -2)."""
+    """Integer division truncating toward zero, as Java and Rust (-250 -> -2). For caps."""
     return f"(({expr})::bigint / {CORE_MULTIPLIER})"
+
+
+def usage_cores(expr: str) -> str:
+    """A usage delta in whole cores, rounded toward +infinity (+250 -> +3, -250 -> -2).
+
+    A counter may read high, never low: rounding a positive delta down (or a negative one
+    away from zero) would leave the Store below SUM(proc).
+    """
+    return (
+        f"(CASE WHEN ({expr}) > 0 THEN (({expr})::bigint + {CORE_MULTIPLIER - 1}) / {CORE_MULTIPLIER}"
+        f" ELSE ({expr})::bigint / {CORE_MULTIPLIER} END)"
+    )
 
 
 def cores_cap(expr: str) -> str:
@@ -93,20 +122,156 @@ def _tail() -> str:
     return "',\"xid\":' || v_xid || ',\"seq\":' || v_seq || '}'"
 
 
-# --- acct_release --------------------------------------------------------------------------
+# --- the accounting-keys lock ---------------------------------------------------------------
 
-# One row per key of the statement's deleted, non-local procs of managed shows.
-RELEASE_GROUPS = """
-    SELECT o.pk_show, h.pk_alloc, j.pk_folder, o.pk_job, o.pk_layer, j.pk_dept,
-           SUM(o.int_cores_reserved)::bigint AS centicores, SUM(o.int_gpus_reserved)::bigint AS gpus
-    FROM old_procs o
-    JOIN show s ON s.pk_show = o.pk_show AND s.b_scheduler_managed
-    JOIN host h ON h.pk_host = o.pk_host
-    JOIN job j ON j.pk_job = o.pk_job
-    WHERE NOT o.b_local
-    GROUP BY o.pk_show, h.pk_alloc, j.pk_folder, o.pk_job, o.pk_layer, j.pk_dept
-    ORDER BY o.pk_show, h.pk_alloc, j.pk_folder, o.pk_job, o.pk_layer, j.pk_dept
+# One key in its own two-int4 space (classid 'acct'): shared by every proc statement and by the
+# scheduler's booking and display transactions, exclusive for flips, key moves and a lease
+# takeover (see the module docstring).
+ACCT_LOCK_CLASS = 0x61636374
+ACCT_LOCK_KEY = 0
+LOCK_KEYS_SHARED = f"PERFORM pg_advisory_xact_lock_shared({ACCT_LOCK_CLASS}, {ACCT_LOCK_KEY});"
+LOCK_KEYS_EXCLUSIVE = f"PERFORM pg_advisory_xact_lock({ACCT_LOCK_CLASS}, {ACCT_LOCK_KEY});"
+# The same from a client. Run it as its own statement, so that the next one's snapshot starts
+# after any flip or move it waited for.
+LOCK_KEYS_SHARED_SQL = f"SELECT pg_advisory_xact_lock_shared({ACCT_LOCK_CLASS}, {ACCT_LOCK_KEY})"
+LOCK_KEYS_EXCLUSIVE_SQL = f"SELECT pg_advisory_xact_lock({ACCT_LOCK_CLASS}, {ACCT_LOCK_KEY})"
+
+# A proc writer at REPEATABLE READ / SERIALIZABLE reads keys from its transaction snapshot, which
+# may predate a flip or move it waited for: locking the epoch row makes PostgreSQL fail it (40001)
+# if a mover bumped the row after that snapshot.
+# The row is (re)created on demand, so a TRUNCATE of it (Django's test flush does one) cannot
+# silently void the guard: an insert that conflicts with a row this snapshot cannot see fails
+# with the same serialization failure.
+EPOCH_GUARD = f"""
+    IF NOT {READ_COMMITTED} THEN
+        INSERT INTO {EPOCH_TABLE} (id, int_moves, ts_moved) VALUES (1, 0, now()) ON CONFLICT (id) DO NOTHING;
+        PERFORM 1 FROM {EPOCH_TABLE} WHERE id = 1 FOR SHARE;
+    END IF;"""
+EPOCH_BUMP = (
+    f"INSERT INTO {EPOCH_TABLE} AS t (id, int_moves, ts_moved) VALUES (1, 1, now()) "
+    "ON CONFLICT (id) DO UPDATE SET int_moves = t.int_moves + 1, ts_moved = now();"
+)
+
+
+def _refuse_unless_read_committed(what: str) -> str:
+    return f"""
+    IF NOT {READ_COMMITTED} THEN
+        RAISE EXCEPTION USING
+            MESSAGE = format('cuesched: %s must run at READ COMMITTED, not %s', '{what}',
+                             current_setting('transaction_isolation')),
+            HINT = 'It moves the accounting of running procs and must see every proc committed before it; '
+                   'run it in a READ COMMITTED transaction.',
+            ERRCODE = 'feature_not_supported';
+    END IF;"""
+
+
+# Database-enforced accounting of a show is one writer at a time: an exclusive lock per
+# unmanaged show (its own key space, 'acdb'), taken in show order before any counter row.
+# Without it, concurrent bookers and releasers of one show deadlocked on the subscription,
+# folder and point rows (4 deadlocks in one 6,000-frame drain with two dispatch workers).
+DB_ACCOUNTING_LOCK_CLASS = 0x61636462
+LOCK_DB_SHOWS = (
+    f"PERFORM pg_advisory_xact_lock({DB_ACCOUNTING_LOCK_CLASS}, x.k) "
+    "FROM (SELECT DISTINCT hashtext(d.pk_show) AS k FROM {rows} d ORDER BY 1) x;"
+)
+LOCK_DB_SHOWS_SQL = (
+    f"SELECT pg_advisory_xact_lock({DB_ACCOUNTING_LOCK_CLASS}, x.k) "
+    "FROM (SELECT DISTINCT hashtext(s) AS k FROM unnest(%(shows)s::text[]) AS s ORDER BY 1) AS x"
+)
+
+# --- keyed deltas ---------------------------------------------------------------------------
+# Every source yields (pk_show, pk_alloc, pk_folder, pk_job, pk_layer, pk_dept, cc, g): a signed
+# amount in centicores and GPUs against the full key of non-local procs.
+
+PROC_INSERT_KEYED = """
+    SELECT n.pk_show, h.pk_alloc, j.pk_folder, n.pk_job, n.pk_layer, j.pk_dept,
+           n.int_cores_reserved::bigint, n.int_gpus_reserved::bigint
+    FROM new_procs n JOIN host h ON h.pk_host = n.pk_host JOIN job j ON j.pk_job = n.pk_job
+    WHERE NOT n.b_local
 """
+PROC_DELETE_KEYED = """
+    SELECT o.pk_show, h.pk_alloc, j.pk_folder, o.pk_job, o.pk_layer, j.pk_dept,
+           -o.int_cores_reserved::bigint, -o.int_gpus_reserved::bigint
+    FROM old_procs o JOIN host h ON h.pk_host = o.pk_host JOIN job j ON j.pk_job = o.pk_job
+    WHERE NOT o.b_local
+"""
+# A changed proc counts as its old row removed and its new row added: this covers a proc moved
+# to another host (allocation), job, layer or show, turned local, or resized in place.
+PROC_CHANGED = """
+    ROW(o.pk_show, o.pk_host, o.pk_job, o.pk_layer, o.b_local, o.int_cores_reserved, o.int_gpus_reserved)
+    IS DISTINCT FROM
+    ROW(n.pk_show, n.pk_host, n.pk_job, n.pk_layer, n.b_local, n.int_cores_reserved, n.int_gpus_reserved)
+"""
+PROC_UPDATE_KEYED = f"""
+    SELECT n.pk_show, h.pk_alloc, j.pk_folder, n.pk_job, n.pk_layer, j.pk_dept,
+           n.int_cores_reserved::bigint, n.int_gpus_reserved::bigint
+    FROM new_procs n JOIN old_procs o ON o.pk_proc = n.pk_proc
+    JOIN host h ON h.pk_host = n.pk_host JOIN job j ON j.pk_job = n.pk_job
+    WHERE NOT n.b_local AND {PROC_CHANGED}
+    UNION ALL
+    SELECT o.pk_show, h.pk_alloc, j.pk_folder, o.pk_job, o.pk_layer, j.pk_dept,
+           -o.int_cores_reserved::bigint, -o.int_gpus_reserved::bigint
+    FROM old_procs o JOIN new_procs n ON n.pk_proc = o.pk_proc
+    JOIN host h ON h.pk_host = o.pk_host JOIN job j ON j.pk_job = o.pk_job
+    WHERE NOT o.b_local AND {PROC_CHANGED}
+"""
+# Row-level: the running procs of a host whose allocation changed, off the old one, onto the new.
+HOST_MOVE_KEYED = """
+    SELECT p.pk_show, OLD.pk_alloc, j.pk_folder, p.pk_job, p.pk_layer, j.pk_dept,
+           -p.int_cores_reserved::bigint, -p.int_gpus_reserved::bigint
+    FROM proc p JOIN job j ON j.pk_job = p.pk_job WHERE p.pk_host = OLD.pk_host AND NOT p.b_local
+    UNION ALL
+    SELECT p.pk_show, NEW.pk_alloc, j.pk_folder, p.pk_job, p.pk_layer, j.pk_dept,
+           p.int_cores_reserved::bigint, p.int_gpus_reserved::bigint
+    FROM proc p JOIN job j ON j.pk_job = p.pk_job WHERE p.pk_host = NEW.pk_host AND NOT p.b_local
+"""
+# Row-level: the running procs of a job whose folder or department changed.
+JOB_MOVE_KEYED = """
+    SELECT p.pk_show, h.pk_alloc, OLD.pk_folder, p.pk_job, p.pk_layer, OLD.pk_dept,
+           -p.int_cores_reserved::bigint, -p.int_gpus_reserved::bigint
+    FROM proc p JOIN host h ON h.pk_host = p.pk_host WHERE p.pk_job = OLD.pk_job AND NOT p.b_local
+    UNION ALL
+    SELECT p.pk_show, h.pk_alloc, NEW.pk_folder, p.pk_job, p.pk_layer, NEW.pk_dept,
+           p.int_cores_reserved::bigint, p.int_gpus_reserved::bigint
+    FROM proc p JOIN host h ON h.pk_host = p.pk_host WHERE p.pk_job = NEW.pk_job AND NOT p.b_local
+"""
+
+# The keyed deltas are read once per trigger into these arrays (with each show's flag, read in
+# the same statement), then shared by both halves.
+DELTA_DECLARE = [
+    ("v_show", "text[]"),
+    ("v_alloc", "text[]"),
+    ("v_folder", "text[]"),
+    ("v_job", "text[]"),
+    ("v_layer", "text[]"),
+    ("v_dept", "text[]"),
+    ("v_cc", "bigint[]"),
+    ("v_g", "bigint[]"),
+    ("v_managed", "boolean[]"),
+    ("v_xid", "bigint"),
+    ("v_seq", "bigint"),
+    ("v_constraint", "text"),
+    ("v_message", "text"),
+]
+DELTAS = (
+    "unnest(v_show, v_alloc, v_folder, v_job, v_layer, v_dept, v_cc, v_g, v_managed) "
+    "AS d(pk_show, pk_alloc, pk_folder, pk_job, pk_layer, pk_dept, cc, g, managed)"
+)
+
+
+def read_deltas(keyed: str) -> str:
+    """Collect the keyed deltas and each show's flag; a fresh statement after the lock."""
+    return f"""
+    SELECT array_agg(d.pk_show), array_agg(d.pk_alloc), array_agg(d.pk_folder), array_agg(d.pk_job),
+           array_agg(d.pk_layer), array_agg(d.pk_dept), array_agg(d.cc), array_agg(d.g),
+           array_agg(s.b_scheduler_managed)
+    INTO v_show, v_alloc, v_folder, v_job, v_layer, v_dept, v_cc, v_g, v_managed
+    FROM ({keyed}) AS d(pk_show, pk_alloc, pk_folder, pk_job, pk_layer, pk_dept, cc, g)
+    JOIN show s ON s.pk_show = d.pk_show
+    WHERE d.cc <> 0 OR d.g <> 0;"""
+
+
+# --- managed shows: acct_release -------------------------------------------------------------
 
 RELEASE_PAYLOAD = (
     "'{\"show\":' || "
@@ -122,160 +287,35 @@ RELEASE_PAYLOAD = (
     + " || ',\"dept\":' || "
     + json_id("g.pk_dept")
     + " || ',\"cores\":' || "
-    + cores_from_centicores("-g.centicores")
-    + " || ',\"gpus\":' || (-g.gpus) || "
+    + usage_cores("g.cc")
+    + " || ',\"gpus\":' || g.g || "
     + _tail()
 )
 
-# Orders proc writes and managed flips of a show (see the module docstring): proc triggers take
-# a shared transaction-level advisory lock per show, the flip an exclusive one. Advisory locks
-# live in the lock table only: no tuple lock, no WAL, no MultiXact on the hot show row.
-# Two-int4 key space (classid 'acct'), separate from the single-bigint keys used elsewhere.
-SHOW_LOCK_CLASS = 0x61636374
-LOCK_SHOWS = (
-    f"PERFORM pg_advisory_xact_lock_shared({SHOW_LOCK_CLASS}, x.k) "
-    "FROM (SELECT DISTINCT hashtext(d.pk_show) AS k FROM {rows} d ORDER BY 1) x;"
-)
-LOCK_SHOWS_EXCLUSIVE = (
-    f"PERFORM pg_advisory_xact_lock({SHOW_LOCK_CLASS}, x.k) "
-    "FROM (SELECT DISTINCT hashtext(d.pk_show) AS k FROM {rows} d ORDER BY 1) x;"
-)
-# The same shared lock from a client, for the shows in %(shows)s: a writer that must see the
-# managed flag no flip can change under it (the dispatcher's batch, the recompute's display
-# write). Run it as its own statement, so the next one's snapshot starts after any flip it
-# waited for.
-LOCK_SHOWS_SQL = (
-    f"SELECT pg_advisory_xact_lock_shared({SHOW_LOCK_CLASS}, x.k) "
-    "FROM (SELECT DISTINCT hashtext(s) AS k FROM unnest(%(shows)s::text[]) AS s ORDER BY 1) AS x"
-)
-# Database-enforced accounting of a show is one writer at a time: an exclusive lock per
-# unmanaged show (its own key space, 'acdb'), taken in show order before any counter row.
-# Concurrent bookers and releasers of one show update the same subscription, folder and point
-# rows in whatever order their statements' plans reach them; without this they deadlocked
-# (measured: 4 deadlocks, each a 1 s deadlock_timeout stall, in one 6,000-frame drain with two
-# dispatch workers). Writers of one show that share a subscription, folder or department
-# already queued on those rows; the cost is that writers of different allocations, folders and
-# departments of one show now queue too, for the rest of their transactions.
-DB_ACCOUNTING_LOCK_CLASS = 0x61636462
-LOCK_DB_SHOWS = (
-    f"PERFORM pg_advisory_xact_lock({DB_ACCOUNTING_LOCK_CLASS}, x.k) "
-    "FROM (SELECT DISTINCT hashtext(d.pk_show) AS k FROM {rows} d "
-    "JOIN show s ON s.pk_show = d.pk_show AND NOT s.b_scheduler_managed ORDER BY 1) x;"
-)
+NOTIFY_MANAGED = f"""
+    IF true = ANY(v_managed) AND NOT {STORE_ACCOUNTED} AND {NOTIFY_ENABLED} THEN
+        v_xid := {CURRENT_XID};
+        v_seq := {NEXT_SEQ};
+        PERFORM pg_notify('{RELEASE_CHANNEL}', {RELEASE_PAYLOAD}) FROM (
+            SELECT d.pk_show, d.pk_alloc, d.pk_folder, d.pk_job, d.pk_layer, d.pk_dept,
+                   SUM(d.cc)::bigint AS cc, SUM(d.g)::bigint AS g
+            FROM {DELTAS}
+            WHERE d.managed
+            GROUP BY d.pk_show, d.pk_alloc, d.pk_folder, d.pk_job, d.pk_layer, d.pk_dept
+            HAVING SUM(d.cc) <> 0 OR SUM(d.g) <> 0
+            ORDER BY d.pk_show, d.pk_alloc, d.pk_folder, d.pk_job, d.pk_layer, d.pk_dept
+        ) g;
+    END IF;"""
 
-RELEASE_FUNC = f"""
-    IF {RELEASE_SUPPRESSED} OR NOT {NOTIFY_ENABLED} THEN
-        RETURN NULL;
-    END IF;
-    {LOCK_SHOWS.format(rows="old_procs")}
-    IF NOT EXISTS (
-        SELECT 1 FROM old_procs o JOIN show s ON s.pk_show = o.pk_show AND s.b_scheduler_managed
-        WHERE NOT o.b_local
-    ) THEN
-        RETURN NULL;
-    END IF;
-    v_xid := {CURRENT_XID};
-    v_seq := {NEXT_SEQ};
-    PERFORM pg_notify('{RELEASE_CHANNEL}', {RELEASE_PAYLOAD}) FROM ({RELEASE_GROUPS}) g;
-    RETURN NULL;
-"""
-
-# The per-row variant, kept only so that bench_triggers can measure it against the one above.
-RELEASE_ROW_FUNC = f"""
-    IF OLD.b_local OR {RELEASE_SUPPRESSED} OR NOT {NOTIFY_ENABLED} THEN
-        RETURN NULL;
-    END IF;
-    PERFORM pg_advisory_xact_lock_shared({SHOW_LOCK_CLASS}, hashtext(OLD.pk_show));
-    SELECT s.b_scheduler_managed INTO v_managed FROM show s WHERE s.pk_show = OLD.pk_show;
-    IF NOT COALESCE(v_managed, false) THEN
-        RETURN NULL;
-    END IF;
-    SELECT h.pk_alloc INTO v_alloc FROM host h WHERE h.pk_host = OLD.pk_host;
-    SELECT j.pk_folder, j.pk_dept INTO v_folder, v_dept FROM job j WHERE j.pk_job = OLD.pk_job;
-    v_xid := {CURRENT_XID};
-    v_seq := {NEXT_SEQ};
-    PERFORM pg_notify('{RELEASE_CHANNEL}', {
-    RELEASE_PAYLOAD.replace("g.pk_show", "OLD.pk_show")
-    .replace("g.pk_alloc", "v_alloc")
-    .replace("g.pk_folder", "v_folder")
-    .replace("g.pk_job", "OLD.pk_job")
-    .replace("g.pk_layer", "OLD.pk_layer")
-    .replace("g.pk_dept", "v_dept")
-    .replace("g.centicores", "OLD.int_cores_reserved")
-    .replace("g.gpus", "OLD.int_gpus_reserved")
-});
-    RETURN NULL;
-"""
-
-
-def release_trigger() -> pgtrigger.Trigger:
-    return pgtrigger.Trigger(
-        name="acct_release",
-        when=pgtrigger.After,
-        operation=pgtrigger.Delete,
-        level=pgtrigger.Statement,
-        referencing=pgtrigger.Referencing(old="old_procs"),
-        declare=[("v_xid", "bigint"), ("v_seq", "bigint")],
-        func=RELEASE_FUNC,
-    )
-
-
-def release_row_trigger() -> pgtrigger.Trigger:
-    """Not installed by any model: the alternative that bench_triggers measures."""
-    return pgtrigger.Trigger(
-        name="acct_release_row",
-        when=pgtrigger.After,
-        operation=pgtrigger.Delete,
-        level=pgtrigger.Row,
-        declare=[
-            ("v_managed", "boolean"),
-            ("v_alloc", "text"),
-            ("v_folder", "text"),
-            ("v_dept", "text"),
-            ("v_xid", "bigint"),
-            ("v_seq", "bigint"),
-        ],
-        func=RELEASE_ROW_FUNC,
-    )
-
-
-# --- database-enforced accounting (shows with b_scheduler_managed = false) -----------------
-
-# Signed per-proc deltas (pk_show, pk_host, pk_job, pk_layer, cc, g) of non-local procs.
-DB_INSERT_DELTAS = """
-    SELECT n.pk_show, n.pk_host, n.pk_job, n.pk_layer,
-           n.int_cores_reserved::bigint AS cc, n.int_gpus_reserved::bigint AS g
-    FROM new_procs n WHERE NOT n.b_local
-"""
-DB_DELETE_DELTAS = """
-    SELECT o.pk_show, o.pk_host, o.pk_job, o.pk_layer,
-           -o.int_cores_reserved::bigint AS cc, -o.int_gpus_reserved::bigint AS g
-    FROM old_procs o WHERE NOT o.b_local
-"""
-# A changed proc counts as its old row removed and its new row added; this also covers a proc
-# moved to another host (allocation), job or layer, or turned local.
-_PROC_CHANGED = """
-    ROW(o.pk_show, o.pk_host, o.pk_job, o.pk_layer, o.b_local, o.int_cores_reserved, o.int_gpus_reserved)
-    IS DISTINCT FROM
-    ROW(n.pk_show, n.pk_host, n.pk_job, n.pk_layer, n.b_local, n.int_cores_reserved, n.int_gpus_reserved)
-"""
-DB_UPDATE_DELTAS = f"""
-    SELECT n.pk_show, n.pk_host, n.pk_job, n.pk_layer,
-           n.int_cores_reserved::bigint AS cc, n.int_gpus_reserved::bigint AS g
-    FROM new_procs n JOIN old_procs o ON o.pk_proc = n.pk_proc
-    WHERE NOT n.b_local AND {_PROC_CHANGED}
-    UNION ALL
-    SELECT o.pk_show, o.pk_host, o.pk_job, o.pk_layer,
-           -o.int_cores_reserved::bigint AS cc, -o.int_gpus_reserved::bigint AS g
-    FROM old_procs o JOIN new_procs n ON n.pk_proc = o.pk_proc
-    WHERE NOT o.b_local AND {_PROC_CHANGED}
-"""
+# --- unmanaged shows: the five tables, caps enforced -------------------------------------------
 
 # Constraint names carried by the errors (psycopg: exc.diag.constraint_name), so a caller can
 # tell a cap rejection from any other failure without parsing the message.
 CAP_SUBSCRIPTION_MISSING = "acct_subscription_missing"
 CAP_SUBSCRIPTION_BURST = "acct_subscription_burst"
+CAP_FOLDER_MISSING = "acct_folder_missing"
 CAP_FOLDER_MAX_CORES = "acct_folder_max_cores"
+CAP_JOB_MISSING = "acct_job_missing"
 CAP_JOB_MAX_CORES = "acct_job_max_cores"
 CAP_FOLDER_MAX_GPUS = "acct_folder_max_gpus"
 CAP_JOB_MAX_GPUS = "acct_job_max_gpus"
@@ -283,26 +323,23 @@ CAP_CONSTRAINTS = frozenset(
     {
         CAP_SUBSCRIPTION_MISSING,
         CAP_SUBSCRIPTION_BURST,
+        CAP_FOLDER_MISSING,
         CAP_FOLDER_MAX_CORES,
+        CAP_JOB_MISSING,
         CAP_JOB_MAX_CORES,
         CAP_FOLDER_MAX_GPUS,
         CAP_JOB_MAX_GPUS,
     }
 )
 
-# Applies the aggregated deltas to the five tables and returns the first cap violation, if any.
-# Every UPDATE ... RETURNING locks the rows it changes, so concurrent bookers of one subscription,
+# Applies the unmanaged deltas to the five tables and returns the first cap violation, if any.
+# Every UPDATE ... RETURNING locks the rows it changes, so concurrent writers of one subscription,
 # folder or job queue up and each checks the values it wrote itself. Only keys whose delta is
-# positive are checked: a release always succeeds, even above a cap lowered meanwhile. The order
-# is the Store's: subscription, folder cores, job cores, folder GPUs, job GPUs.
-DB_APPLY = """
-    WITH delta AS (
-        SELECT d.pk_show, h.pk_alloc, j.pk_folder, d.pk_job, d.pk_layer, j.pk_dept, d.cc, d.g
-        FROM ({deltas}) d
-        JOIN show s ON s.pk_show = d.pk_show AND NOT s.b_scheduler_managed
-        JOIN host h ON h.pk_host = d.pk_host
-        JOIN job j ON j.pk_job = d.pk_job
-    ),
+# positive are checked: a release always succeeds, even above a cap lowered meanwhile; a positive
+# delta against a missing row fails closed, as a missing subscription always did. The order is
+# the Store's: subscription, folder cores, job cores, folder GPUs, job GPUs.
+DB_APPLY = f"""
+    WITH delta AS (SELECT * FROM {DELTAS} WHERE NOT d.managed),
     sub_d AS (
         SELECT pk_show, pk_alloc, SUM(cc)::bigint AS cc, SUM(g)::bigint AS g
         FROM delta GROUP BY pk_show, pk_alloc HAVING SUM(cc) <> 0 OR SUM(g) <> 0
@@ -346,78 +383,84 @@ DB_APPLY = """
         SET int_cores = t.int_cores + EXCLUDED.int_cores, int_gpus = t.int_gpus + EXCLUDED.int_gpus
     )
     SELECT v.con, v.msg INTO v_constraint, v_message FROM (
-        SELECT 1 AS ord, '{missing}' AS con, format(
+        SELECT 1 AS ord, '{CAP_SUBSCRIPTION_MISSING}' AS con, format(
             'no subscription for show=%s alloc=%s: cannot book %s centicores',
             d.pk_show, d.pk_alloc, d.cc) AS msg
         FROM sub_d d
         WHERE d.cc > 0 AND NOT EXISTS (
             SELECT 1 FROM sub_u u WHERE u.pk_show = d.pk_show AND u.pk_alloc = d.pk_alloc)
         UNION ALL
-        SELECT 2, '{burst}', format(
+        SELECT 2, '{CAP_SUBSCRIPTION_BURST}', format(
             'subscription has exceeded burst size: show=%s alloc=%s cores=%s burst=%s (centicores)',
             u.pk_show, u.pk_alloc, u.int_cores, u.int_burst)
         FROM sub_d d JOIN sub_u u ON u.pk_show = d.pk_show AND u.pk_alloc = d.pk_alloc
         WHERE d.cc > 0 AND u.int_cores > u.int_burst
         UNION ALL
-        SELECT 3, '{folder_cores}', format(
+        SELECT 3, '{CAP_FOLDER_MISSING}', format(
+            'no folder_resource row for folder=%s: cannot book %s centicores', d.pk_folder, d.cc)
+        FROM folder_d d
+        WHERE (d.cc > 0 OR d.g > 0) AND NOT EXISTS (SELECT 1 FROM folder_u u WHERE u.pk_folder = d.pk_folder)
+        UNION ALL
+        SELECT 4, '{CAP_FOLDER_MAX_CORES}', format(
             'folder has exceeded max cores: folder=%s cores=%s max_cores=%s (centicores)',
             u.pk_folder, u.int_cores, u.int_max_cores)
         FROM folder_d d JOIN folder_u u ON u.pk_folder = d.pk_folder
         WHERE d.cc > 0 AND u.int_max_cores > 0 AND u.int_cores > u.int_max_cores
         UNION ALL
-        SELECT 4, '{job_cores}', format(
+        SELECT 5, '{CAP_JOB_MISSING}', format(
+            'no job_resource row for job=%s: cannot book %s centicores', d.pk_job, d.cc)
+        FROM job_d d
+        WHERE (d.cc > 0 OR d.g > 0) AND NOT EXISTS (SELECT 1 FROM job_u u WHERE u.pk_job = d.pk_job)
+        UNION ALL
+        SELECT 6, '{CAP_JOB_MAX_CORES}', format(
             'job has exceeded max cores: job=%s cores=%s max_cores=%s (centicores)',
             u.pk_job, u.int_cores, u.int_max_cores)
         FROM job_d d JOIN job_u u ON u.pk_job = d.pk_job
         WHERE d.cc > 0 AND u.int_max_cores > 0 AND u.int_cores > u.int_max_cores
         UNION ALL
-        SELECT 5, '{folder_gpus}', format(
+        SELECT 7, '{CAP_FOLDER_MAX_GPUS}', format(
             'folder has exceeded max GPUs: folder=%s gpus=%s max_gpus=%s',
             u.pk_folder, u.int_gpus, u.int_max_gpus)
         FROM folder_d d JOIN folder_u u ON u.pk_folder = d.pk_folder
         WHERE d.g > 0 AND u.int_max_gpus > 0 AND u.int_gpus > u.int_max_gpus
         UNION ALL
-        SELECT 6, '{job_gpus}', format(
+        SELECT 8, '{CAP_JOB_MAX_GPUS}', format(
             'job has exceeded max GPUs: job=%s gpus=%s max_gpus=%s',
             u.pk_job, u.int_gpus, u.int_max_gpus)
         FROM job_d d JOIN job_u u ON u.pk_job = d.pk_job
         WHERE d.g > 0 AND u.int_max_gpus > 0 AND u.int_gpus > u.int_max_gpus
     ) v
     ORDER BY v.ord, v.msg
-    LIMIT 1;
-"""
+    LIMIT 1;"""
+
+APPLY_UNMANAGED = f"""
+    IF false = ANY(v_managed) THEN
+        {LOCK_DB_SHOWS.format(rows=f"(SELECT * FROM {DELTAS} WHERE NOT d.managed)")}
+        {DB_APPLY}
+        IF v_message IS NOT NULL THEN
+            RAISE EXCEPTION USING MESSAGE = v_message, ERRCODE = 'check_violation', CONSTRAINT = v_constraint;
+        END IF;
+    END IF;"""
 
 
-def db_accounting_func(deltas: str) -> str:
-    """The body of one proc accounting trigger, for a delta query over its transition tables."""
-    apply_sql = DB_APPLY.format(
-        deltas=deltas,
-        missing=CAP_SUBSCRIPTION_MISSING,
-        burst=CAP_SUBSCRIPTION_BURST,
-        folder_cores=CAP_FOLDER_MAX_CORES,
-        job_cores=CAP_JOB_MAX_CORES,
-        folder_gpus=CAP_FOLDER_MAX_GPUS,
-        job_gpus=CAP_JOB_MAX_GPUS,
-    )
-    # Lock first, then read the flag (a fresh snapshot): see the module docstring. The early exit
-    # keeps statements that touch only managed shows, or no reservation at all, cheap.
+def usage_func(keyed: str, *, guard: str = "", prologue: str = "") -> str:
+    """A trigger body: optional cheap exit, the lock, the keyed deltas, then both halves."""
     return f"""
-    {LOCK_SHOWS.format(rows=f"({deltas})")}
-    IF NOT EXISTS (
-        SELECT 1 FROM ({deltas}) d JOIN show s ON s.pk_show = d.pk_show AND NOT s.b_scheduler_managed
-    ) THEN
+    {guard}
+    {prologue}
+    {LOCK_KEYS_SHARED}
+    {EPOCH_GUARD}
+    {read_deltas(keyed)}
+    IF v_show IS NULL THEN
         RETURN NULL;
     END IF;
-    {LOCK_DB_SHOWS.format(rows=f"({deltas})")}
-    {apply_sql}
-    IF v_message IS NOT NULL THEN
-        RAISE EXCEPTION USING MESSAGE = v_message, ERRCODE = 'check_violation', CONSTRAINT = v_constraint;
-    END IF;
+    {NOTIFY_MANAGED}
+    {APPLY_UNMANAGED}
     RETURN NULL;
 """
 
 
-def _db_trigger(name: str, operation: pgtrigger.Operation, deltas: str) -> pgtrigger.Trigger:
+def _usage_trigger(name: str, operation: pgtrigger.Operation, func: str) -> pgtrigger.Trigger:
     referencing = {
         "INSERT": pgtrigger.Referencing(new="new_procs"),
         "DELETE": pgtrigger.Referencing(old="old_procs"),
@@ -429,21 +472,220 @@ def _db_trigger(name: str, operation: pgtrigger.Operation, deltas: str) -> pgtri
         operation=operation,
         level=pgtrigger.Statement,
         referencing=referencing,
-        declare=[("v_constraint", "text"), ("v_message", "text")],
-        func=db_accounting_func(deltas),
+        declare=DELTA_DECLARE,
+        func=func,
     )
+
+
+# --- rebuilding the database-enforced counters from SUM(proc) --------------------------------
+
+# The five tables of the shows in `{shows}` (a SQL expression yielding pk_show values) set to
+# SUM(proc) of their non-local procs, touching only rows whose value differs. Used by a flip to
+# unmanaged (the Store kept them only approximately), by a TRUNCATE of proc, and by the
+# scheduler's periodic reconcile of unmanaged shows (`RECONCILE_SQL`), which reports the
+# centicores it corrected as drift. Caps are not checked: a rebuild writes the truth.
+_REBUILD = """
+    WITH target AS MATERIALIZED ({shows}),
+    live AS (
+        SELECT p.pk_show, h.pk_alloc, j.pk_folder, p.pk_job, p.pk_layer, j.pk_dept,
+               p.int_cores_reserved::bigint AS cc, p.int_gpus_reserved::bigint AS g
+        FROM proc p
+        JOIN host h ON h.pk_host = p.pk_host
+        JOIN job j ON j.pk_job = p.pk_job
+        WHERE NOT p.b_local AND p.pk_show IN (SELECT pk_show FROM target)
+    ),
+    sub_x AS (
+        SELECT s.pk_subscription AS pk, s.int_cores AS old_c, COALESCE(SUM(l.cc), 0) AS cc, COALESCE(SUM(l.g), 0) AS g
+        FROM subscription s LEFT JOIN live l ON l.pk_show = s.pk_show AND l.pk_alloc = s.pk_alloc
+        WHERE s.pk_show IN (SELECT pk_show FROM target)
+        GROUP BY s.pk_subscription
+    ),
+    sub_u AS (
+        UPDATE subscription t SET int_cores = x.cc, int_gpus = x.g FROM sub_x x
+        WHERE t.pk_subscription = x.pk AND (t.int_cores, t.int_gpus) IS DISTINCT FROM (x.cc, x.g)
+        RETURNING abs(x.cc - x.old_c) AS drift
+    ),
+    folder_x AS (
+        SELECT fr.pk_folder_resource AS pk, fr.int_cores AS old_c, COALESCE(SUM(l.cc), 0) AS cc, COALESCE(SUM(l.g), 0) AS g
+        FROM folder_resource fr JOIN folder f ON f.pk_folder = fr.pk_folder
+        LEFT JOIN live l ON l.pk_folder = fr.pk_folder
+        WHERE f.pk_show IN (SELECT pk_show FROM target)
+        GROUP BY fr.pk_folder_resource
+    ),
+    folder_u AS (
+        UPDATE folder_resource t SET int_cores = x.cc, int_gpus = x.g FROM folder_x x
+        WHERE t.pk_folder_resource = x.pk AND (t.int_cores, t.int_gpus) IS DISTINCT FROM (x.cc, x.g)
+        RETURNING abs(x.cc - x.old_c) AS drift
+    ),
+    job_x AS (
+        SELECT jr.pk_job_resource AS pk, jr.int_cores AS old_c, COALESCE(SUM(l.cc), 0) AS cc, COALESCE(SUM(l.g), 0) AS g
+        FROM job_resource jr JOIN job j ON j.pk_job = jr.pk_job
+        LEFT JOIN live l ON l.pk_job = jr.pk_job
+        WHERE j.pk_show IN (SELECT pk_show FROM target)
+        GROUP BY jr.pk_job_resource
+    ),
+    job_u AS (
+        UPDATE job_resource t SET int_cores = x.cc, int_gpus = x.g FROM job_x x
+        WHERE t.pk_job_resource = x.pk AND (t.int_cores, t.int_gpus) IS DISTINCT FROM (x.cc, x.g)
+        RETURNING abs(x.cc - x.old_c) AS drift
+    ),
+    layer_x AS (
+        SELECT lr.pk_layer_resource AS pk, lr.int_cores AS old_c, COALESCE(SUM(l.cc), 0) AS cc, COALESCE(SUM(l.g), 0) AS g
+        FROM layer_resource lr JOIN job j ON j.pk_job = lr.pk_job
+        LEFT JOIN live l ON l.pk_layer = lr.pk_layer
+        WHERE j.pk_show IN (SELECT pk_show FROM target)
+        GROUP BY lr.pk_layer_resource
+    ),
+    layer_u AS (
+        UPDATE layer_resource t SET int_cores = x.cc, int_gpus = x.g FROM layer_x x
+        WHERE t.pk_layer_resource = x.pk AND (t.int_cores, t.int_gpus) IS DISTINCT FROM (x.cc, x.g)
+        RETURNING abs(x.cc - x.old_c) AS drift
+    ),
+    point_x AS (
+        SELECT pt.pk_point AS pk, pt.int_cores AS old_c, COALESCE(SUM(l.cc), 0) AS cc, COALESCE(SUM(l.g), 0) AS g
+        FROM point pt LEFT JOIN live l ON l.pk_show = pt.pk_show AND l.pk_dept = pt.pk_dept
+        WHERE pt.pk_show IN (SELECT pk_show FROM target)
+        GROUP BY pt.pk_point
+    ),
+    point_u AS (
+        UPDATE point t SET int_cores = x.cc, int_gpus = x.g FROM point_x x
+        WHERE t.pk_point = x.pk AND (t.int_cores, t.int_gpus) IS DISTINCT FROM (x.cc, x.g)
+        RETURNING abs(x.cc - x.old_c) AS drift
+    ),
+    point_new AS (
+        INSERT INTO point (pk_point, pk_show, pk_dept, int_cores, int_gpus)
+        SELECT gen_random_uuid()::text, l.pk_show, l.pk_dept, SUM(l.cc)::int, SUM(l.g)::int
+        FROM live l
+        WHERE NOT EXISTS (SELECT 1 FROM point pt WHERE pt.pk_show = l.pk_show AND pt.pk_dept = l.pk_dept)
+        GROUP BY l.pk_show, l.pk_dept
+        ON CONFLICT (pk_show, pk_dept) DO NOTHING
+        RETURNING int_cores AS drift
+    )
+    SELECT (SELECT COALESCE(SUM(drift), 0) FROM sub_u)::bigint, (SELECT COALESCE(SUM(drift), 0) FROM folder_u)::bigint,
+           (SELECT COALESCE(SUM(drift), 0) FROM job_u)::bigint, (SELECT COALESCE(SUM(drift), 0) FROM layer_u)::bigint,
+           ((SELECT COALESCE(SUM(drift), 0) FROM point_u) + (SELECT COALESCE(SUM(drift), 0) FROM point_new))::bigint
+    {into}
+"""
+REBUILD_TABLES = ("subscription", "folder_resource", "job_resource", "layer_resource", "point")
+
+
+def rebuild_sql(shows: str, *, into: str = "") -> str:
+    return _REBUILD.format(shows=shows, into=into)
+
+
+# The scheduler's reconcile of every unmanaged show, from a client: run after LOCK_KEYS_SHARED_SQL
+# (no flip or move under it) and LOCK_DB_SHOWS_SQL for the same shows (no database-enforced writer
+# between its read of proc and its write), in one READ COMMITTED transaction. Returns the
+# centicores corrected per table.
+UNMANAGED_SHOWS_SQL = "SELECT pk_show FROM show WHERE NOT b_scheduler_managed ORDER BY pk_show"
+RECONCILE_SQL = rebuild_sql("SELECT unnest(%(shows)s::text[]) AS pk_show")
+
+
+# --- proc triggers ---------------------------------------------------------------------------
+
+PROC_INSERT_FUNC = usage_func(
+    PROC_INSERT_KEYED, guard="IF NOT EXISTS (SELECT 1 FROM new_procs WHERE NOT b_local) THEN RETURN NULL; END IF;"
+)
+PROC_DELETE_FUNC = usage_func(
+    PROC_DELETE_KEYED, guard="IF NOT EXISTS (SELECT 1 FROM old_procs WHERE NOT b_local) THEN RETURN NULL; END IF;"
+)
+# Agents update procs all the time (memory used, pings): leave before any lock unless an
+# accounted column changed.
+PROC_UPDATE_FUNC = usage_func(
+    PROC_UPDATE_KEYED,
+    guard=(
+        "IF NOT EXISTS (SELECT 1 FROM new_procs n JOIN old_procs o ON o.pk_proc = n.pk_proc "
+        f"WHERE {PROC_CHANGED}) THEN RETURN NULL; END IF;"
+    ),
+)
+
+PROC_TRUNCATE_FUNC = f"""
+    {LOCK_KEYS_SHARED}
+    -- No row is left to send a delta for: the unmanaged shows' counters are rebuilt (to zero,
+    -- unless this transaction inserts again), and the scheduler is told to reseed.
+    {rebuild_sql(UNMANAGED_SHOWS_SQL, into="INTO v_d1, v_d2, v_d3, v_d4, v_d5")};
+    PERFORM pg_notify('{RESYNC_CHANNEL}', '{{"table":"proc","xid":' || {CURRENT_XID} || '}}');
+    RETURN NULL;
+"""
 
 
 def proc_triggers() -> list[pgtrigger.Trigger]:
     return [
-        release_trigger(),
-        _db_trigger("acct_db_insert", pgtrigger.Insert, DB_INSERT_DELTAS),
-        _db_trigger("acct_db_delete", pgtrigger.Delete, DB_DELETE_DELTAS),
-        _db_trigger("acct_db_update", pgtrigger.Update, DB_UPDATE_DELTAS),
+        _usage_trigger("acct_proc_insert", pgtrigger.Insert, PROC_INSERT_FUNC),
+        _usage_trigger("acct_proc_delete", pgtrigger.Delete, PROC_DELETE_FUNC),
+        _usage_trigger("acct_proc_update", pgtrigger.Update, PROC_UPDATE_FUNC),
+        pgtrigger.Trigger(
+            name="acct_proc_truncate",
+            when=pgtrigger.After,
+            operation=pgtrigger.Truncate,
+            level=pgtrigger.Statement,
+            declare=[(f"v_d{i}", "bigint") for i in range(1, 6)],
+            func=PROC_TRUNCATE_FUNC,
+        ),
     ]
 
 
-# --- acct_limit_change ---------------------------------------------------------------------
+# --- key moves: host.pk_alloc, job.pk_folder / pk_dept ------------------------------------------
+
+
+def _keys_lock_trigger(name: str, operation: pgtrigger.Operation) -> pgtrigger.Trigger:
+    """BEFORE STATEMENT: the exclusive lock before any row of the statement is locked."""
+    return pgtrigger.Trigger(
+        name=name,
+        when=pgtrigger.Before,
+        operation=operation,
+        level=pgtrigger.Statement,
+        func=f"{LOCK_KEYS_EXCLUSIVE}\n    RETURN NULL;",
+    )
+
+
+def _move_trigger(
+    name: str, operation: pgtrigger.Operation, condition: str, keyed: str, what: str
+) -> pgtrigger.Trigger:
+    return pgtrigger.Trigger(
+        name=name,
+        when=pgtrigger.After,
+        operation=operation,
+        level=pgtrigger.Row,
+        condition=pgtrigger.Condition(condition),
+        declare=DELTA_DECLARE,
+        func=usage_func(
+            keyed,
+            prologue=f"{_refuse_unless_read_committed(what)}\n    {LOCK_KEYS_EXCLUSIVE}\n    {EPOCH_BUMP}",
+        ),
+    )
+
+
+def host_triggers() -> list[pgtrigger.Trigger]:
+    return [
+        _keys_lock_trigger("acct_host_keys_lock", pgtrigger.UpdateOf("pk_alloc")),
+        _move_trigger(
+            "acct_host_move",
+            pgtrigger.UpdateOf("pk_alloc"),
+            "OLD.pk_alloc IS DISTINCT FROM NEW.pk_alloc",
+            HOST_MOVE_KEYED,
+            "moving a host to another allocation",
+        ),
+    ]
+
+
+def job_triggers() -> list[pgtrigger.Trigger]:
+    return [
+        _keys_lock_trigger("acct_job_keys_lock", pgtrigger.UpdateOf("pk_folder", "pk_dept")),
+        _move_trigger(
+            "acct_job_move",
+            pgtrigger.UpdateOf("pk_folder", "pk_dept"),
+            "OLD.pk_folder IS DISTINCT FROM NEW.pk_folder OR OLD.pk_dept IS DISTINCT FROM NEW.pk_dept",
+            JOB_MOVE_KEYED,
+            "moving a job to another folder or department",
+        ),
+    ]
+
+
+# --- acct_limit_change: caps of every show -----------------------------------------------------
+# Sent whatever the show's flag: a cap write that read "unmanaged" just before a flip to managed
+# committed would otherwise be missed by the flip's seed if it committed after the seed's read.
+# The Store ignores caps of shows it does not enforce, and the limit reseed prunes them.
 
 SUB_PAYLOAD = (
     '\'{"vertex":"sub","show":\' || '
@@ -455,68 +697,87 @@ SUB_PAYLOAD = (
     + " || "
     + _tail()
 )
+SUB_REMOVED_PAYLOAD = (
+    '\'{"vertex":"sub","show":\' || '
+    + json_id("n.pk_show")
+    + " || ',\"alloc\":' || "
+    + json_id("n.pk_alloc")
+    + " || ',\"removed\":true' || "
+    + _tail()
+)
 
 
-def cap_payload(vertex: str, id_column: str, cores_field: str, gpus_field: str) -> str:
-    """Payload with `max_cores` only if `cores_field` is true, `max_gpus` only if `gpus_field` is."""
+def cap_payload(vertex: str, id_column: str) -> str:
+    """Both caps of a folder or job row: a partial message could not create a missing Store entry."""
     return (
         f'\'{{"vertex":"{vertex}","id":\' || {json_id("n." + id_column)}'
-        f" || CASE WHEN {cores_field} THEN ',\"max_cores\":' || {cores_cap('n.int_max_cores')} ELSE '' END"
-        f" || CASE WHEN {gpus_field} THEN ',\"max_gpus\":' || n.int_max_gpus ELSE '' END"
+        f" || ',\"max_cores\":' || {cores_cap('n.int_max_cores')}"
+        f" || ',\"max_gpus\":' || n.int_max_gpus"
         f" || {_tail()}"
     )
 
 
-_CORES_CHANGED = "n.int_max_cores IS DISTINCT FROM o.int_max_cores"
-_GPUS_CHANGED = "n.int_max_gpus IS DISTINCT FROM o.int_max_gpus"
+def cap_removed_payload(vertex: str, id_column: str) -> str:
+    return f'\'{{"vertex":"{vertex}","id":\' || {json_id("n." + id_column)} || \',"removed":true\' || {_tail()}'
 
-# (table, pk, join to the show, changed, payload for update, payload for insert, order)
+
 _SUB = {
     "pk": "pk_subscription",
-    "show_join": "JOIN show s ON s.pk_show = n.pk_show AND s.b_scheduler_managed",
-    "changed": "n.int_burst IS DISTINCT FROM o.int_burst",
-    "update_payload": SUB_PAYLOAD,
-    "insert_payload": SUB_PAYLOAD,
+    "changed": "n.int_burst IS DISTINCT FROM o.int_burst OR n.pk_show IS DISTINCT FROM o.pk_show "
+    "OR n.pk_alloc IS DISTINCT FROM o.pk_alloc",
+    "payload": SUB_PAYLOAD,
+    "removed": SUB_REMOVED_PAYLOAD,
     "order": "n.pk_show, n.pk_alloc",
 }
 _FOLDER = {
     "pk": "pk_folder_resource",
-    "show_join": (
-        "JOIN folder f ON f.pk_folder = n.pk_folder JOIN show s ON s.pk_show = f.pk_show AND s.b_scheduler_managed"
-    ),
-    "changed": f"({_CORES_CHANGED} OR {_GPUS_CHANGED})",
-    "update_payload": cap_payload("folder", "pk_folder", _CORES_CHANGED, _GPUS_CHANGED),
-    "insert_payload": cap_payload("folder", "pk_folder", "true", "true"),
+    "changed": "n.int_max_cores IS DISTINCT FROM o.int_max_cores OR n.int_max_gpus IS DISTINCT FROM o.int_max_gpus "
+    "OR n.pk_folder IS DISTINCT FROM o.pk_folder",
+    "payload": cap_payload("folder", "pk_folder"),
+    "removed": cap_removed_payload("folder", "pk_folder"),
     "order": "n.pk_folder",
 }
 _JOB = {
     "pk": "pk_job_resource",
-    "show_join": ("JOIN job j ON j.pk_job = n.pk_job JOIN show s ON s.pk_show = j.pk_show AND s.b_scheduler_managed"),
-    "changed": f"({_CORES_CHANGED} OR {_GPUS_CHANGED})",
-    "update_payload": cap_payload("job", "pk_job", _CORES_CHANGED, _GPUS_CHANGED),
-    "insert_payload": cap_payload("job", "pk_job", "true", "true"),
+    "changed": "n.int_max_cores IS DISTINCT FROM o.int_max_cores OR n.int_max_gpus IS DISTINCT FROM o.int_max_gpus "
+    "OR n.pk_job IS DISTINCT FROM o.pk_job",
+    "payload": cap_payload("job", "pk_job"),
+    "removed": cap_removed_payload("job", "pk_job"),
     "order": "n.pk_job",
 }
 
 
 def limit_update_func(spec: dict[str, str]) -> str:
-    """Cap UPDATE: cheap exit first, since the booking path updates int_cores of these rows."""
-    changed_rows = f"FROM new_rows n JOIN old_rows o ON o.{spec['pk']} = n.{spec['pk']} WHERE {spec['changed']}"
+    """Cap UPDATE: cheap exit first, since the booking path updates int_cores of these rows.
+
+    A row whose key itself changed (a subscription moved to another show) is announced as the
+    old key removed and the new one set.
+    """
+    changed = f"FROM new_rows n JOIN old_rows o ON o.{spec['pk']} = n.{spec['pk']} WHERE ({spec['changed']})"
+    removed = spec["removed"].replace("n.", "o.")
     return f"""
-    IF NOT EXISTS (SELECT 1 {changed_rows}) OR NOT {NOTIFY_ENABLED} THEN
+    IF NOT EXISTS (SELECT 1 {changed}) OR NOT {NOTIFY_ENABLED} THEN
         RETURN NULL;
     END IF;
     v_xid := {CURRENT_XID};
     v_seq := {NEXT_SEQ};
     PERFORM pg_notify('{LIMIT_CHANNEL}', p.payload) FROM (
-        SELECT {spec["update_payload"]} AS payload
-        FROM new_rows n JOIN old_rows o ON o.{spec["pk"]} = n.{spec["pk"]}
-        {spec["show_join"]}
-        WHERE {spec["changed"]}
-        ORDER BY {spec["order"]}
+        SELECT 1 AS ord, {removed} AS payload, {spec["order"].replace("n.", "o.")}
+        {changed} AND ({_key_changed(spec)})
+        UNION ALL
+        SELECT 2, {spec["payload"]}, {spec["order"]}
+        {changed}
+        ORDER BY 1, {", ".join(str(3 + i) for i in range(spec["order"].count(",") + 1))}
     ) p;
     RETURN NULL;
 """
+
+
+def _key_changed(spec: dict[str, str]) -> str:
+    if spec["pk"] == "pk_subscription":
+        return "n.pk_show IS DISTINCT FROM o.pk_show OR n.pk_alloc IS DISTINCT FROM o.pk_alloc"
+    column = spec["order"].removeprefix("n.")
+    return f"n.{column} IS DISTINCT FROM o.{column}"
 
 
 def limit_insert_func(spec: dict[str, str]) -> str:
@@ -527,15 +788,35 @@ def limit_insert_func(spec: dict[str, str]) -> str:
     v_xid := {CURRENT_XID};
     v_seq := {NEXT_SEQ};
     PERFORM pg_notify('{LIMIT_CHANNEL}', p.payload) FROM (
-        SELECT {spec["insert_payload"]} AS payload
-        FROM new_rows n {spec["show_join"]}
-        ORDER BY {spec["order"]}
+        SELECT {spec["payload"]} AS payload FROM new_rows n ORDER BY {spec["order"]}
     ) p;
     RETURN NULL;
 """
 
 
-def _limit_triggers(vertex: str, spec: dict[str, str]) -> list[pgtrigger.Trigger]:
+def limit_delete_func(spec: dict[str, str]) -> str:
+    """A deleted cap row: the Store forgets the cap, so the key fails closed until a reseed or fill."""
+    return f"""
+    IF NOT {NOTIFY_ENABLED} THEN
+        RETURN NULL;
+    END IF;
+    v_xid := {CURRENT_XID};
+    v_seq := {NEXT_SEQ};
+    PERFORM pg_notify('{LIMIT_CHANNEL}', p.payload) FROM (
+        SELECT {spec["removed"]} AS payload FROM old_rows n ORDER BY {spec["order"]}
+    ) p;
+    RETURN NULL;
+"""
+
+
+def resync_func(table: str) -> str:
+    return f"""
+    PERFORM pg_notify('{RESYNC_CHANNEL}', '{{"table":"{table}","xid":' || {CURRENT_XID} || '}}');
+    RETURN NULL;
+"""
+
+
+def _limit_triggers(vertex: str, table: str, spec: dict[str, str]) -> list[pgtrigger.Trigger]:
     declare = [("v_xid", "bigint"), ("v_seq", "bigint")]
     return [
         pgtrigger.Trigger(
@@ -556,138 +837,96 @@ def _limit_triggers(vertex: str, spec: dict[str, str]) -> list[pgtrigger.Trigger
             declare=declare,
             func=limit_update_func(spec),
         ),
+        pgtrigger.Trigger(
+            name=f"acct_limit_{vertex}_delete",
+            when=pgtrigger.After,
+            operation=pgtrigger.Delete,
+            level=pgtrigger.Statement,
+            referencing=pgtrigger.Referencing(old="old_rows"),
+            declare=declare,
+            func=limit_delete_func(spec),
+        ),
+        pgtrigger.Trigger(
+            name=f"acct_limit_{vertex}_truncate",
+            when=pgtrigger.After,
+            operation=pgtrigger.Truncate,
+            level=pgtrigger.Statement,
+            func=resync_func(table),
+        ),
     ]
 
 
 def subscription_triggers() -> list[pgtrigger.Trigger]:
-    return _limit_triggers("sub", _SUB)
+    return _limit_triggers("sub", "subscription", _SUB)
 
 
 def folder_resource_triggers() -> list[pgtrigger.Trigger]:
-    return _limit_triggers("folder", _FOLDER)
+    return _limit_triggers("folder", "folder_resource", _FOLDER)
 
 
 def job_resource_triggers() -> list[pgtrigger.Trigger]:
-    return _limit_triggers("job", _JOB)
+    return _limit_triggers("job", "job_resource", _JOB)
 
 
 # --- managed flips -------------------------------------------------------------
 
-# The scheduler's recompute kept the five tables of a managed show only approximately (and not
-# at all for FINISHED jobs); the database-enforced path adds and subtracts from them from now on,
-# so they are rewritten to the truth, SUM(proc) of non-local procs, in the flipping transaction.
-# Caps are not checked: a flip must succeed even if the show is over a cap right now.
-_FLIPPED = """
-    (SELECT n.pk_show FROM new_rows n JOIN old_rows o ON o.pk_show = n.pk_show
-     WHERE o.b_scheduler_managed AND NOT n.b_scheduler_managed)
-"""
 _ANY_FLIP = """
     (SELECT n.pk_show FROM new_rows n JOIN old_rows o ON o.pk_show = n.pk_show
      WHERE o.b_scheduler_managed IS DISTINCT FROM n.b_scheduler_managed)
 """
+_TO_UNMANAGED = """
+    SELECT n.pk_show FROM new_rows n JOIN old_rows o ON o.pk_show = n.pk_show
+    WHERE o.b_scheduler_managed AND NOT n.b_scheduler_managed
+"""
+# Every flip, either way, bumps the show's generation. The scheduler publishes a show as managed
+# with the generation its seed read, and its booking transaction checks it: a show that went
+# unmanaged and back since the seed (however fast) books nothing until it is seeded again.
 SHOW_FLIP_FUNC = f"""
     IF NOT EXISTS {_ANY_FLIP} THEN
         RETURN NULL;
     END IF;
-    -- Both directions wait for proc writes of these shows that read the old flag, and later
-    -- ones wait for our commit. To managed: the scheduler's managed-flip seed then reads
-    -- SUM(proc) after every database-enforced booking of the show has committed, so none is
-    -- missed. To unmanaged: the rewrite below counts every proc the Store enforced.
-    {LOCK_SHOWS_EXCLUSIVE.format(rows=_ANY_FLIP)}
-    IF NOT EXISTS {_FLIPPED} THEN
-        RETURN NULL;
+    {_refuse_unless_read_committed("a managed flip")}
+    -- Taken before any row by acct_show_flip_lock; again here for a flip whose statement did
+    -- not name the column (it cannot happen through SQL, but costs nothing).
+    {LOCK_KEYS_EXCLUSIVE}
+    {EPOCH_BUMP}
+    INSERT INTO {SHOW_FLIP_TABLE} AS t (pk_show, int_generation, b_managed, ts_flipped)
+    SELECT n.pk_show, 1, n.b_scheduler_managed, now() FROM new_rows n JOIN old_rows o ON o.pk_show = n.pk_show
+    WHERE o.b_scheduler_managed IS DISTINCT FROM n.b_scheduler_managed
+    ON CONFLICT (pk_show) DO UPDATE
+    SET int_generation = t.int_generation + 1, b_managed = EXCLUDED.b_managed, ts_flipped = EXCLUDED.ts_flipped;
+    -- To unmanaged: the database path adds and subtracts from the five tables from now on, so
+    -- they are rewritten to SUM(proc) in the flipping transaction, caps unchecked.
+    IF EXISTS ({_TO_UNMANAGED}) THEN
+        {rebuild_sql(_TO_UNMANAGED, into="INTO v_d1, v_d2, v_d3, v_d4, v_d5")};
     END IF;
-    WITH flipped AS (
-        SELECT n.pk_show FROM new_rows n JOIN old_rows o ON o.pk_show = n.pk_show
-        WHERE o.b_scheduler_managed AND NOT n.b_scheduler_managed
-    ),
-    live AS (
-        SELECT p.pk_show, h.pk_alloc, j.pk_folder, p.pk_job, p.pk_layer, j.pk_dept,
-               p.int_cores_reserved::bigint AS cc, p.int_gpus_reserved::bigint AS g
-        FROM proc p
-        JOIN host h ON h.pk_host = p.pk_host
-        JOIN job j ON j.pk_job = p.pk_job
-        WHERE NOT p.b_local AND p.pk_show IN (SELECT pk_show FROM flipped)
-    ),
-    sub_u AS (
-        UPDATE subscription t SET int_cores = x.cc, int_gpus = x.g
-        FROM (
-            SELECT s.pk_subscription, COALESCE(SUM(l.cc), 0)::int AS cc, COALESCE(SUM(l.g), 0)::int AS g
-            FROM subscription s
-            LEFT JOIN live l ON l.pk_show = s.pk_show AND l.pk_alloc = s.pk_alloc
-            WHERE s.pk_show IN (SELECT pk_show FROM flipped)
-            GROUP BY s.pk_subscription
-        ) x
-        WHERE t.pk_subscription = x.pk_subscription AND (t.int_cores, t.int_gpus) IS DISTINCT FROM (x.cc, x.g)
-    ),
-    folder_u AS (
-        UPDATE folder_resource t SET int_cores = x.cc, int_gpus = x.g
-        FROM (
-            SELECT fr.pk_folder, COALESCE(SUM(l.cc), 0)::int AS cc, COALESCE(SUM(l.g), 0)::int AS g
-            FROM folder_resource fr
-            JOIN folder f ON f.pk_folder = fr.pk_folder
-            LEFT JOIN live l ON l.pk_folder = fr.pk_folder
-            WHERE f.pk_show IN (SELECT pk_show FROM flipped)
-            GROUP BY fr.pk_folder
-        ) x
-        WHERE t.pk_folder = x.pk_folder AND (t.int_cores, t.int_gpus) IS DISTINCT FROM (x.cc, x.g)
-    ),
-    job_u AS (
-        UPDATE job_resource t SET int_cores = x.cc, int_gpus = x.g
-        FROM (
-            SELECT jr.pk_job, COALESCE(SUM(l.cc), 0)::bigint AS cc, COALESCE(SUM(l.g), 0)::int AS g
-            FROM job_resource jr
-            JOIN job j ON j.pk_job = jr.pk_job
-            LEFT JOIN live l ON l.pk_job = jr.pk_job
-            WHERE j.pk_show IN (SELECT pk_show FROM flipped)
-            GROUP BY jr.pk_job
-        ) x
-        WHERE t.pk_job = x.pk_job AND (t.int_cores, t.int_gpus) IS DISTINCT FROM (x.cc, x.g)
-    ),
-    layer_u AS (
-        UPDATE layer_resource t SET int_cores = x.cc, int_gpus = x.g
-        FROM (
-            SELECT lr.pk_layer, COALESCE(SUM(l.cc), 0)::bigint AS cc, COALESCE(SUM(l.g), 0)::int AS g
-            FROM layer_resource lr
-            JOIN job j ON j.pk_job = lr.pk_job
-            LEFT JOIN live l ON l.pk_layer = lr.pk_layer
-            WHERE j.pk_show IN (SELECT pk_show FROM flipped)
-            GROUP BY lr.pk_layer
-        ) x
-        WHERE t.pk_layer = x.pk_layer AND (t.int_cores, t.int_gpus) IS DISTINCT FROM (x.cc, x.g)
-    ),
-    point_zero AS (
-        UPDATE point t SET int_cores = 0, int_gpus = 0
-        WHERE t.pk_show IN (SELECT pk_show FROM flipped)
-          AND (t.int_cores <> 0 OR t.int_gpus <> 0)
-          AND NOT EXISTS (SELECT 1 FROM live l WHERE l.pk_show = t.pk_show AND l.pk_dept = t.pk_dept)
-    )
-    INSERT INTO point AS t (pk_point, pk_show, pk_dept, int_cores, int_gpus)
-    SELECT gen_random_uuid()::text, l.pk_show, l.pk_dept, SUM(l.cc)::int, SUM(l.g)::int
-    FROM live l GROUP BY l.pk_show, l.pk_dept
-    ON CONFLICT (pk_show, pk_dept) DO UPDATE
-    SET int_cores = EXCLUDED.int_cores, int_gpus = EXCLUDED.int_gpus
-    WHERE (t.int_cores, t.int_gpus) IS DISTINCT FROM (EXCLUDED.int_cores, EXCLUDED.int_gpus);
     RETURN NULL;
 """
 
 
 def show_triggers() -> list[pgtrigger.Trigger]:
     return [
+        _keys_lock_trigger("acct_show_flip_lock", pgtrigger.UpdateOf("b_scheduler_managed")),
         pgtrigger.Trigger(
             name="acct_show_flip",
             when=pgtrigger.After,
             operation=pgtrigger.Update,
             level=pgtrigger.Statement,
             referencing=pgtrigger.Referencing(old="old_rows", new="new_rows"),
+            declare=[(f"v_d{i}", "bigint") for i in range(1, 6)],
             func=SHOW_FLIP_FUNC,
-        )
+        ),
     ]
 
 
-# --- the kill-switch row -------------------------------------------------------------------
+# --- the single rows -------------------------------------------------------------------------
 
 
 def settings_triggers() -> list[pgtrigger.Trigger]:
     """Deleting the row would silently turn the switch into its default; refuse it."""
     return [pgtrigger.Protect(name="acct_settings_keep_row", operation=pgtrigger.Delete)]
+
+
+def epoch_triggers() -> list[pgtrigger.Trigger]:
+    """The epoch row is the REPEATABLE READ writers' flip and move guard; refuse deleting it."""
+    return [pgtrigger.Protect(name="acct_epoch_keep_row", operation=pgtrigger.Delete)]

@@ -63,3 +63,16 @@ def centicores_to_cores_cap(value: int | Decimal, multiplier: int = CENTICORES_P
     if number < 0:
         return UNLIMITED
     return number // multiplier
+
+
+def usage_to_cores(value: int | Decimal, multiplier: int = CENTICORES_PER_CORE) -> int:
+    """Booked usage (a key's SUM(proc), a delta): rounded toward +infinity (250 -> 3, -250 -> -2).
+
+    Truncating a positive sum would leave a counter LOW by the fraction, and a cap check on it
+    would let the truth pass the cap; rounding up only ever reads high. Caps keep truncating.
+    """
+    number = _as_int(value)
+    _check_multiplier(multiplier)
+    if number > 0:
+        return -((-number) // multiplier)
+    return trunc_div(number, multiplier)

@@ -66,3 +66,37 @@ def limit_reseed_interval() -> float:
 def managed_shows_ttl() -> float:
     """How often the set of scheduler-managed shows is re-read (and new ones seeded)."""
     return env_float("CUESCHED_MANAGED_SHOWS_TTL", 30.0)
+
+
+def db_reconcile_interval() -> float:
+    """Five counter tables of unmanaged shows <- SUM(proc): the database-enforced path's backstop."""
+    return env_float("CUESCHED_DB_RECONCILE_INTERVAL", 60.0)
+
+
+# --- listener liveness and the scheduler's fence ----------------------------------------
+def heartbeat_interval() -> float:
+    """How often the scheduler NOTIFYs itself on cuesched_heartbeat, seconds."""
+    return env_float("CUESCHED_HEARTBEAT_INTERVAL", 0.5)
+
+
+def heartbeat_deadline() -> float:
+    """Managed shows book only while a heartbeat sent at most this long ago came back through
+    the listener; past it the listener reconnects and reseeds (seconds)."""
+    return env_float("CUESCHED_HEARTBEAT_DEADLINE", 3.0)
+
+
+def tcp_user_timeout_ms() -> int:
+    """libpq tcp_user_timeout of the scheduler's connections: unacknowledged data after this long
+    fails the connection instead of waiting out the kernel's retries (~15 minutes)."""
+    return env_int("CUESCHED_TCP_USER_TIMEOUT_MS", 10000)
+
+
+def scheduler_database_url() -> str:
+    """A DATABASE_URL for the scheduler's own connections (listener, loops, dispatch, lock), when
+    they must take another path than Django's (a pooler, a proxy); empty means Django's."""
+    return env_str("CUESCHED_SCHEDULER_DATABASE_URL", "")
+
+
+def standby_poll_interval() -> float:
+    """A `run_scheduler --standby` retries the one-scheduler lock this often, seconds."""
+    return env_float("CUESCHED_STANDBY_POLL_INTERVAL", 1.0)

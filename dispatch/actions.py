@@ -82,10 +82,8 @@ JOB_PROCS_SQL = "SELECT pk_proc FROM proc WHERE pk_job = %s ORDER BY pk_proc"
 # The job's caps on acct_limit_change, as the job_resource insert trigger sends them.
 ANNOUNCE_JOB_CAPS_SQL = f"""
 WITH v AS (SELECT {acct_triggers.CURRENT_XID} AS v_xid, {acct_triggers.NEXT_SEQ} AS v_seq)
-SELECT pg_notify('{LIMIT_CHANNEL}', {acct_triggers.cap_payload("job", "pk_job", "true", "true")})
+SELECT pg_notify('{LIMIT_CHANNEL}', {acct_triggers.cap_payload("job", "pk_job")})
 FROM job_resource n
-JOIN job j ON j.pk_job = n.pk_job
-JOIN show s ON s.pk_show = j.pk_show AND s.b_scheduler_managed
 CROSS JOIN v
 WHERE n.pk_job = %s AND {acct_triggers.NOTIFY_ENABLED}
 """

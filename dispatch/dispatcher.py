@@ -4,18 +4,27 @@ Reference §3.7 books one frame per transaction. Here a batch of bookings (alrea
 in the Store for managed shows) is written in ONE transaction, with the reference's guards
 kept row by row but executed set-based:
 
-1. the shows' shared advisory lock is taken (the one the proc triggers take, and a flip to
-   unmanaged takes exclusively), then each booking's managed decision is checked against
-   `show.b_scheduler_managed`: a show flipped since the decision loses its bookings, so a
-   Store-booked proc is never counted by the database triggers too, nor a proc booked
-   without the Store left to a database that no longer enforces its caps;
+0. the transaction is READ COMMITTED whatever the server's default, its first statement takes
+   the accounting-keys lock shared (the one every proc trigger takes, and flips, key moves and
+   a lease takeover take exclusively), and its second checks the scheduler lease: a
+   scheduler that lost its lease cannot commit a single booking, and the takeover waits for
+   this batch. The same statement records the transaction id, so an unknown COMMIT outcome
+   is later settled from `pg_xact_status`, not from which procs happen to exist;
+1. each booking's managed decision is checked against `show.b_scheduler_managed` and, for a
+   Store booking, the show's flip generation the Store was seeded at: a show flipped since
+   (even there and back) loses its bookings, so a Store-booked proc is never counted by the
+   database triggers too, nor one booked on a stale seed; its keys are checked too (the
+   host's allocation and the job's folder the Store booked against: a move since is a
+   rejection, not a proc counted under the wrong key);
 2. frame start, guarded by `str_state = 'WAITING' AND int_version = <seen>` (and the layer's
    `ts_start_after`), version + 1, RUNNING, host, reservations, times, the retry bump;
 3. proc INSERT ... ON CONFLICT (pk_frame) DO NOTHING, for the frames that started;
 4. host idle decrement aggregated per host, guarded so no idle value goes negative and the
    host is still OPEN, UP and heard from within the lost-host timeout.
 
-All three writes are one statement (data-modifying CTEs) inside a SAVEPOINT per group; each
+The Store-booked group runs under the transaction-local "Store-accounted" marker, so its
+proc INSERT sends no usage delta (the Store counted it already). All three writes are one
+statement (data-modifying CTEs) inside a SAVEPOINT per group; each
 CTE reads the RETURNING of the one before, never a join of two CTEs (the planner estimates a
 data-modifying CTE at one row and would nest-loop such a join). A
 guard that fails only removes its bookings: the group is rolled back to the savepoint and
@@ -40,7 +49,7 @@ import psycopg
 from psycopg import errors as pg_errors
 
 from accounting import triggers as acct_triggers
-from accounting.notify import suppress_release_in_transaction
+from accounting.notify import STORE_ACCOUNTED_SQL
 from accounting.service import BookingResult
 from dispatch.feed import FrameWork, LayerWork
 from dispatch.placement import HostRec
@@ -55,12 +64,15 @@ EXIT_STATUS_FRAME_CLEARED = 299
 REJECT_FRAME = "frame"  # state/version guard: the frame was started, changed or removed elsewhere
 REJECT_PROC = "proc"  # the frame already has a proc
 REJECT_HOST = "host"  # the host's idle resources (or lock state) no longer allow it
-REJECT_MANAGED_FLIP = "managed_flip"  # the show's managed flag differs from the booking's decision
+REJECT_MANAGED_FLIP = "managed_flip"  # the show's flag or flip generation differs from the booking's
+REJECT_KEYS = "keys"  # the host's allocation or the job's folder moved since the Store booked it
 REJECT_DATABASE = "database"  # any other statement error of this booking alone
 
 _CAP_TABLES = {
     acct_triggers.CAP_SUBSCRIPTION_MISSING: "subscription",
     acct_triggers.CAP_SUBSCRIPTION_BURST: "subscription",
+    acct_triggers.CAP_FOLDER_MISSING: "folder",
+    acct_triggers.CAP_JOB_MISSING: "job",
     acct_triggers.CAP_FOLDER_MAX_CORES: "folder",
     acct_triggers.CAP_JOB_MAX_CORES: "job",
     acct_triggers.CAP_FOLDER_MAX_GPUS: "folder_gpus",
@@ -73,18 +85,35 @@ CAP_REFUSALS = frozenset(_CAP_TABLES.values())
 _RETRY_SQLSTATES = {"40P01", "40001"}  # deadlock, serialization failure
 _MAX_GROUP_ATTEMPTS = 6
 
+# The lease check (and the transaction id an unknown COMMIT is settled by), right after the lock.
+LEASE_SQL = (
+    "SELECT (SELECT int_generation FROM cuesched_scheduler_lease WHERE id = 1), pg_current_xact_id()::text::bigint"
+)
+
 BOOK_SQL = f"""
 WITH b AS (
   SELECT * FROM unnest(
     %(proc)b::text[], %(frame)b::text[], %(version)b::int[], %(host)b::text[], %(host_name)b::text[],
     %(show)b::text[], %(job)b::text[], %(layer)b::text[], %(cores)b::bigint[], %(mem)b::bigint[],
-    %(gpus)b::int[], %(gpu_mem)b::bigint[], %(managed)b::bool[], %(decided)b::float8[])
+    %(gpus)b::int[], %(gpu_mem)b::bigint[], %(managed)b::bool[], %(decided)b::float8[], %(alloc)b::text[],
+    %(folder)b::text[], %(generation)b::bigint[])
   AS b(pk_proc, pk_frame, version, pk_host, host_name, pk_show, pk_job, pk_layer, cores, mem, gpus, gpu_mem,
-       managed, decided)
+       managed, decided, alloc, folder, generation)
 ),
 shows AS (
-  SELECT s.pk_show, s.b_scheduler_managed FROM show s
+  SELECT s.pk_show, s.b_scheduler_managed, COALESCE(fl.int_generation, 0) AS generation FROM show s
+  LEFT JOIN cuesched_show_flip fl ON fl.pk_show = s.pk_show
   WHERE s.pk_show IN (SELECT DISTINCT pk_show FROM b)
+),
+-- Owner and keys as the Store booked them: the flag (and, for a Store booking, the flip
+-- generation of its seed), the host's allocation and the job's folder. The accounting-keys
+-- lock this transaction holds keeps all of them still until COMMIT.
+checked AS MATERIALIZED (
+  SELECT b.*,
+         (s.b_scheduler_managed = b.managed AND (NOT b.managed OR s.generation = b.generation)) AS owner_ok,
+         (EXISTS (SELECT 1 FROM host h WHERE h.pk_host = b.pk_host AND h.pk_alloc = b.alloc)
+          AND EXISTS (SELECT 1 FROM job j WHERE j.pk_job = b.pk_job AND j.pk_folder = b.folder)) AS keys_ok
+  FROM b JOIN shows s ON s.pk_show = b.pk_show
 ),
 -- The frames to start, found by primary key from the input (a LATERAL lookup per booking),
 -- then updated by the exact row version seen: a frame changed since (by anyone) has a new
@@ -93,14 +122,14 @@ shows AS (
 -- wrong guess there turns the join quadratic).
 target AS MATERIALIZED (
   SELECT b.*, x.fctid
-  FROM b
-  JOIN shows s ON s.pk_show = b.pk_show AND s.b_scheduler_managed = b.managed
+  FROM checked b
   CROSS JOIN LATERAL (
     SELECT f.ctid AS fctid FROM frame f
     WHERE f.pk_frame = b.pk_frame AND f.str_state = 'WAITING' AND f.int_version = b.version
       AND NOT EXISTS (SELECT 1 FROM layer l WHERE l.pk_layer = f.pk_layer AND l.ts_start_after > now())
     LIMIT 1  -- a subquery per row (never flattened into a join): one index probe each
   ) x
+  WHERE b.owner_ok AND b.keys_ok
 ),
 started AS (
   UPDATE frame f
@@ -149,7 +178,8 @@ SELECT 'p', pk_frame, NULL, NULL, NULL, NULL FROM procs
 UNION ALL
 SELECT 'h', pk_host, int_cores_idle, int_mem_idle, int_gpus_idle, int_gpu_mem_idle FROM took
 UNION ALL
-SELECT 's', pk_show, b_scheduler_managed::int::bigint, NULL, NULL, NULL FROM shows
+SELECT 'x', pk_frame, owner_ok::int::bigint, keys_ok::int::bigint, NULL, NULL FROM checked
+WHERE NOT (owner_ok AND keys_ok)
 """
 
 # Compensation after a failed launch, in the reference order proc -> host -> frame, each
@@ -216,6 +246,8 @@ class Booking:
     # proc.ts_dispatched. proc.ts_booked (the INSERT) can come tens of milliseconds later in a
     # large batch, so only this says which cap the booking was checked against.
     decided_at: float | None = None
+    # The show's flip generation the Store was seeded at (-1 for a database-enforced booking).
+    generation: int = -1
 
 
 @dataclass
@@ -226,48 +258,105 @@ class BatchResult:
     rejected: list[tuple[Booking, str]] = field(default_factory=list)
     host_rows: list[tuple[Any, ...]] = field(default_factory=list)
     failed_hosts: set[str] = field(default_factory=set)
+    xid: int | None = None  # the booking transaction, recorded before COMMIT
 
 
 class AmbiguousCommitError(psycopg.OperationalError):
-    """The connection failed while COMMIT was in flight: the batch may or may not be durable."""
+    """The connection failed while COMMIT was in flight: the batch may or may not be durable.
 
-    def __init__(self, result: BatchResult, cause: BaseException) -> None:
+    `result` says what the transaction wrote before COMMIT, `xid` which transaction it was.
+    """
+
+    def __init__(self, result: BatchResult, xid: int | None, cause: BaseException) -> None:
         super().__init__(f"commit outcome unknown: {cause}")
         self.result = result
+        self.xid = xid
+
+
+class AmbiguousCompensationError(psycopg.OperationalError):
+    """COMMIT of a compensation failed: `attempt` says what it deleted and which transaction it was."""
+
+    def __init__(self, attempt: CompensationResult, cause: BaseException) -> None:
+        super().__init__(f"compensation commit outcome unknown: {cause}")
+        self.attempt = attempt
+
+
+class LeaseLostError(RuntimeError):
+    """The scheduler lease moved to another scheduler: this process may not book any more."""
+
+    def __init__(self, mine: int, current: int | None) -> None:
+        super().__init__(
+            f"this scheduler booked under lease generation {mine}, the database says {current}: "
+            "another scheduler owns the Store now"
+        )
+        self.mine = mine
+        self.current = current
 
 
 def write_batch(
-    conn: psycopg.Connection, bookings: Sequence[Booking], *, mem_used: int, stale_after: float = 300.0
+    conn: psycopg.Connection,
+    bookings: Sequence[Booking],
+    *,
+    mem_used: int,
+    stale_after: float = 300.0,
+    lease: int | None = None,
 ) -> BatchResult:
     """Write a batch of bookings in one transaction on an autocommit connection.
 
     Raises the connection's error if the transaction failed before COMMIT (nothing written),
-    or AmbiguousCommitError if COMMIT itself failed (the caller must look for the procs).
+    LeaseLostError if `lease` is no longer the database's (nothing written), or
+    AmbiguousCommitError if COMMIT itself failed (settle it with `commit_status`).
     """
     result = BatchResult()
     managed = [b for b in bookings if b.managed]
     unmanaged = [b for b in bookings if not b.managed]
+    xid: int | None = None
     with conn.cursor() as cur:
-        cur.execute("BEGIN")
+        cur.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
         try:
-            # Before BOOK_SQL, whose snapshot (reading show.b_scheduler_managed) then starts
-            # after any flip this waited for.
-            cur.execute(acct_triggers.LOCK_SHOWS_SQL, {"shows": sorted({b.layer.job.show for b in bookings})})
-            for group in (managed, unmanaged):
-                if group:
-                    _write_group(cur, group, result, {"mem_used": mem_used, "stale_after": stale_after})
+            # Its own statement: the next one's snapshot starts after any flip, key move or
+            # lease takeover this waited for.
+            cur.execute(acct_triggers.LOCK_KEYS_SHARED_SQL)
+            cur.execute(LEASE_SQL)
+            current, xid = cur.fetchone() or (None, None)
+            result.xid = xid
+            if lease is not None and current != lease:
+                raise LeaseLostError(lease, current)
+            extra = {"mem_used": mem_used, "stale_after": stale_after}
+            if managed:
+                cur.execute(STORE_ACCOUNTED_SQL)
+                _write_group(cur, managed, result, extra)
+            if unmanaged:
+                _write_group(cur, unmanaged, result, extra)
         except BaseException:
             _rollback_quietly(conn)
             raise
         try:
             cur.execute("COMMIT")
         except psycopg.OperationalError as exc:
-            raise AmbiguousCommitError(result, exc) from exc
+            raise AmbiguousCommitError(result, xid, exc) from exc
     return result
 
 
+def commit_status(conn: psycopg.Connection, xid: int | None) -> str | None:
+    """'committed', 'aborted' or 'in progress' for a transaction id; None when it cannot be known.
+
+    None covers an xid too old for the commit log, one this server never assigned (a failover:
+    "transaction ID is in the future"), and no recorded xid at all. The caller keeps the
+    booking then: a counter may read high until the recompute, never low.
+    """
+    if xid is None:
+        return None
+    try:
+        with conn.transaction():
+            row = conn.execute("SELECT pg_xact_status(%s::text::xid8)", (str(xid),)).fetchone()
+    except psycopg.errors.InvalidParameterValue:
+        return None
+    return None if row is None else row[0]
+
+
 def find_written(conn: psycopg.Connection, bookings: Sequence[Booking]) -> set[str]:
-    """pk_proc of the bookings whose proc exists: resolves an ambiguous commit."""
+    """pk_proc of the bookings whose proc exists (and their frames' versions, for the launch)."""
     if not bookings:
         return set()
     with conn.cursor() as cur:
@@ -317,6 +406,9 @@ def _params(group: Sequence[Booking], extra: dict[str, Any]) -> dict[str, Any]:
         "gpu_mem": [b.gpu_mem for b in group],
         "managed": [b.managed for b in group],
         "decided": [b.decided_at for b in group],
+        "alloc": [b.host.alloc for b in group],
+        "folder": [b.layer.job.folder for b in group],
+        "generation": [b.generation for b in group],
         **extra,
     }
 
@@ -354,7 +446,7 @@ def _write_group(cur: psycopg.Cursor, group: list[Booking], result: BatchResult,
         started: dict[str, int] = {}
         with_proc: set[str] = set()
         host_rows = []
-        show_flags: dict[str, bool] = {}
+        refused: dict[str, str] = {}
         for kind, key, a, b, c, d in rows:
             if kind == "f":
                 started[key] = a
@@ -363,7 +455,7 @@ def _write_group(cur: psycopg.Cursor, group: list[Booking], result: BatchResult,
             elif kind == "h":
                 host_rows.append((key, a, b, c, d))
             else:
-                show_flags[key] = bool(a)
+                refused[key] = REJECT_MANAGED_FLIP if not a else REJECT_KEYS
         ok_hosts = {r[0] for r in host_rows}
         keep: list[Booking] = []
         redo = False
@@ -371,9 +463,7 @@ def _write_group(cur: psycopg.Cursor, group: list[Booking], result: BatchResult,
             pk_frame = bk.frame.pk
             if pk_frame not in started:
                 # Not started, so nothing of it was written: the statement stays as it is.
-                flag = show_flags.get(bk.layer.job.show)
-                table = REJECT_MANAGED_FLIP if flag is not None and flag != bk.managed else REJECT_FRAME
-                result.rejected.append((bk, table))
+                result.rejected.append((bk, refused.get(pk_frame, REJECT_FRAME)))
             elif pk_frame not in with_proc:
                 result.rejected.append((bk, REJECT_PROC))
                 redo = True
@@ -401,6 +491,7 @@ def _write_group(cur: psycopg.Cursor, group: list[Booking], result: BatchResult,
 
 @dataclass
 class CompensationResult:
+    xid: int | None = None
     procs_deleted: set[str] = field(default_factory=set)
     frames_cleared: dict[str, int] = field(default_factory=dict)
     host_rows: list[tuple[Any, ...]] = field(default_factory=list)
@@ -409,17 +500,21 @@ class CompensationResult:
 def compensate(conn: psycopg.Connection, bookings: Sequence[Booking]) -> CompensationResult:
     """Undo committed bookings whose launch failed: proc, then host, then frame, in one transaction.
 
-    The proc delete is marked so the release trigger stays silent: the caller rolls the
+    The proc delete is marked Store-accounted so no release is sent: the caller rolls the
     booking back in the Store itself (after this commits). Idempotent: run again after an
-    unknown outcome, it deletes nothing twice and gives no host anything twice.
+    unknown outcome, it deletes nothing twice and gives no host anything twice; which of two
+    attempts deleted a proc is told by the first one's transaction id (`out.xid`).
     """
     out = CompensationResult()
     if not bookings:
         return out
     with conn.cursor() as cur:
-        cur.execute("BEGIN")
+        cur.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
         try:
-            suppress_release_in_transaction(cur)
+            cur.execute(STORE_ACCOUNTED_SQL)
+            cur.execute("SELECT pg_current_xact_id()::text::bigint")
+            row = cur.fetchone()
+            out.xid = None if row is None else row[0]
             cur.execute(COMPENSATE_DELETE_PROCS_SQL, ([b.pk_proc for b in bookings],))
             deleted = cur.fetchall()
             out.procs_deleted = {r[0] for r in deleted}
@@ -431,10 +526,13 @@ def compensate(conn: psycopg.Connection, bookings: Sequence[Booking]) -> Compens
                 ([b.frame.pk for b in bookings], [b.post_version or 0 for b in bookings]),
             )
             out.frames_cleared = dict(cur.fetchall())
-            cur.execute("COMMIT")
         except BaseException:
             _rollback_quietly(conn)
             raise
+        try:
+            cur.execute("COMMIT")
+        except psycopg.OperationalError as exc:
+            raise AmbiguousCompensationError(out, exc) from exc
     for b in bookings:
         if b.pk_proc not in out.procs_deleted:
             logger.warning("compensation: proc %s of frame %s was already gone", b.pk_proc, b.frame.pk)

@@ -24,7 +24,17 @@ that did nothing makes `run` wait until the next simulated completion is due, at
 Every booking the Store applied is settled exactly once: rejected by a guard -> rollback;
 written and launched -> confirm; written, launch failed -> compensating transaction, then
 rollback; the transaction failed before COMMIT -> rollback; COMMIT outcome unknown -> kept
-in flight until the procs are looked up after reconnecting, then settled as one of the above.
+in flight until PostgreSQL says what became of the transaction (`pg_xact_status` of the id
+recorded before COMMIT): aborted -> rollback; committed -> launched where the proc still
+exists, confirmed where it is gone (whoever deleted it sent the release); unknowable (the xid
+is too old, or the server is another one) -> treated as committed, so the counter reads high
+until the recompute rather than low. A compensation whose COMMIT is unknown is settled the
+same way.
+
+The loop books a managed show only while the service can enforce (`can_enforce`: a fresh
+listener heartbeat, the scheduler lease held); a scheduler whose booking transaction finds
+the lease gone stops booking at once. The Store refuses a folder or job whose caps it does not
+hold, so the loop loads the missing ones (`fill_caps`) before it books.
 """
 
 from __future__ import annotations
@@ -41,14 +51,20 @@ from typing import Any
 import psycopg
 
 from accounting import db as acct_db
-from accounting.service import AccountingService, NotManaged
-from accounting.store import Applied, BookingDelta, LimitExceeded
+from accounting.service import PAUSED, AccountingService, NotManaged
+from accounting.store import FOLDER_UNSEEDED, JOB_UNSEEDED, Applied, BookingDelta, LimitExceeded
 from dispatch import conf
 from dispatch.completion import Completion, complete, release_lost_hosts
 from dispatch.dispatcher import (
     CAP_REFUSALS,
+    REJECT_MANAGED_FLIP,
     AmbiguousCommitError,
+    AmbiguousCompensationError,
+    BatchResult,
     Booking,
+    CompensationResult,
+    LeaseLostError,
+    commit_status,
     compensate,
     find_written,
     write_batch,
@@ -65,7 +81,8 @@ _UNLIMITED_ROOM = 1 << 40
 _JOB_FOLDER_MAX = 100_000
 _MIN_FEED_FRAMES = 64
 # Bookings the batch writer refused: they were placed (so they count as what a cycle could book).
-_WRITE_REJECTIONS = ("frame", "proc", "host", "managed_flip", "database")
+_WRITE_REJECTIONS = ("frame", "proc", "host", "managed_flip", "keys", "database")
+SYSTEM_ID_SQL = "SELECT (SELECT system_identifier::text FROM pg_control_system())"
 _ALLOC_ATTEMPTS = 3  # a subscription rejection retries the frame on another allocation
 _NO_HOST = "no_host"
 _SKIP_LAYER = "skip_layer"
@@ -93,7 +110,37 @@ _CAP_WHY = {
     ),
     "folder_gpus": ("folder_max_gpus", "folder at max GPUs", "GPUs", "raise the folder's max GPUs"),
     "job_gpus": ("job_max_gpus", "job at max GPUs", "GPUs", "raise the job's max GPUs"),
+    PAUSED: (
+        PAUSED,
+        "accounting paused",
+        "ms",
+        "wait: the scheduler books managed shows again once its listener is fresh and it holds the lease",
+    ),
+    FOLDER_UNSEEDED: ("caps_loading", "folder caps not loaded yet", "cores", "wait one cycle"),
+    JOB_UNSEEDED: ("caps_loading", "job caps not loaded yet", "cores", "wait one cycle"),
 }
+
+
+class ServerChangedError(RuntimeError):
+    """The dispatch connection reached another server than the one the Store was seeded against."""
+
+
+@dataclass
+class Unresolved:
+    """A batch whose COMMIT outcome is unknown, with what it had written before COMMIT."""
+
+    bookings: list[Booking]
+    result: BatchResult
+    xid: int | None
+    server_id: str | None
+
+
+@dataclass
+class PendingCompensation:
+    bookings: list[Booking]
+    attempt: CompensationResult | None  # the attempt whose COMMIT outcome is unknown, if any
+    server_id: str | None = None
+
 
 Cluster = tuple[str, str, frozenset[str]]  # (facility, show, layer tags)
 
@@ -201,8 +248,9 @@ class DispatchLoop:
         self.why: dict[str, dict[str, object]] = {}
         # Work a database failure left open.
         self._pending_completions: list[Completion] = []
-        self._pending_compensations: list[Booking] = []
-        self._unresolved: list[Booking] = []
+        self._pending_compensations: list[PendingCompensation] = []
+        self._unresolved: list[Unresolved] = []
+        self._server_id: str | None = None
         self.totals = CycleStats()
         self.cycles = 0
         self._room_seen = 0
@@ -216,7 +264,20 @@ class DispatchLoop:
     def _connection(self) -> psycopg.Connection:
         if self._conn is None or self._conn.closed or self._conn.broken:
             self._drop_connection()
-            self._conn = self._connect()
+            conn = self._connect()
+            try:
+                row = conn.execute(SYSTEM_ID_SQL).fetchone()
+                system_id = None if row is None else row[0]
+            except psycopg.errors.InsufficientPrivilege:
+                system_id = None
+            if not self.service.accepts_server(system_id):
+                conn.close()
+                raise ServerChangedError(
+                    f"dispatch reached server {system_id}, the Store was seeded against {self.service.server_id}: "
+                    "waiting for the listener to reseed there"
+                )
+            self._conn = conn
+            self._server_id = system_id
             self._hosts_loaded_at = float("-inf")
         return self._conn
 
@@ -280,6 +341,9 @@ class DispatchLoop:
         backoff_max = conf.reconnect_backoff_max()
         try:
             while not stop.is_set():
+                if self.service.lease_lost.is_set():
+                    logger.error("dispatch: this scheduler lost its lease; booking stopped")
+                    return self.totals
                 try:
                     stats = self.run_once()
                     backoff = 0.0
@@ -357,23 +421,51 @@ class DispatchLoop:
         return stats
 
     # -- settling what a failure left open ------------------------------------------------
+    def _status(self, conn: psycopg.Connection, xid: int | None, server_id: str | None) -> str | None:
+        """pg_xact_status of a transaction of ours, None when this server cannot know it."""
+        if server_id is not None and self._server_id is not None and server_id != self._server_id:
+            return None  # written on another server: its xids mean nothing here
+        return commit_status(conn, xid)
+
     def _settle_open_work(self, conn: psycopg.Connection, stats: CycleStats) -> None:
-        if self._unresolved:
-            bookings = self._unresolved
-            found = find_written(conn, bookings)
-            self._unresolved = []
-            lost = [b for b in bookings if b.pk_proc not in found]
-            for b in lost:
-                self.service.rollback_booking(b.result)
-            written = [b for b in bookings if b.pk_proc in found]
+        still: list[Unresolved] = []
+        for entry in self._unresolved:
+            status = self._status(conn, entry.xid, entry.server_id)
+            if status == "in progress":
+                still.append(entry)
+                continue
+            if status == "aborted":
+                for b in entry.bookings:
+                    self.service.rollback_booking(b.result)
+                logger.warning(
+                    "dispatch: commit outcome resolved: aborted, %d bookings rolled back", len(entry.bookings)
+                )
+                continue
+            # Committed, or unknowable (kept as committed: a counter may read high, never low).
+            written = {id(b) for b in entry.result.written}
+            for b in entry.bookings:
+                if id(b) not in written:
+                    self.service.rollback_booking(b.result)  # refused inside the transaction
+            found = find_written(conn, entry.result.written)
+            present = [b for b in entry.result.written if b.pk_proc in found]
+            for b in entry.result.written:
+                if b.pk_proc not in found:
+                    # Committed and already released by whoever deleted it (its release reached,
+                    # or will reach, the Store), or never committed: either way keep it, high.
+                    self.service.confirm_booking(b.result)
             logger.warning(
-                "dispatch: commit outcome resolved: %d bookings were written, %d were not", len(written), len(lost)
+                "dispatch: commit outcome resolved: %s, %d bookings launched, %d gone already",
+                status or "unknown (kept)",
+                len(present),
+                len(entry.result.written) - len(present),
             )
-            self._launch(conn, written, stats)
+            self._launch(conn, present, stats)
+        self._unresolved = still
         if self._pending_compensations:
-            bookings = self._pending_compensations
+            pending = self._pending_compensations
             self._pending_compensations = []
-            self._compensate(conn, bookings, stats, retry=True)
+            for entry in pending:
+                self._retry_compensation(conn, entry, stats)
 
     # -- completions ----------------------------------------------------------------------
     def _complete(self, conn: psycopg.Connection, stats: CycleStats) -> None:
@@ -395,7 +487,9 @@ class DispatchLoop:
                         self._blocked_folders.pop(folder, None)
 
     def _sweep_lost_hosts(self, conn: psycopg.Connection, stats: CycleStats) -> None:
-        exclude = {b.pk_proc for b in self._pending_compensations} | {b.pk_proc for b in self._unresolved}
+        exclude = {b.pk_proc for e in self._pending_compensations for b in e.bookings} | {
+            b.pk_proc for e in self._unresolved for b in e.bookings
+        }
         procs, result = release_lost_hosts(conn, self.lost_host_timeout, exclude=exclude, shard=self.shard)
         if not procs:
             return
@@ -467,6 +561,7 @@ class DispatchLoop:
             self._job_folder.clear()
         for job in jobs:
             self._job_folder[job.pk] = job.folder
+        self._fill_caps(conn, jobs)
         room = self._room_for_cycle(conn, jobs)
         batch: list[Booking] = []
         placed: set[Cluster] = set()
@@ -506,6 +601,7 @@ class DispatchLoop:
         no_host: set[Cluster],
     ) -> None:
         full_folders: set[str] = set()
+        paused = None if self.service.can_enforce() else self.service.pause_reason()
         for job in jobs:
             if job.folder in full_folders:
                 continue
@@ -515,9 +611,23 @@ class DispatchLoop:
                 # dropped it): neither path may book the show until both agree.
                 stats.skipped_flip += 1
                 continue
+            if managed and paused:
+                stats.rejected[PAUSED] += 1
+                self._record_why(job.pk, PAUSED, f"accounting paused: {paused}", _CAP_WHY[PAUSED][3])
+                continue
             if managed:
                 self._managed_seen.add(job.show)
             self._book_job(conn, job, managed, room, full_folders, batch, stats, placed, no_host)
+
+    def _fill_caps(self, conn: psycopg.Connection, jobs: list[JobWork]) -> None:
+        """Load the caps the Store lacks for managed jobs and folders of this cycle (it refuses them)."""
+        store = self.store
+        folders = sorted(
+            {j.folder for j in jobs if self.service.is_managed(j.show) and store.folder_cap(j.folder) is None}
+        )
+        missing = sorted({j.pk for j in jobs if self.service.is_managed(j.show) and store.job_cap(j.pk) is None})
+        if folders or missing:
+            self.service.fill_caps(conn, folders, missing)
 
     def _room_for_cycle(self, conn: psycopg.Connection, jobs: list[JobWork]) -> dict[Any, int]:
         """Whole cores each (show, alloc) may still book this cycle; decremented as we book.
@@ -647,6 +757,8 @@ class DispatchLoop:
                             room[(show, host.alloc)] = 0
                             outcome = _NO_HOST
                             continue  # another allocation may still have room
+                        if result.table in (PAUSED, FOLDER_UNSEEDED, JOB_UNSEEDED):
+                            return  # not a cap: try the job again next cycle
                         if result.table in ("job", "job_gpus"):
                             self._blocked_jobs[job.pk] = (cores, time.monotonic())
                         else:
@@ -670,6 +782,7 @@ class DispatchLoop:
                         result=result,
                         managed=isinstance(result, Applied),
                         decided_at=decided_at,
+                        generation=self._generation(show, result),
                     )
                     view.take(host, centi, demand.mem, demand.gpus, demand.gpu_mem)
                     if tightest:
@@ -712,6 +825,12 @@ class DispatchLoop:
         if managed and least_skipped and not booked_any:
             self._blocked_jobs[job.pk] = (least_skipped, time.monotonic())
 
+    def _generation(self, show: str, result: object) -> int:
+        if not isinstance(result, Applied):
+            return -1
+        generation = self.service.managed_generation(show)
+        return -2 if generation is None else generation  # -2 never matches: unpublished meanwhile
+
     @staticmethod
     def _absorb_refusals(
         refused: list[tuple[Booking, str]], room: dict[Any, int], full_folders: set[str], job: JobWork
@@ -743,11 +862,24 @@ class DispatchLoop:
             self.first_booking_cycle_at = self._cycle_started_at
         t0 = time.perf_counter()
         try:
-            result = write_batch(conn, bookings, mem_used=self.mem_used_start, stale_after=self.lost_host_timeout)
-        except AmbiguousCommitError:
-            # Keep every booking in flight (counters read high: safe) until the procs are looked up.
-            self._unresolved.extend(bookings)
+            result = write_batch(
+                conn,
+                bookings,
+                mem_used=self.mem_used_start,
+                stale_after=self.lost_host_timeout,
+                lease=self.service.lease_generation,
+            )
+        except AmbiguousCommitError as exc:
+            # Keep every booking in flight (counters read high: safe) until PostgreSQL says
+            # what became of the transaction.
+            self._unresolved.append(Unresolved(list(bookings), exc.result, exc.xid, self._server_id))
             self._hosts_loaded_at = float("-inf")
+            raise
+        except LeaseLostError as exc:
+            for b in bookings:
+                self.service.rollback_booking(b.result)
+            logger.error("dispatch: %s; this scheduler stops booking", exc)
+            self.service.lease_lost.set()
             raise
         except BaseException:
             for b in bookings:
@@ -761,6 +893,8 @@ class DispatchLoop:
             self.service.rollback_booking(b.result)
             view.give(b.host.pk, b.cores, b.mem, b.gpus, b.gpu_mem)
             stats.rejected[table] += 1
+            if table == REJECT_MANAGED_FLIP and b.managed:
+                self.service.request_managed_refresh()
             if table in ("job", "job_gpus") and b.managed:
                 self._blocked_jobs[b.layer.job.pk] = (b.cores // CENTI, time.monotonic())
         view.set_ledger(result.host_rows)
@@ -787,19 +921,40 @@ class DispatchLoop:
             stats.launch_failures += len(failures)
             for b, reason in failures[:5]:
                 logger.warning("dispatch: launch of frame %s on %s failed: %s", b.frame.name, b.host.name, reason)
-            self._compensate(conn, [b for b, _reason in failures], stats, retry=False)
+            self._compensate(conn, [b for b, _reason in failures], stats)
 
-    def _compensate(self, conn: psycopg.Connection, bookings: list[Booking], stats: CycleStats, *, retry: bool) -> None:
+    def _compensate(self, conn: psycopg.Connection, bookings: list[Booking], stats: CycleStats) -> None:
         try:
             result = compensate(conn, bookings)
-        except BaseException:
-            # Still in flight in the Store (reads high: safe) until a compensation commits.
-            self._pending_compensations.extend(bookings)
+        except AmbiguousCompensationError as exc:
+            # Still in flight in the Store (reads high: safe) until the attempt's fate is known.
+            self._pending_compensations.append(PendingCompensation(bookings, exc.attempt, self._server_id))
             raise
+        except BaseException:
+            # Rolled back: nothing of it happened. Try again next cycle.
+            self._pending_compensations.append(PendingCompensation(bookings, None, self._server_id))
+            raise
+        self._settle_compensation(bookings, result, stats)
+
+    def _retry_compensation(self, conn: psycopg.Connection, entry: PendingCompensation, stats: CycleStats) -> None:
+        attempt = entry.attempt
+        status = "aborted" if attempt is None else self._status(conn, attempt.xid, entry.server_id)
+        if status == "in progress":
+            self._pending_compensations.append(entry)
+            return
+        if status == "committed" and attempt is not None:
+            # That attempt deleted these procs (its release was suppressed): roll them back.
+            self._settle_compensation(entry.bookings, attempt, stats)
+            return
+        # Aborted, or unknowable: compensate again. What it deletes now is surely ours; a proc
+        # already gone was released by someone else (confirm) or by an attempt whose fate is
+        # unknown (confirm as well: high until the recompute, never low).
+        self._compensate(conn, entry.bookings, stats)
+
+    def _settle_compensation(self, bookings: list[Booking], result: CompensationResult, stats: CycleStats) -> None:
         freed: dict[str, int] = {}
         for b in bookings:
-            if b.pk_proc in result.procs_deleted or retry:
-                # Ours deleted it (now, or in an attempt whose COMMIT we did not see).
+            if b.pk_proc in result.procs_deleted:
                 self.service.rollback_booking(b.result)
                 freed[b.host.pk] = freed.get(b.host.pk, 0) + b.mem
             else:
@@ -855,9 +1010,7 @@ def dispatch_main(
         loops = [DispatchLoop(service, launchers[i], shard=(i, count), **(loop_options or {})) for i in range(count)]
         service.view_providers["dispatch"] = lambda: merge_live_views([lp.live_view() for lp in loops])
         others = [
-            threading.Thread(
-                target=lp.run, args=(stop, exit_when_idle), name=f"cuesched-dispatch-{i + 1}", daemon=True
-            )
+            threading.Thread(target=lp.run, args=(stop, exit_when_idle), name=f"cuesched-dispatch-{i + 1}", daemon=True)
             for i, lp in enumerate(loops[1:])
         ]
         try:

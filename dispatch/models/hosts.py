@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from django.db import models
 
+from accounting import triggers as accounting_triggers
 from dispatch.models.base import fk, now_default, one_to_one, pk_field
 
 HOST_LOCK_STATES = ("OPEN", "LOCKED", "NIMBY_LOCKED")
@@ -50,6 +51,7 @@ class Host(models.Model):
                 name="c_host_idle_not_negative",
             ),
         ]
+        triggers = accounting_triggers.host_triggers()
 
     def __str__(self) -> str:
         return self.str_name

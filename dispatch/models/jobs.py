@@ -60,7 +60,7 @@ class Job(models.Model):
             ),
             models.Index(fields=["folder"], name="i_job_pk_folder"),
         ]
-        triggers = schema_triggers.job_fanout_triggers()
+        triggers = [*schema_triggers.job_fanout_triggers(), *accounting_triggers.job_triggers()]
 
     def __str__(self) -> str:
         return self.str_name

@@ -106,6 +106,8 @@ def plan(
     jobs = fetch_pending(conn, managed_only=False, max_jobs=50, frames_per_layer=20)
     view = HostView(fit="loosest")  # spreads the bookings over the hosts
     view.load(conn)
+    # The flip generation a Store seed would have read (the booking transaction checks it).
+    generations = dict(conn.execute("SELECT pk_show, int_generation FROM cuesched_show_flip").fetchall())
     bookings = []
     for j, count in n_per_job.items():
         job = jobs[j]
@@ -132,6 +134,7 @@ def plan(
                     gpu_mem=0,
                     result=result,
                     managed=managed,
+                    generation=generations.get(job.show, 0) if managed else -1,
                 )
             )
     return jobs, bookings

@@ -11,7 +11,7 @@ import pytest
 from django.db import IntegrityError, connection, transaction
 
 from accounting import triggers
-from accounting.notify import suppress_release_in_transaction
+from accounting.notify import mark_store_accounted
 from dispatch.models import FolderResource, JobResource, LayerResource, Point, Proc, Show, Subscription
 from tests.integration import farm_fixtures as ff
 from tests.integration.notify_listener import database_conninfo
@@ -91,7 +91,7 @@ class TestUnmanagedShowBookkeeping:
         farm = ff.tiny_farm(managed=False)
         proc = ff.create_proc(farm.host, farm.frames[0], cores=300)
         with transaction.atomic():
-            suppress_release_in_transaction(connection)
+            mark_store_accounted(connection)
             proc.delete()
         assert totals(farm) == expect(0, 0, 0)
 

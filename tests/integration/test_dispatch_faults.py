@@ -8,7 +8,8 @@ import threading
 import pytest
 
 from dispatch.completion import EXIT_STATUS_DOWN_HOST, release_lost_hosts
-from dispatch.dispatcher import EXIT_STATUS_FRAME_CLEARED, write_batch
+from dispatch.dispatcher import EXIT_STATUS_FRAME_CLEARED, BatchResult, write_batch
+from dispatch.loop import Unresolved
 from tests.integration.dispatch_support import (
     ONE_CORE,
     Sampler,
@@ -152,21 +153,25 @@ def test_the_loop_survives_its_connection_being_killed_mid_drain() -> None:
         assert _inflight_is_zero(service)
 
 
-def test_an_unknown_commit_outcome_is_settled_from_the_procs() -> None:
+def test_an_unknown_commit_outcome_is_settled_from_the_transactions_fate() -> None:
     farm = seed("amb", jobs=2, frames_per_layer=2, **ONE_CORE)
     with running_scheduler() as proc, autocommit() as conn:
         service = proc.service
         with make_loop(service, fast_launcher(**LONG)) as loop:
             _jobs, bookings = plan(conn, {0: 2, 1: 2}, managed=True, book=service.apply_booking)
-            # The first three committed, the fourth never reached the database; the loop saw neither.
-            write_batch(conn, bookings[:3], mem_used=256_000)
-            loop._unresolved.extend(bookings)
+            # Two batches whose COMMIT the loop did not see: the first committed, the second's
+            # transaction was rolled back (its xid is an aborted one).
+            committed = write_batch(conn, bookings[:3], mem_used=256_000)
+            with conn.transaction(force_rollback=True):
+                aborted_xid = conn.execute("SELECT pg_current_xact_id()::text::bigint").fetchone()[0]
+            loop._unresolved.append(Unresolved(bookings[:3], committed, committed.xid, None))
+            loop._unresolved.append(Unresolved(bookings[3:], BatchResult(written=bookings[3:]), aborted_xid, None))
             assert not _inflight_is_zero(service)
 
             stats = loop.run_once()
 
-        # The three were launched and confirmed, the fourth rolled back in the Store; its frame,
-        # still WAITING, was booked afresh in the same cycle.
+        # The three were launched and confirmed, the fourth rolled back in the Store (pg_xact_status
+        # said aborted); its frame, still WAITING, was booked afresh in the same cycle.
         assert stats.booked == 4
         assert {b.pk_proc for b in bookings[:3]} <= {r[0] for r in conn.execute("SELECT pk_proc FROM proc")}
         assert bookings[3].pk_proc not in {r[0] for r in conn.execute("SELECT pk_proc FROM proc")}

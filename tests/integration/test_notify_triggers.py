@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import re
 
 import psycopg
@@ -15,7 +16,7 @@ from accounting.notify import (
     LIMIT_CHANNEL,
     RELEASE_CHANNEL,
     NotInTransactionError,
-    suppress_release_in_transaction,
+    mark_store_accounted,
 )
 from dispatch.models import FolderResource, JobResource, Proc, Show, Subscription
 from tests.integration import farm_fixtures as ff
@@ -54,11 +55,13 @@ def test_commit_delivers_one_exact_release_and_rollback_none(listener: Listener)
     procs = [ff.create_proc(farm.host, farm.frames[0], cores=250, gpus=2)]
     procs.append(ff.create_proc(farm.host, farm.frames[1], cores=400, gpus=2))
     procs.append(ff.create_proc(farm.host, farm.frames[2], cores=300))
+    # Procs written outside the scheduler count too, each rounded up (250 centicores: +3).
+    assert [json.loads(p)["cores"] for p in listener.sent_before_sentinel(RELEASE_CHANNEL)] == [3, 4, 3]
 
     with transaction.atomic():
         Proc.objects.filter(pk=procs[0].pk).delete()
         xid = current_xid()
-    # 250 centicores truncate toward zero: -2, not Python's floor -3.
+    # A release is rounded toward +infinity as well: 250 centicores are -2, not Python's floor -3.
     assert listener.sent_before_sentinel(RELEASE_CHANNEL) == [release(farm, -2, -2, xid)]
 
     with transaction.atomic():  # the reference's own fixture: 400 centicores, 2 GPUs
@@ -85,6 +88,7 @@ def test_bulk_delete_aggregates_per_key_and_equal_deletes_are_not_collapsed(list
         ff.create_proc(farm.host, frame, cores=250, gpus=1)
     ff.create_proc(farm.host, other_frames[0], cores=100)
     ff.create_proc(farm.host, other_frames[1], cores=100, local=True)
+    listener.sent_before_sentinel(RELEASE_CHANNEL)  # the inserts' own deltas
     with transaction.atomic():
         assert Proc.objects.filter(job=farm.job).delete()[0] == 5
         xid = current_xid()
@@ -96,6 +100,7 @@ def test_bulk_delete_aggregates_per_key_and_equal_deletes_are_not_collapsed(list
 
     # PostgreSQL drops a NOTIFY that repeats a payload of the same transaction; seq prevents it.
     first, second = (ff.create_proc(farm.host, f, cores=100) for f in farm.frames[3:5])
+    listener.sent_before_sentinel(RELEASE_CHANNEL)
     with transaction.atomic():
         first.delete()
         second.delete()
@@ -126,6 +131,7 @@ def test_kill_switch_off_silences_both_channels_for_every_connection_at_once(lis
     farm = ff.tiny_farm(managed=True)
     procs = [ff.create_proc(farm.host, frame, cores=100) for frame in farm.frames[:3]]
     listener.sent_before_sentinel(LIMIT_CHANNEL)  # the set-up's insert messages
+    listener.sent_before_sentinel(RELEASE_CHANNEL)
     with psycopg.connect(database_conninfo(), autocommit=True) as writer:
         writer.execute("SELECT 1")  # a session that exists before the switch flips
 
@@ -148,9 +154,10 @@ def test_kill_switch_off_silences_both_channels_for_every_connection_at_once(lis
 def test_suppression_marker_covers_only_its_own_transaction(listener: Listener) -> None:
     farm = ff.tiny_farm(managed=True)
     mine, theirs, later, via_psycopg = (ff.create_proc(farm.host, f, cores=100) for f in farm.frames[:4])
+    listener.sent_before_sentinel(RELEASE_CHANNEL)  # the inserts' own deltas
     with psycopg.connect(database_conninfo()) as other, transaction.atomic():
         # A concurrent transaction deletes while the marker is set here: it still releases.
-        suppress_release_in_transaction(connection)
+        mark_store_accounted(connection)
         other.execute("DELETE FROM proc WHERE pk_proc = %s", (theirs.pk,))
         other.commit()
         mine.delete()
@@ -162,16 +169,16 @@ def test_suppression_marker_covers_only_its_own_transaction(listener: Listener) 
     assert listener.sent_before_sentinel(RELEASE_CHANNEL) == [release(farm, -1, 0, xid)]
 
     with psycopg.connect(database_conninfo()) as conn:  # a plain psycopg transaction works too
-        suppress_release_in_transaction(conn)
+        mark_store_accounted(conn)
         conn.execute("DELETE FROM proc WHERE pk_proc = %s", (via_psycopg.pk,))
         conn.commit()
     assert listener.sent_before_sentinel(RELEASE_CHANNEL) == []
 
     # Outside a transaction the marker would be gone before the DELETE: refused.
     with pytest.raises(NotInTransactionError):
-        suppress_release_in_transaction(connection)
+        mark_store_accounted(connection)
     with psycopg.connect(database_conninfo(), autocommit=True) as conn, pytest.raises(NotInTransactionError):
-        suppress_release_in_transaction(conn)
+        mark_store_accounted(conn)
 
 
 # --- acct_limit_change -----------------------------------------------------------------------
@@ -219,12 +226,14 @@ def test_subscription_burst_single_and_bulk_updates(listener: Listener, managed_
 def test_folder_caps_single_and_bulk_updates(listener: Listener, managed_farm: ff.Farm) -> None:
     folder = FolderResource.objects.filter(folder=managed_farm.folder)
     fid = managed_farm.folder.pk
+    # Both caps of the row in every message: a Store that does not hold the folder can only
+    # create it from both (a missing folder fails closed).
     xid = update_in_transaction(folder, int_max_cores=800)
-    assert listener.sent_before_sentinel(LIMIT_CHANNEL) == [cap_msg("folder", fid, xid, cores=8)]
+    assert listener.sent_before_sentinel(LIMIT_CHANNEL) == [cap_msg("folder", fid, xid, cores=8, gpus=-1)]
     xid = update_in_transaction(folder, int_max_cores=-100)
-    assert listener.sent_before_sentinel(LIMIT_CHANNEL) == [cap_msg("folder", fid, xid, cores=-1)]
+    assert listener.sent_before_sentinel(LIMIT_CHANNEL) == [cap_msg("folder", fid, xid, cores=-1, gpus=-1)]
     xid = update_in_transaction(folder, int_max_gpus=3)
-    assert listener.sent_before_sentinel(LIMIT_CHANNEL) == [cap_msg("folder", fid, xid, gpus=3)]
+    assert listener.sent_before_sentinel(LIMIT_CHANNEL) == [cap_msg("folder", fid, xid, cores=-1, gpus=3)]
     xid = update_in_transaction(folder, int_max_cores=1250, int_max_gpus=-1)
     assert listener.sent_before_sentinel(LIMIT_CHANNEL) == [cap_msg("folder", fid, xid, cores=12, gpus=-1)]
 
@@ -232,7 +241,7 @@ def test_folder_caps_single_and_bulk_updates(listener: Listener, managed_farm: f
     listener.sent_before_sentinel(LIMIT_CHANNEL)
     xid = update_in_transaction(FolderResource.objects.filter(folder__show=managed_farm.show), int_max_gpus=4)
     assert listener.sent_before_sentinel(LIMIT_CHANNEL) == [
-        cap_msg("folder", f, xid, gpus=4) for f in sorted(f.pk for f in folders)
+        cap_msg("folder", f, xid, cores=12 if f == fid else -1, gpus=4) for f in sorted(f.pk for f in folders)
     ]
 
 
@@ -241,11 +250,11 @@ def test_job_caps_single_and_bulk_updates(listener: Listener, managed_farm: ff.F
     job = JobResource.objects.filter(job=farm.job)
     jid = farm.job.pk
     xid = update_in_transaction(job, int_max_cores=1600)
-    assert listener.sent_before_sentinel(LIMIT_CHANNEL) == [cap_msg("job", jid, xid, cores=16)]
+    assert listener.sent_before_sentinel(LIMIT_CHANNEL) == [cap_msg("job", jid, xid, cores=16, gpus=100)]
     xid = update_in_transaction(job, int_max_cores=-100)
-    assert listener.sent_before_sentinel(LIMIT_CHANNEL) == [cap_msg("job", jid, xid, cores=-1)]
+    assert listener.sent_before_sentinel(LIMIT_CHANNEL) == [cap_msg("job", jid, xid, cores=-1, gpus=100)]
     xid = update_in_transaction(job, int_max_gpus=4)
-    assert listener.sent_before_sentinel(LIMIT_CHANNEL) == [cap_msg("job", jid, xid, gpus=4)]
+    assert listener.sent_before_sentinel(LIMIT_CHANNEL) == [cap_msg("job", jid, xid, cores=-1, gpus=4)]
     assert listener.sent_before_sentinel(RELEASE_CHANNEL) == []
 
     # "Set the max of every job in the folder": one statement, one message per changed row.
@@ -256,7 +265,9 @@ def test_job_caps_single_and_bulk_updates(listener: Listener, managed_farm: ff.F
         cursor.execute("UPDATE job_resource SET int_max_cores = 2000 WHERE pk_job = ANY(%s)", ([j.pk for j in jobs],))
         xid = current_xid()
     changed = sorted(j.pk for j in jobs[:3])  # jobs[3] already had 2000
-    assert listener.sent_before_sentinel(LIMIT_CHANNEL) == [cap_msg("job", j, xid, cores=20) for j in changed]
+    assert listener.sent_before_sentinel(LIMIT_CHANNEL) == [
+        cap_msg("job", j, xid, cores=20, gpus=4 if j == jid else 100) for j in changed
+    ]
 
     # Set back and forth in one transaction: every step arrives (seq keeps the payloads distinct).
     with transaction.atomic():
@@ -265,11 +276,15 @@ def test_job_caps_single_and_bulk_updates(listener: Listener, managed_farm: ff.F
     assert [m["max_cores"] for m in as_json(listener.sent_before_sentinel(LIMIT_CHANNEL))] == [2, 1, 2]
 
 
-def test_updates_that_change_no_cap_of_a_managed_show_send_nothing(listener: Listener) -> None:
+def test_cap_changes_of_every_show_are_sent_and_non_cap_updates_are_not(listener: Listener) -> None:
+    # Unmanaged shows' cap changes are sent too: a cap write that read "unmanaged" just before
+    # a flip to managed committed would otherwise be missed by the flip's seed.
     farm = ff.tiny_farm(managed=False)
+    listener.sent_before_sentinel(LIMIT_CHANNEL)
     Subscription.objects.filter(pk=farm.subscription.pk).update(int_burst=1)
     JobResource.objects.filter(job=farm.job).update(int_max_cores=100)
     FolderResource.objects.filter(folder=farm.folder).update(int_max_gpus=1)
+    assert [m["vertex"] for m in as_json(listener.sent_before_sentinel(LIMIT_CHANNEL))] == ["sub", "job", "folder"]
     Show.objects.filter(pk=farm.show.pk).update(b_scheduler_managed=True)  # a flip alone sends nothing
     assert listener.sent_before_sentinel(LIMIT_CHANNEL) == []
     assert listener.sent_before_sentinel(RELEASE_CHANNEL) == []
@@ -284,9 +299,9 @@ def test_updates_that_change_no_cap_of_a_managed_show_send_nothing(listener: Lis
     assert listener.sent_before_sentinel(LIMIT_CHANNEL) == []
 
 
-def test_inserts_send_their_caps_for_managed_shows_only(listener: Listener) -> None:
+def test_inserts_send_their_caps_for_every_show(listener: Listener) -> None:
     ff.tiny_farm(managed=False)
-    assert listener.sent_before_sentinel(LIMIT_CHANNEL) == []
+    assert {m["vertex"] for m in as_json(listener.sent_before_sentinel(LIMIT_CHANNEL))} == {"sub", "folder", "job"}
 
     farm = ff.tiny_farm(managed=True)
     listener.sent_before_sentinel(LIMIT_CHANNEL)
@@ -314,7 +329,6 @@ def test_bench_triggers_measures_every_variant_and_leaves_nothing_behind() -> No
     # releases delivered: (one statement, one by one); the statement-level trigger sends one per key.
     assert rows == {
         "managed, notifications on (statement-level, installed)": ["4", "40"],
-        "managed, notifications on (per-row variant)": ["40", "40"],
         "managed, kill switch off": ["0", "0"],
         "unmanaged (database-enforced accounting)": ["0", "0"],
         "no triggers at all": ["0", "0"],

@@ -40,9 +40,10 @@ def test_one_pass_sets_the_store_and_the_five_tables_of_managed_shows_to_sum_pro
 
     store, _ = recompute()
 
-    # 550 centicores are 5 cores in the Store: summed per key first, converted once.
-    assert store.job_cores_in_use(farm.job.pk) == 5
-    assert store.sub_counters(farm.show.pk, farm.alloc.pk)[0] == 5
+    # 550 centicores are 6 cores in the Store: summed per key first, converted once, rounded up
+    # (truncating to 5 read the counter half a core LOW).
+    assert store.job_cores_in_use(farm.job.pk) == 6
+    assert store.sub_counters(farm.show.pk, farm.alloc.pk)[0] == 6
     assert totals(farm) == {**expect(550, 1, 3), "layer": (300, 1)}
     assert LayerResource.objects.get(layer=second_layer).int_cores == 250
     assert LayerResource.objects.get(layer=drained_layer).int_cores == 0  # no procs left: zero

@@ -266,7 +266,7 @@ def test_retrying_a_finished_job_announces_its_caps_again() -> None:
         assert retry_frames(job).detail == {"reopened": True}
         [payload] = listener.sent_before_sentinel(LIMIT_CHANNEL)
     notice = parse_limit_change(payload)
-    assert [(c.key, c.value) for c in notice.changes] == [(job, 3), (job, 1)]
+    assert [(c.key, c.value) for c in notice.changes] == [(job, (3, 1))]
     with listening((LIMIT_CHANNEL,)) as listener:
         assert retry_frames(job).changed == 0  # nothing dead, nothing reopened: nothing sent
         assert listener.sent_before_sentinel(LIMIT_CHANNEL) == []

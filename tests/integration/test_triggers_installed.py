@@ -6,8 +6,8 @@ import pgtrigger
 import pytest
 from django.db import DatabaseError, IntegrityError, connection, transaction
 
-from accounting.models import AccountingSettings
-from dispatch.models import FolderResource, JobResource, Proc, Show, Subscription
+from accounting.models import AccountingEpoch, AccountingSettings
+from dispatch.models import FolderResource, Host, Job, JobResource, Proc, Show, Subscription
 
 pytestmark = pytest.mark.django_db
 
@@ -44,19 +44,21 @@ def test_every_declared_trigger_is_installed_current_and_enabled() -> None:
 def test_the_accounting_triggers_are_declared_on_their_tables() -> None:
     names = {(model, trigger.name) for model, trigger in pgtrigger.registered()}
     expected = {
-        (Proc, "acct_release"),
-        (Proc, "acct_db_insert"),
-        (Proc, "acct_db_delete"),
-        (Proc, "acct_db_update"),
-        (Subscription, "acct_limit_sub_insert"),
-        (Subscription, "acct_limit_sub_update"),
-        (FolderResource, "acct_limit_folder_insert"),
-        (FolderResource, "acct_limit_folder_update"),
-        (JobResource, "acct_limit_job_insert"),
-        (JobResource, "acct_limit_job_update"),
+        (Proc, "acct_proc_insert"),
+        (Proc, "acct_proc_delete"),
+        (Proc, "acct_proc_update"),
+        (Proc, "acct_proc_truncate"),
+        (Host, "acct_host_keys_lock"),
+        (Host, "acct_host_move"),
+        (Job, "acct_job_keys_lock"),
+        (Job, "acct_job_move"),
+        (Show, "acct_show_flip_lock"),
         (Show, "acct_show_flip"),
         (AccountingSettings, "acct_settings_keep_row"),
+        (AccountingEpoch, "acct_epoch_keep_row"),
     }
+    for vertex, model in (("sub", Subscription), ("folder", FolderResource), ("job", JobResource)):
+        expected |= {(model, f"acct_limit_{vertex}_{op}") for op in ("insert", "update", "delete", "truncate")}
     assert expected <= names
 
 

@@ -52,12 +52,18 @@ def test_parses_job_max_cores_change_preserving_unlimited() -> None:
     assert notice.xid == 7
 
 
-def test_folder_change_with_both_fields_expands_to_two() -> None:
+def test_folder_change_with_both_fields_is_one_change() -> None:
+    # One change, not the reference's two: a Store that does not hold the folder can only
+    # create its entry from both values at once (a missing folder fails closed).
     notice = parse_limit_change(json.dumps({"vertex": "folder", "id": FOLDER, "max_cores": 20, "max_gpus": 4}))
-    assert [(c.kind, c.value) for c in notice.changes] == [
-        (LimitKind.FOLDER_MAX_CORES, 20),
-        (LimitKind.FOLDER_MAX_GPUS, 4),
-    ]
+    assert [(c.kind, c.value) for c in notice.changes] == [(LimitKind.FOLDER_CAPS, (20, 4))]
+
+
+def test_removed_rows_parse_as_removals() -> None:
+    sub = parse_limit_change(json.dumps({"vertex": "sub", "show": FOLDER, "alloc": FOLDER, "removed": True}))
+    job = parse_limit_change(json.dumps({"vertex": "job", "id": FOLDER, "removed": True, "xid": 7}))
+    assert [c.kind for c in sub.changes] == [LimitKind.SUB_REMOVED]
+    assert [c.kind for c in job.changes] == [LimitKind.JOB_REMOVED] and job.xid == 7
 
 
 def test_folder_change_with_neither_field_does_nothing() -> None:

@@ -110,7 +110,7 @@ def test_release_decrements_unconditionally() -> None:
     store = store_with_caps()
     store.book(delta(10))
     store.confirm(delta(10))
-    assert store.apply_release(delta(-10)) is True
+    assert store.apply_delta(delta(-10)) is True
     assert store.job_cores_in_use(JOB) == 0
 
 
@@ -199,15 +199,23 @@ def test_folder_and_job_caps_at_or_below_zero_are_unlimited(cap: int) -> None:
     assert isinstance(store.book(delta(999, 99)), Applied)
 
 
-def test_missing_folder_and_job_caps_fail_open() -> None:
+def test_missing_folder_and_job_caps_fail_closed() -> None:
+    # The reference failed open here: a new or reopened job booked without its max cores until
+    # the next reseed. Now the Store refuses what it cannot check, and says which cap is missing.
     store = Store()
     store.set_caps({SUB: 50}, {}, {})
+    assert store.book(delta(5)) == LimitExceeded("folder_unseeded", 0, 0)
+    store.set_caps({}, {FOLDER: (-1, -1)}, {})
+    assert store.book(delta(5)) == LimitExceeded("job_unseeded", 0, 0)
+    store.set_caps({}, {}, {JOB: (-1, -1)})
     assert isinstance(store.book(delta(50, 7)), Applied)
 
 
 def test_zero_core_positive_gpu_booking_skips_burst() -> None:
-    # §5.8: no burst seeded, yet a GPU-only booking passes (the core checks are gated).
+    # §5.8: no burst seeded, yet a GPU-only booking passes (the core checks are gated); the
+    # folder and job caps must be known, as for any booking.
     store = Store()
+    store.set_caps({}, {FOLDER: (-1, -1)}, {JOB: (-1, -1)})
     assert isinstance(store.book(delta(0, 2)), Applied)
     assert live(store) == ((0, 2), (0, 2), (0, 2))
 
@@ -242,24 +250,24 @@ def test_confirm_moves_inflight_to_settled() -> None:
     assert store.job_cores_in_use(JOB) == 4
 
 
-def test_apply_release_on_unknown_key_creates_nothing() -> None:
+def test_apply_delta_on_unknown_key_creates_nothing() -> None:
     store = Store()
-    assert store.apply_release(delta(-3, -1)) is False
-    assert store.apply_release(delta(-3, -1), xid=42) is False
+    assert store.apply_delta(delta(-3, -1)) is False
+    assert store.apply_delta(delta(-3, -1), xid=42) is False
     assert store.audit_snapshot() == CounterSnapshot()
 
 
 def test_release_has_no_floor_and_no_cap_check() -> None:
     store = store_with_caps()
     store.seed_show_booked(snap(2))
-    store.apply_release(delta(-5, -1))
+    store.apply_delta(delta(-5, -1))
     assert live(store) == ((-3, -1), (-3, -1), (-3, -1))
 
 
 def test_release_applies_only_to_existing_keys() -> None:
     store = store_with_caps()
     store.seed_show_booked(CounterSnapshot(job={JOB: (5, 0)}))
-    assert store.apply_release(delta(-2)) is True
+    assert store.apply_delta(delta(-2)) is True
     audit = store.audit_snapshot()
     assert audit.job == {JOB: (3, 0)} and audit.sub == {} and audit.folder == {}
 
@@ -348,12 +356,16 @@ def test_epoch_counts_passes() -> None:
     assert store.epoch == 2
 
 
-def test_seed_is_absolute_and_leaves_inflight_alone() -> None:
+def test_seed_keeps_inflight_bookings_on_top_of_the_snapshot() -> None:
+    # A show re-seeded after a flip round trip can have a booking in flight; the seed used to
+    # drop it, so the booking's rollback later read the counter LOW by its cores.
     store = store_with_caps()
     store.book(delta(4))
     store.seed_show_booked(snap(10))
-    assert store.job_cores_in_use(JOB) == 10
+    assert store.job_cores_in_use(JOB) == 14
     assert store.inflight_snapshot().job[JOB] == (4, 0)
+    store.rollback(delta(4))
+    assert store.job_cores_in_use(JOB) == 10
     assert store.epoch == 0
 
 
@@ -376,7 +388,7 @@ def test_release_visible_in_last_snapshot_is_skipped() -> None:
     store.confirm(delta(10))
     # Cuebot deleted the proc in xid 500 and committed; the next recompute read after that.
     recompute(store, snap(0), PgSnapshot.parse("501:501:"))
-    assert store.apply_release(delta(-10), xid=500) is False  # late release: already excluded
+    assert store.apply_delta(delta(-10), xid=500) is False  # late release: already excluded
     assert live(store) == ((0, 0), (0, 0), (0, 0))
 
 
@@ -385,16 +397,16 @@ def test_release_not_visible_in_last_snapshot_is_applied() -> None:
     store.book(delta(10))
     store.confirm(delta(10))
     recompute(store, snap(10), PgSnapshot.parse("500:502:500"))  # xid 500 still in progress
-    assert store.apply_release(delta(-10), xid=500) is True
+    assert store.apply_delta(delta(-10), xid=500) is True
     assert live(store) == ((0, 0), (0, 0), (0, 0))
     recompute(store, snap(0), PgSnapshot.parse("503:503:"))
-    assert store.apply_release(delta(-10), xid=503) is True  # committed after the read
+    assert store.apply_delta(delta(-10), xid=503) is True  # committed after the read
 
 
 def test_release_without_xid_keeps_reference_behaviour() -> None:
     store = store_with_caps()
     recompute(store, snap(10), PgSnapshot.parse("501:501:"))
-    assert store.apply_release(delta(-10)) is True
+    assert store.apply_delta(delta(-10)) is True
     assert store.job_cores_in_use(JOB) == 0
 
 
@@ -403,7 +415,7 @@ def test_release_decided_per_key() -> None:
     store.seed_show_booked(snap(10), PgSnapshot.parse("100:100:"))
     # A later pass rewrote only the job (its folder and sub rows were absent from the read).
     recompute(store, CounterSnapshot(job={JOB: (0, 0)}), PgSnapshot.parse("301:301:"))
-    assert store.apply_release(delta(-10), xid=300) is True
+    assert store.apply_delta(delta(-10), xid=300) is True
     assert live(store) == ((0, 0), (0, 0), (0, 0))
 
 
@@ -411,15 +423,15 @@ def test_overwrite_without_pg_snapshot_forgets_the_old_one() -> None:
     store = store_with_caps()
     recompute(store, snap(10), PgSnapshot.parse("501:501:"))
     recompute(store, snap(10))  # provenance unknown from here on: reference behaviour
-    assert store.apply_release(delta(-10), xid=500) is True
+    assert store.apply_delta(delta(-10), xid=500) is True
     assert store.job_cores_in_use(JOB) == 0
 
 
 def test_seed_records_its_snapshot() -> None:
     store = store_with_caps()
     store.seed_show_booked(snap(4), PgSnapshot.parse("90:95:91"))
-    assert store.apply_release(delta(-4), xid=89) is False
-    assert store.apply_release(delta(-4), xid=91) is True
+    assert store.apply_delta(delta(-4), xid=89) is False
+    assert store.apply_delta(delta(-4), xid=91) is True
     assert store.job_cores_in_use(JOB) == 0
 
 
@@ -436,11 +448,16 @@ def test_set_caps_never_deletes() -> None:
     )
 
 
-def test_folder_gpu_change_on_unseen_folder_leaves_cores_unlimited() -> None:
+def test_one_field_change_on_unseen_folder_leaves_it_closed() -> None:
+    # Cuebot sends one field per message. For a folder the Store does not hold, the other field
+    # is unknown: the reference created it unlimited (-1); now the key stays missing (closed)
+    # until a fill or reseed reads both, and a message with both fields creates it.
     store = Store()
-    assert store.apply_limit_change(LimitChange(LimitKind.FOLDER_MAX_GPUS, FOLDER, 3)) is True
-    assert store.folder_cap(FOLDER) == (-1, 3)
+    assert store.apply_limit_change(LimitChange(LimitKind.FOLDER_MAX_GPUS, FOLDER, 3)) is False
+    assert store.folder_cap(FOLDER) is None
     store.apply_limit_change(LimitChange(LimitKind.JOB_MAX_CORES, JOB, 12))
+    assert store.job_cap(JOB) is None
+    assert store.apply_limit_change(LimitChange(LimitKind.JOB_CAPS, JOB, (12, -1))) is True
     assert store.job_cap(JOB) == (12, -1)
     store.apply_limit_change(LimitChange(LimitKind.SUB_BURST, SUB, 200))
     assert store.sub_counters(SHOW, ALLOC) == (0, 200)
@@ -525,12 +542,12 @@ def test_evict_drops_idle_finished_jobs() -> None:
     store = store_with_caps()
     store.book(delta(2))
     store.confirm(delta(2))
-    store.apply_release(delta(-2))
+    store.apply_delta(delta(-2))
     recompute(store, snap(0))
     recompute(store, snap(0))  # both settled buckets are now empty
     assert store.evict_jobs([JOB, "never-seen"]) == 1
     assert JOB not in store.audit_snapshot().job
-    assert store.job_cap(JOB) is None
+    assert store.job_cap(JOB) == (-1, -1)  # caps are only removed by a complete reseed
     assert store.audit_snapshot().folder[FOLDER] == (0, 0)  # folders and subs stay
 
 
@@ -540,7 +557,7 @@ def test_evict_never_drops_a_booking() -> None:
     assert store.evict_jobs([JOB]) == 0  # in flight
     epoch = store.begin_recompute()
     store.confirm(delta(2))
-    store.apply_release(delta(-2))
+    store.apply_delta(delta(-2))
     assert store.job_cores_in_use(JOB) == 0
     assert store.evict_jobs([JOB]) == 0  # settled amount not yet proven to be in a snapshot
     store.overwrite_counters(snap(0), epoch)
@@ -556,11 +573,59 @@ def test_evict_keeps_a_counter_reading_high() -> None:
     assert store.job_cores_in_use(JOB) == 3
 
 
-def test_evict_cap_only_job() -> None:
+def test_evict_never_drops_a_cap() -> None:
+    # This test used to assert the risky direction: eviction dropped the caps of a job it could
+    # not see, including a cap a notification set after the recompute's snapshot, and the job
+    # then booked without its max cores. Eviction now drops counters only.
     store = Store()
-    store.apply_limit_change(LimitChange(LimitKind.JOB_MAX_CORES, JOB, 4))
-    assert store.evict_jobs(iter([JOB])) == 1
-    assert store.caps().job == {}
+    store.apply_limit_change(LimitChange(LimitKind.JOB_CAPS, JOB, (4, -1)))
+    assert store.evict_jobs(iter([JOB])) == 0
+    assert store.caps().job == {JOB: (4, -1)}
+
+
+def test_complete_reseed_removes_caps_it_no_longer_finds_unless_newer() -> None:
+    store = Store()
+    old = PgSnapshot(100, 100)
+    store.set_caps({SUB: 10}, {FOLDER: (5, -1)}, {JOB: (4, -1)}, pg_snapshot=old)
+    store.apply_limit_change(LimitChange(LimitKind.JOB_CAPS, "job-new", (2, -1)), xid=150)
+    newer = PgSnapshot(120, 120)  # does not see xid 150
+    assert store.set_caps({}, {FOLDER: (5, -1)}, {}, pg_snapshot=newer, complete=True) == 2
+    assert store.caps().sub == {} and store.job_cap(JOB) is None
+    assert store.job_cap("job-new") == (2, -1)  # notified after the read: kept
+    # A fill that read before the removal cannot bring the cap back.
+    store.set_caps({}, {}, {JOB: (4, -1)}, pg_snapshot=PgSnapshot(110, 110))
+    assert store.job_cap(JOB) is None
+    store.set_caps({}, {}, {JOB: (3, -1)}, pg_snapshot=PgSnapshot(130, 130))
+    assert store.job_cap(JOB) == (3, -1)
+
+
+def test_removal_notification_closes_the_key_and_an_older_fill_cannot_reopen_it() -> None:
+    store = store_with_caps(job=(8, -1))
+    assert store.apply_limit_change(LimitChange(LimitKind.JOB_REMOVED, JOB, 0), xid=200) is True
+    assert store.book(delta(1)) == LimitExceeded("job_unseeded", 0, 0)
+    store.set_caps({}, {}, {JOB: (8, -1)}, pg_snapshot=PgSnapshot(150, 150))  # read before the delete
+    assert store.job_cap(JOB) is None
+    assert store.apply_limit_change(LimitChange(LimitKind.SUB_REMOVED, SUB, 0), xid=201) is True
+    assert store.sub_counters(SHOW, ALLOC)[1] == 0
+
+
+def test_positive_delta_creates_a_missing_key_with_only_its_positive_part() -> None:
+    store = store_with_caps()
+    store.apply_delta(BookingDelta(SHOW, ALLOC, FOLDER, "job-x", 3, -1), xid=10)
+    assert store.audit_snapshot().job["job-x"] == (3, 0)
+    store.apply_delta(BookingDelta(SHOW, ALLOC, FOLDER, "job-y", -3, 0), xid=11)
+    assert "job-y" not in store.audit_snapshot().job
+
+
+def test_forget_sources_lets_the_next_reseed_write_unconditionally() -> None:
+    # After a failover the new server's snapshots look older than every recorded one.
+    store = store_with_caps(job=(8, -1))
+    store.set_caps({}, {}, {JOB: (8, -1)}, pg_snapshot=PgSnapshot(9000, 9000))
+    store.set_caps({}, {}, {JOB: (2, -1)}, pg_snapshot=PgSnapshot(700, 700))
+    assert store.job_cap(JOB) == (8, -1)  # frozen: the new server looks like the past
+    store.forget_sources()
+    store.set_caps({}, {}, {JOB: (2, -1)}, pg_snapshot=PgSnapshot(700, 700))
+    assert store.job_cap(JOB) == (2, -1)
 
 
 # ------------------------------------------------------------------ releases during a read
@@ -573,7 +638,7 @@ def test_release_applied_between_snapshot_read_and_overwrite_is_not_lost() -> No
     recompute(store, snap(10), PgSnapshot(90, 90, frozenset()))
     epoch = store.begin_recompute()  # the pass opens ...
     read_under = PgSnapshot(100, 100, frozenset())  # ... reads 10 cores under this snapshot ...
-    assert store.apply_release(delta(-4), xid=105)  # ... the delete commits after the read
+    assert store.apply_delta(delta(-4), xid=105)  # ... the delete commits after the read
     store.overwrite_counters(snap(10), epoch, read_under)
     assert live(store) == ((6, 0), (6, 0), (6, 0))
     # The next pass sees the delete too: exact, never counted twice.
@@ -585,17 +650,17 @@ def test_release_already_in_the_snapshot_is_not_replayed() -> None:
     store = store_with_caps()
     recompute(store, snap(10), PgSnapshot(90, 90, frozenset()))
     epoch = store.begin_recompute()
-    assert store.apply_release(delta(-4), xid=95)  # committed before the read: the SUM excludes it
+    assert store.apply_delta(delta(-4), xid=95)  # committed before the read: the SUM excludes it
     store.overwrite_counters(snap(6), epoch, PgSnapshot(100, 100, frozenset()))
     assert live(store) == ((6, 0), (6, 0), (6, 0))
 
 
 def test_managed_flip_seed_replays_a_release_for_keys_it_had_not_seen() -> None:
     """A newly managed show has no keys yet: a release during its seed read is skipped by
-    apply_release (unknown keys) but must still count once the seed writes the keys."""
+    apply_delta (unknown keys) but must still count once the seed writes the keys."""
     store = Store()
     store.open_release_window()
-    assert not store.apply_release(delta(-3), xid=205)  # no key yet: nothing applied now
+    assert not store.apply_delta(delta(-3), xid=205)  # no key yet: nothing applied now
     store.seed_show_booked(snap(9), pg_snapshot=PgSnapshot(200, 200, frozenset()))
     assert live(store) == ((6, 0), (6, 0), (6, 0))
 
@@ -604,6 +669,6 @@ def test_without_a_snapshot_a_window_release_is_not_replayed() -> None:
     """No snapshot to judge by: leave the counter high (the safe side) for the next pass."""
     store = store_with_caps()
     epoch = store.begin_recompute()
-    store.apply_release(delta(-4), xid=105)
+    store.apply_delta(delta(-4), xid=105)
     store.overwrite_counters(snap(10), epoch, None)
     assert live(store) == ((10, 0), (10, 0), (10, 0))

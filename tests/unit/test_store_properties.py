@@ -385,7 +385,7 @@ class StoreMachine(RuleBasedStateMachine):
     def deliver_head(self) -> None:
         channel, payload, xid = self.queue.popleft()
         if channel == "release":
-            self.store.apply_release(payload, xid)
+            self.store.apply_delta(payload, xid)
             return
         cap_field, seq, value = payload
         vertex, key, index = cap_field

@@ -5,10 +5,7 @@ Deletes N procs (default 10,000) of a scratch farm, in one statement and one at 
 do not drown the trigger cost), and times DELETE + COMMIT (COMMIT is where queued NOTIFYs are
 written). Each variant is the median of --runs runs:
 
-* managed show, notifications on: the installed statement-level `acct_release`;
-* managed show, notifications on, per-row variant: `accounting.triggers.release_row_trigger()`
-  swapped in for the statement-level one inside the timed transaction (DDL is transactional,
-  so no other session ever sees the swap; it waits on the table lock instead);
+* managed show, notifications on: the installed statement-level `acct_proc_delete`;
 * managed show, kill switch off: the row is turned off and back on inside the transaction;
 * unmanaged show: the database-enforced accounting (five tables updated, caps checked);
 * no triggers: `session_replication_role = replica` for the transaction (superuser), else
@@ -16,7 +13,9 @@ written). Each variant is the median of --runs runs:
 
 A LISTEN connection counts what each variant delivered. Scratch rows carry a `bt-<hex>` prefix
 and are removed at the end, with releases suppressed. Works against any DATABASE_URL; on a live
-database the per-row and no-trigger variants briefly lock `proc`.
+database the no-trigger variant briefly locks `proc`. (A per-row release trigger was measured
+against the statement-level one before the proc triggers were unified; the figures are kept in
+`accounting.triggers`' history and docs/benchmarks.md.)
 """
 
 from __future__ import annotations
@@ -34,8 +33,7 @@ from django.db import connections
 from psycopg import sql
 
 from accounting import triggers
-from accounting.notify import RELEASE_CHANNEL, SUPPRESS_RELEASE_SQL, conninfo_from_settings
-from dispatch.models import Proc
+from accounting.notify import RELEASE_CHANNEL, STORE_ACCOUNTED_SQL, conninfo_from_settings
 
 CREATE_FARM_SQL = """
 INSERT INTO facility (pk_facility, str_name) VALUES (%(facility)s, %(prefix)s::text);
@@ -130,21 +128,6 @@ def _kill_switch_off(conn: psycopg.Connection) -> Callable[[psycopg.Connection],
     return lambda conn: conn.execute(KILL_SWITCH_SQL, {"on": True})
 
 
-def _per_row_release(conn: psycopg.Connection) -> Callable[[psycopg.Connection], None]:
-    statement_pgid = triggers.release_trigger().get_pgid(Proc)
-    row_trigger = triggers.release_row_trigger()
-    row_pgid = row_trigger.get_pgid(Proc)
-    conn.execute(f"ALTER TABLE proc DISABLE TRIGGER {statement_pgid}")
-    conn.execute(str(row_trigger.compile(Proc).install_sql))
-
-    def undo(conn: psycopg.Connection) -> None:
-        conn.execute(f"DROP TRIGGER {row_pgid} ON proc")
-        conn.execute(f"DROP FUNCTION {row_pgid}()")
-        conn.execute(f"ALTER TABLE proc ENABLE TRIGGER {statement_pgid}")
-
-    return undo
-
-
 def _no_triggers(conn: psycopg.Connection) -> Callable[[psycopg.Connection], None]:
     try:
         with conn.transaction():  # a savepoint: a refused SET must not abort the timed transaction
@@ -157,7 +140,6 @@ def _no_triggers(conn: psycopg.Connection) -> Callable[[psycopg.Connection], Non
 
 VARIANTS = (
     Variant("managed, notifications on (statement-level, installed)", True, _nothing),
-    Variant("managed, notifications on (per-row variant)", True, _per_row_release),
     Variant("managed, kill switch off", True, _kill_switch_off),
     Variant("unmanaged (database-enforced accounting)", False, _nothing),
     Variant("no triggers at all", True, _no_triggers),
@@ -230,7 +212,7 @@ def scratch_farm(conn: psycopg.Connection, procs: int, jobs: int, layers_per_job
     finally:
         conn.rollback()
         with conn.transaction():
-            conn.execute(SUPPRESS_RELEASE_SQL)
+            conn.execute(STORE_ACCOUNTED_SQL)
             execute_script(conn, DROP_FARM_SQL, params)
 
 

@@ -70,6 +70,12 @@ class Command(BaseCommand):
             help="Keep accounting in sync and published, but book nothing.",
         )
         parser.add_argument(
+            "--standby",
+            action="store_true",
+            help="Wait for the scheduler lock instead of refusing to start; on takeover, take the lease "
+            "(which waits for the old scheduler's last booking), bootstrap, then book (a hot standby).",
+        )
+        parser.add_argument(
             "--metrics-port",
             type=int,
             default=conf.env_int("CUESCHED_METRICS_PORT", 9090),
@@ -104,8 +110,12 @@ class Command(BaseCommand):
                 workers=options["workers"],
                 **launcher_options,
             )
-        process = SchedulerProcess(SchedulerOptions(metrics_port=options["metrics_port"]), stop=stop)
+        process = SchedulerProcess(
+            SchedulerOptions(metrics_port=options["metrics_port"], standby=options["standby"]), stop=stop
+        )
         try:
             process.run(main)
         except SchedulerAlreadyRunning as exc:
             raise CommandError(str(exc)) from None
+        if process.lock_lost:
+            raise CommandError("this scheduler lost its lease to another scheduler and stopped booking")
