@@ -7,10 +7,12 @@ trigger admit bookings over a cap. This loop is the backstop the Store's recompu
 managed shows: every `CUESCHED_DB_RECONCILE_INTERVAL` it rewrites every unmanaged show's
 counters to the truth and reports what it corrected as drift.
 
-It takes the accounting-keys lock shared (no flip or key move under it) and every unmanaged
-show's database-accounting lock exclusively, in the triggers' order (no database-enforced
-writer between its read of proc and its write), so the rebuild and a concurrent booking can
-never interleave. Writers of those shows wait for one statement (~0.1 s at 100,000 procs).
+Each show is rebuilt in a transaction of its own that takes the accounting-keys lock shared
+(no flip or key move under it) and that show's database-accounting lock exclusively (no
+database-enforced writer between its read of proc and its write), so the rebuild and a
+concurrent booking can never interleave. One show's lock per transaction: a writer holding
+several shows' locks can then never deadlock with the reconcile. Writers of the show wait for
+one statement (an index scan of its procs).
 """
 
 from __future__ import annotations
@@ -37,19 +39,23 @@ class ReconcileResult:
 
 
 def reconcile_unmanaged(conn: psycopg.Connection) -> ReconcileResult:
-    """One pass over every unmanaged show, in one READ COMMITTED transaction of its own."""
+    """One pass over every unmanaged show, one READ COMMITTED transaction per show."""
     result = ReconcileResult()
-    with conn.transaction():
-        conn.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
-        conn.execute(LOCK_KEYS_SHARED_SQL)
-        shows = [s for (s,) in conn.execute(UNMANAGED_SHOWS_SQL)]
-        result.shows = len(shows)
-        if not shows:
-            return result
-        conn.execute(LOCK_DB_SHOWS_SQL, {"shows": shows})
-        # A fresh statement: its snapshot starts after every writer the locks waited for. The
-        # rebuild joins show again by id only, so a show flipped meanwhile could not be here
-        # (flips wait for the shared lock this transaction holds).
-        row = conn.execute(RECONCILE_SQL, {"shows": shows}).fetchone() or (0,) * len(REBUILD_TABLES)
-    result.drift_cores = {table: usage_to_cores(int(cc)) for table, cc in zip(REBUILD_TABLES, row, strict=True)}
+    totals = dict.fromkeys(REBUILD_TABLES, 0)
+    shows = [s for (s,) in conn.execute(UNMANAGED_SHOWS_SQL)]
+    for show in shows:
+        with conn.transaction():
+            conn.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
+            conn.execute(LOCK_KEYS_SHARED_SQL)
+            # Still unmanaged? A flip waits for the shared lock this transaction now holds.
+            row = conn.execute("SELECT NOT b_scheduler_managed FROM show WHERE pk_show = %s", (show,)).fetchone()
+            if not row or not row[0]:
+                continue
+            conn.execute(LOCK_DB_SHOWS_SQL, {"shows": [show]})
+            # A fresh statement: its snapshot starts after every writer the locks waited for.
+            drift = conn.execute(RECONCILE_SQL, {"shows": [show]}).fetchone() or (0,) * len(REBUILD_TABLES)
+        result.shows += 1
+        for table, cc in zip(REBUILD_TABLES, drift, strict=True):
+            totals[table] += int(cc)
+    result.drift_cores = {table: usage_to_cores(cc) for table, cc in totals.items()}
     return result
