@@ -20,10 +20,11 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 
-from accounting import db
+from accounting import db, metrics
 
 if TYPE_CHECKING:
-    from accounting.service import AccountingService
+    from accounting import metrics
+from accounting.service import AccountingService
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,9 @@ def build_view(service: AccountingService) -> dict[str, Any]:
     st = service.state
     ls = service.listener.stats
     rc = st.last_recompute
+    heartbeat_age = service.listener.heartbeat_age()
+    if heartbeat_age is not None:
+        metrics.HEARTBEAT_AGE.set(heartbeat_age)
     return {
         "started_at": st.started_at,
         "bootstrapped_at": st.bootstrapped_at,
@@ -105,7 +109,19 @@ def build_view(service: AccountingService) -> dict[str, Any]:
             "injected_drops": ls.injected_drops,
             "last_error": ls.last_error,
             "last_reseed_seconds": ls.last_reseed_seconds,
+            "heartbeat_age_seconds": heartbeat_age,
+            "heartbeat_deadline_seconds": service.listener.deadline,
+            "heartbeats": ls.heartbeats,
+            "wedges": ls.wedges,
+            "resyncs": ls.resyncs,
+            "server_id": ls.server_id,
         },
+        # Whether the Store books managed shows now, and if not, why (listener stale, lease lost).
+        "enforcing": service.can_enforce(),
+        "paused_reason": service.pause_reason(),
+        "lease_generation": service.lease_generation,
+        "server_changes": st.server_changes,
+        "reconcile_drift_cores": st.last_reconcile_drift,
         # Cap changes the listener applied, newest last: [vertex, key, field, value, unix time].
         "recent_caps": list(ls.recent_caps),
         "recompute": None

@@ -217,6 +217,8 @@ class RecomputeResult:
     pg_error: str | None = None
     # Sum over keys of |after - before| in whole cores: how far the Store had drifted.
     drift_cores: dict[str, int] = field(default_factory=dict)
+    # xmax of the pass's snapshot: the service notices a server whose xids went backwards.
+    pg_xmax: int = 0
 
 
 def build_snapshot(
@@ -307,6 +309,7 @@ class Recomputer:
                 [*job_keys, *before.job.keys()],
             )
             store.overwrite_counters(snapshot, epoch, pg_snapshot=snap)
+            result.pg_xmax = snap.xmax
         after = store.audit_snapshot()
         result.drift_cores = _drift(before, after)
         result.evicted = store.evict_jobs([j for j, v in after.job.items() if j not in db_jobs and v == (0, 0)])

@@ -293,6 +293,7 @@ class AccountingService:
             metrics.LIMIT_CHANGES.labels(outcome).inc()
 
     def _observe_recompute(self, result: RecomputeResult) -> None:
+        self._max_xmax = max(self._max_xmax, result.pg_xmax)
         self._room_changed()
         self.state.last_recompute = result
         metrics.RECOMPUTE_SECONDS.observe(result.store_seconds + result.pg_seconds)

@@ -495,7 +495,8 @@ _REBUILD = """
         WHERE NOT p.b_local AND p.pk_show IN (SELECT pk_show FROM target)
     ),
     sub_x AS (
-        SELECT s.pk_subscription AS pk, s.int_cores AS old_c, COALESCE(SUM(l.cc), 0) AS cc, COALESCE(SUM(l.g), 0) AS g
+        SELECT s.pk_subscription AS pk, s.int_cores AS old_c,
+               COALESCE(SUM(l.cc), 0) AS cc, COALESCE(SUM(l.g), 0) AS g
         FROM subscription s LEFT JOIN live l ON l.pk_show = s.pk_show AND l.pk_alloc = s.pk_alloc
         WHERE s.pk_show IN (SELECT pk_show FROM target)
         GROUP BY s.pk_subscription
@@ -506,7 +507,8 @@ _REBUILD = """
         RETURNING abs(x.cc - x.old_c) AS drift
     ),
     folder_x AS (
-        SELECT fr.pk_folder_resource AS pk, fr.int_cores AS old_c, COALESCE(SUM(l.cc), 0) AS cc, COALESCE(SUM(l.g), 0) AS g
+        SELECT fr.pk_folder_resource AS pk, fr.int_cores AS old_c,
+               COALESCE(SUM(l.cc), 0) AS cc, COALESCE(SUM(l.g), 0) AS g
         FROM folder_resource fr JOIN folder f ON f.pk_folder = fr.pk_folder
         LEFT JOIN live l ON l.pk_folder = fr.pk_folder
         WHERE f.pk_show IN (SELECT pk_show FROM target)
@@ -518,7 +520,8 @@ _REBUILD = """
         RETURNING abs(x.cc - x.old_c) AS drift
     ),
     job_x AS (
-        SELECT jr.pk_job_resource AS pk, jr.int_cores AS old_c, COALESCE(SUM(l.cc), 0) AS cc, COALESCE(SUM(l.g), 0) AS g
+        SELECT jr.pk_job_resource AS pk, jr.int_cores AS old_c,
+               COALESCE(SUM(l.cc), 0) AS cc, COALESCE(SUM(l.g), 0) AS g
         FROM job_resource jr JOIN job j ON j.pk_job = jr.pk_job
         LEFT JOIN live l ON l.pk_job = jr.pk_job
         WHERE j.pk_show IN (SELECT pk_show FROM target)
@@ -530,7 +533,8 @@ _REBUILD = """
         RETURNING abs(x.cc - x.old_c) AS drift
     ),
     layer_x AS (
-        SELECT lr.pk_layer_resource AS pk, lr.int_cores AS old_c, COALESCE(SUM(l.cc), 0) AS cc, COALESCE(SUM(l.g), 0) AS g
+        SELECT lr.pk_layer_resource AS pk, lr.int_cores AS old_c,
+               COALESCE(SUM(l.cc), 0) AS cc, COALESCE(SUM(l.g), 0) AS g
         FROM layer_resource lr JOIN job j ON j.pk_job = lr.pk_job
         LEFT JOIN live l ON l.pk_layer = lr.pk_layer
         WHERE j.pk_show IN (SELECT pk_show FROM target)
@@ -542,7 +546,8 @@ _REBUILD = """
         RETURNING abs(x.cc - x.old_c) AS drift
     ),
     point_x AS (
-        SELECT pt.pk_point AS pk, pt.int_cores AS old_c, COALESCE(SUM(l.cc), 0) AS cc, COALESCE(SUM(l.g), 0) AS g
+        SELECT pt.pk_point AS pk, pt.int_cores AS old_c,
+               COALESCE(SUM(l.cc), 0) AS cc, COALESCE(SUM(l.g), 0) AS g
         FROM point pt LEFT JOIN live l ON l.pk_show = pt.pk_show AND l.pk_dept = pt.pk_dept
         WHERE pt.pk_show IN (SELECT pk_show FROM target)
         GROUP BY pt.pk_point

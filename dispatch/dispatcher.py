@@ -463,7 +463,10 @@ def _write_group(cur: psycopg.Cursor, group: list[Booking], result: BatchResult,
             pk_frame = bk.frame.pk
             if pk_frame not in started:
                 # Not started, so nothing of it was written: the statement stays as it is.
-                result.rejected.append((bk, refused.get(pk_frame, REJECT_FRAME)))
+                table = refused.get(pk_frame, REJECT_FRAME)
+                result.rejected.append((bk, table))
+                if table == REJECT_KEYS:
+                    result.failed_hosts.add(bk.host.pk)  # the view's allocation is stale: reload it
             elif pk_frame not in with_proc:
                 result.rejected.append((bk, REJECT_PROC))
                 redo = True

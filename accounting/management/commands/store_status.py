@@ -30,10 +30,19 @@ class Command(BaseCommand):
             f"scheduler pid {view['pid']} on {view['hostname']}, view {view['age_seconds']:.1f}s old ({state})"
         )
         lst = view["listener"]
+        age = lst.get("heartbeat_age_seconds")
         self.stdout.write(
             f"listener {lst['state']}: releases {lst['releases_applied']} applied / {lst['releases_skipped']} "
             f"skipped, caps {lst['limits_applied']} applied / {lst['limits_skipped']} skipped, "
-            f"dropped {sum(lst['dropped'].values())}, reconnects {lst['reconnects']}"
+            f"dropped {sum(lst['dropped'].values())}, reconnects {lst['reconnects']}, "
+            f"heartbeat {'none yet' if age is None else f'{age:.1f}s old'} "
+            f"(deadline {lst.get('heartbeat_deadline_seconds', 0):.1f}s), wedges {lst.get('wedges', 0)}"
+        )
+        if view.get("enforcing") is False:
+            self.stdout.write(f"ACCOUNTING PAUSED: managed shows book nothing: {view.get('paused_reason')}")
+        self.stdout.write(
+            f"lease generation {view.get('lease_generation')}, server changes {view.get('server_changes', 0)}, "
+            f"unmanaged drift at the last reconcile {view.get('reconcile_drift_cores') or {}}"
         )
         rc = view.get("recompute")
         if rc:
