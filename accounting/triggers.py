@@ -443,13 +443,28 @@ APPLY_UNMANAGED = f"""
     END IF;"""
 
 
-def usage_func(keyed: str, *, guard: str = "", prologue: str = "") -> str:
-    """A trigger body: optional cheap exit, the lock, the keyed deltas, then both halves."""
+def usage_func(keyed: str, *, guard: str = "", prologue: str = "", rows: str | None = None) -> str:
+    """A trigger body: optional cheap exit, the lock, the keyed deltas, then both halves.
+
+    `rows` names the transition table of a proc trigger: a statement of the scheduler's own
+    Store-accounted transaction that touches no unmanaged show has nothing to do, which is
+    told from the show flags alone (no host or job join) on the booking hot path.
+    """
+    fast = ""
+    if rows is not None:
+        fast = f"""
+    IF {STORE_ACCOUNTED} AND NOT EXISTS (
+        SELECT 1 FROM {rows} r JOIN show s ON s.pk_show = r.pk_show AND NOT s.b_scheduler_managed
+        WHERE NOT r.b_local
+    ) THEN
+        RETURN NULL;
+    END IF;"""
     return f"""
     {guard}
     {prologue}
     {LOCK_KEYS_SHARED}
     {EPOCH_GUARD}
+    {fast}
     {read_deltas(keyed)}
     IF v_show IS NULL THEN
         RETURN NULL;
@@ -589,10 +604,14 @@ RECONCILE_SQL = rebuild_sql("SELECT unnest(%(shows)s::text[]) AS pk_show")
 # --- proc triggers ---------------------------------------------------------------------------
 
 PROC_INSERT_FUNC = usage_func(
-    PROC_INSERT_KEYED, guard="IF NOT EXISTS (SELECT 1 FROM new_procs WHERE NOT b_local) THEN RETURN NULL; END IF;"
+    PROC_INSERT_KEYED,
+    guard="IF NOT EXISTS (SELECT 1 FROM new_procs WHERE NOT b_local) THEN RETURN NULL; END IF;",
+    rows="new_procs",
 )
 PROC_DELETE_FUNC = usage_func(
-    PROC_DELETE_KEYED, guard="IF NOT EXISTS (SELECT 1 FROM old_procs WHERE NOT b_local) THEN RETURN NULL; END IF;"
+    PROC_DELETE_KEYED,
+    guard="IF NOT EXISTS (SELECT 1 FROM old_procs WHERE NOT b_local) THEN RETURN NULL; END IF;",
+    rows="old_procs",
 )
 # Agents update procs all the time (memory used, pings): leave before any lock unless an
 # accounted column changed.
