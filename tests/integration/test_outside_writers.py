@@ -11,7 +11,9 @@ accounting paths to the truth, SUM(proc) per key:
   in the writing statement), and a write that would breach a cap fails with check_violation.
 
 A counter may read high, never low: each check below fails when one reads low, which is what
-the old code (before the integrity work) did for every row of the issue's table.
+the old code (before the integrity work) did on every row of the issue's table. Where the
+database-enforced half already held there (proc UPDATEs, rows 3 and 4), both halves share one
+test, so that it still fails on the old code.
 """
 
 from __future__ import annotations
@@ -300,52 +302,55 @@ def fails_with_cap(conn: psycopg.Connection, sql: str, params: tuple, constraint
 # --------------------------------------------------------------------------- row 1: host.pk_alloc
 
 
-def test_host_moved_to_another_allocation_moves_its_running_procs(conn) -> None:
-    """`UPDATE host SET pk_alloc`: both subscriptions follow; the new burst holds on both paths."""
-    m = build_world(conn, "hm-m", managed=True)
-    u = build_world(conn, "hm-u", managed=False)
+PATHS = pytest.mark.parametrize("managed", [True, False], ids=["managed", "unmanaged"])
+
+
+@PATHS
+def test_host_moved_to_another_allocation_moves_its_running_procs(conn, managed: bool) -> None:
+    """`UPDATE host SET pk_alloc` under running procs: both subscriptions follow; the new burst holds."""
+    w = build_world(conn, f"hm-{managed}", managed=managed)
     move = "UPDATE host SET pk_alloc = %s WHERE pk_host = %s"
     with running_scheduler() as proc:
         service = proc.service
-        for w in (m, u):
-            conn.execute(move, (w.alloc_b, w.farm.hosts[0]))  # 8 cores of job0 leave A for B
-        # Database-enforced: moved in the writing statement, and the next move is cap-checked.
-        counters = db_counters(conn, u.shows)
-        assert counters[("sub", u.farm.show, u.farm.alloc)][0] == 400
-        assert counters[("sub", u.farm.show, u.alloc_b)][0] == 800
-        assert_db_matches_truth(conn, u.shows)
-        fails_with_cap(conn, move, (u.alloc_b, u.farm.hosts[1]), "acct_subscription_burst", u.shows)  # 8 + 4 > 10
-        assert conn.execute("SELECT pk_alloc FROM host WHERE pk_host = %s", (u.farm.hosts[1],)).fetchone()[0] == (
-            u.farm.alloc
-        )
-        # Store: -old/+new deltas through the listener.
-        wait_store_matches(service.store, conn, m.shows, "Store subscriptions to follow the host move")
-        assert service.store.sub_counters(m.farm.show, m.farm.alloc)[0] == 4
-        assert service.store.sub_counters(m.farm.show, m.alloc_b) == (8, 10)
-        assert_refused(service.apply_booking(m.delta(3, alloc=m.alloc_b)), "subscription", 8, 10)
-        assert_fits_then_release(service, m.delta(2, alloc=m.alloc_b))
+        conn.execute(move, (w.alloc_b, w.farm.hosts[0]))  # job0's 8 cores leave A (burst 100) for B (burst 10)
+        if not managed:
+            # Moved in the writing statement, and the next move is cap-checked like a booking.
+            counters = db_counters(conn, w.shows)
+            assert counters[("sub", w.farm.show, w.farm.alloc)][0] == 400
+            assert counters[("sub", w.farm.show, w.alloc_b)][0] == 800
+            assert_db_matches_truth(conn, w.shows)
+            fails_with_cap(conn, move, (w.alloc_b, w.farm.hosts[1]), "acct_subscription_burst", w.shows)  # 8+4 > 10
+            host_alloc = conn.execute("SELECT pk_alloc FROM host WHERE pk_host = %s", (w.farm.hosts[1],)).fetchone()
+            assert host_alloc == (w.farm.alloc,)
+            return
+        wait_store_matches(service.store, conn, w.shows, "Store subscriptions to follow the host move")
+        assert service.store.sub_counters(w.farm.show, w.farm.alloc)[0] == 4
+        assert service.store.sub_counters(w.farm.show, w.alloc_b) == (8, 10)
+        assert_refused(service.apply_booking(w.delta(3, alloc=w.alloc_b)), "subscription", 8, 10)
+        assert_fits_then_release(service, w.delta(2, alloc=w.alloc_b))
 
 
 # --------------------------------------------------------------------------- row 2: job.pk_folder
 
 
-def test_job_moved_to_another_folder_moves_its_running_procs(conn) -> None:
-    """`UPDATE job SET pk_folder`: both folders follow; the new folder's max holds on both paths."""
-    m = build_world(conn, "jm-m", managed=True)
-    u = build_world(conn, "jm-u", managed=False)
+@PATHS
+def test_job_moved_to_another_folder_moves_its_running_procs(conn, managed: bool) -> None:
+    """`UPDATE job SET pk_folder` under running procs: both folders follow; the new folder's max holds."""
+    w = build_world(conn, f"jm-{managed}", managed=managed)
     move = "UPDATE job SET pk_folder = %s WHERE pk_job = %s"
     with running_scheduler() as proc:
         service = proc.service
-        for w in (m, u):
-            conn.execute(move, (w.folder_b, w.farm.jobs[0]))  # job0's 8 cores go to folder B (max 10)
-        counters = db_counters(conn, u.shows)
-        assert counters[("folder", "", u.farm.folder)][0] == 400
-        assert counters[("folder", "", u.folder_b)][0] == 800
-        assert_db_matches_truth(conn, u.shows)
-        fails_with_cap(conn, move, (u.folder_b, u.farm.jobs[1]), "acct_folder_max_cores", u.shows)  # 8 + 4 > 10
-        wait_store_matches(service.store, conn, m.shows, "Store folders to follow the job move")
-        assert_refused(service.apply_booking(m.delta(3, folder=m.folder_b)), "folder", 8, 10)
-        assert_fits_then_release(service, m.delta(2, folder=m.folder_b))
+        conn.execute(move, (w.folder_b, w.farm.jobs[0]))  # job0's 8 cores go to folder B (max 10)
+        if not managed:
+            counters = db_counters(conn, w.shows)
+            assert counters[("folder", "", w.farm.folder)][0] == 400
+            assert counters[("folder", "", w.folder_b)][0] == 800
+            assert_db_matches_truth(conn, w.shows)
+            fails_with_cap(conn, move, (w.folder_b, w.farm.jobs[1]), "acct_folder_max_cores", w.shows)  # 8+4 > 10
+            return
+        wait_store_matches(service.store, conn, w.shows, "Store folders to follow the job move")
+        assert_refused(service.apply_booking(w.delta(3, folder=w.folder_b)), "folder", 8, 10)
+        assert_fits_then_release(service, w.delta(2, folder=w.folder_b))
 
 
 # --------------------------------------------------------------------------- row 3: proc keys
@@ -355,8 +360,9 @@ def test_job_moved_to_another_folder_moves_its_running_procs(conn) -> None:
 def test_proc_keys_updated_in_place_move_its_accounting(conn, column: str) -> None:
     """`UPDATE proc SET pk_job / pk_host / pk_show`: the old key loses it, the new one gains it.
 
-    The Store learns of it through a -old/+new delta pair (there was no message at all before);
-    the database-enforced half is checked alongside, with the new key's cap.
+    The Store learns of it through a -old/+new delta pair (the old code sent no message at all).
+    The database-enforced half is checked alongside, with the new key's cap (the old code's
+    proc UPDATE trigger already moved those counters: this test fails there on the Store half).
     """
     m = build_world(conn, f"pk-{column}-m", managed=True)
     u = build_world(conn, f"pk-{column}-u", managed=False)
@@ -370,35 +376,39 @@ def test_proc_keys_updated_in_place_move_its_accounting(conn, column: str) -> No
         target = w.host_b if column == "pk_host" else w.show_b
         return f"UPDATE proc SET {column} = %s WHERE pk_proc = ANY(%s)", (target, procs)
 
-    # After moving procs[0] (4 cores): the new key holds 8 (job1) or 4 (alloc B, show B) of 10.
-    if column == "pk_job":
-        over, held, cap_constraint = (lambda w, c: w.delta(c, job_index=1)), 8, "acct_job_max_cores"
-    elif column == "pk_host":
-        over, held, cap_constraint = (
-            (lambda w, c: w.delta(c, alloc=w.alloc_b, job_index=1)),
-            4,
-            "acct_subscription_burst",
-        )
-    else:
-        over, held, cap_constraint = (lambda w, c: w.delta(c, show=w.show_b, job_index=1)), 4, "acct_subscription_burst"
+    def new_key(w: World, cores: int) -> BookingDelta:
+        """A booking against the key procs[0] moved to (job1, alloc B or show B), on job1."""
+        if column == "pk_host":
+            return w.delta(cores, alloc=w.alloc_b, job_index=1)
+        if column == "pk_show":
+            return w.delta(cores, show=w.show_b, job_index=1)
+        return w.delta(cores, job_index=1)
+
+    # After procs[0] (4 cores) moved, the new key holds 8 (job1) or 4 (alloc B, show B) of its 10.
+    held = 8 if column == "pk_job" else 4
     table = "job" if column == "pk_job" else "subscription"
+    constraint = "acct_job_max_cores" if column == "pk_job" else "acct_subscription_burst"
     with running_scheduler() as proc:
         service = proc.service
         for w in (m, u):
             conn.execute(*move(w, [w.procs[0]]))
         assert_db_matches_truth(conn, u.shows)
         # The rest of A's procs onto the new key would breach its cap of 10.
-        fails_with_cap(conn, *move(u, u.procs[1:] if column != "pk_job" else [u.procs[1]]), cap_constraint, u.shows)
+        fails_with_cap(conn, *move(u, u.procs[1:] if column != "pk_job" else [u.procs[1]]), constraint, u.shows)
         wait_store_matches(service.store, conn, m.shows, f"Store to follow UPDATE proc SET {column}")
-        assert_refused(service.apply_booking(over(m, 10 - held + 1)), table, held, 10)
-        assert_fits_then_release(service, over(m, 10 - held))
+        assert_refused(service.apply_booking(new_key(m, 10 - held + 1)), table, held, 10)
+        assert_fits_then_release(service, new_key(m, 10 - held))
 
 
 # --------------------------------------------------------------------------- row 4: in-place resize
 
 
 def test_reserved_cores_and_gpus_changed_in_place_are_accounted(conn) -> None:
-    """`UPDATE proc SET int_cores_reserved, int_gpus_reserved`: +2.5 cores counts +3 in the Store."""
+    """`UPDATE proc SET int_cores_reserved, int_gpus_reserved`: +2.5 cores counts +3 in the Store.
+
+    The database-enforced half already held on the old code (its proc UPDATE trigger); the
+    Store half did not (no message): that is where this test fails there.
+    """
     m = build_world(conn, "rs-m", managed=True)
     u = build_world(conn, "rs-u", managed=False)
     resize = "UPDATE proc SET int_cores_reserved = %s, int_gpus_reserved = %s WHERE pk_proc = %s"
@@ -468,22 +478,27 @@ def test_removed_subscription_stops_managed_bookings(conn, how: str) -> None:
 # --------------------------------------------------------------------------- row 7: TRUNCATE proc
 
 
-def test_truncate_proc_zeroes_both_paths(conn) -> None:
-    """TRUNCATE proc (nothing references proc: no CASCADE needed) leaves no counter high."""
-    m = build_world(conn, "tr-m", managed=True)
-    u = build_world(conn, "tr-u", managed=False)
+@PATHS
+def test_truncate_proc_leaves_no_counter_booked(conn, managed: bool) -> None:
+    """TRUNCATE proc (nothing references proc: no CASCADE needed) fires no row trigger.
+
+    Database-enforced: the five counter tables read 0 right after the commit. Store: the
+    `acct_resync` reseed brings every key to 0, and the whole job max books again.
+    """
+    w = build_world(conn, f"tr-{managed}", managed=managed)
     with running_scheduler() as proc:
         service = proc.service
-        assert service.store.sub_counters(m.farm.show, m.farm.alloc) == (12, 100)
+        assert not managed or service.store.sub_counters(w.farm.show, w.farm.alloc) == (12, 100)
         conn.execute("TRUNCATE proc")
-        counters = db_counters(conn, u.shows)
-        assert counters, "the unmanaged world has counter rows"
-        nonzero = {k: v for k, v in counters.items() if v != (0, 0)}
-        assert not nonzero, f"database counters still booked after TRUNCATE proc: {nonzero}"
-        wait_store_matches(service.store, conn, m.shows, "Store to drop to 0 after TRUNCATE proc (acct_resync)")
-        assert service.store.sub_counters(m.farm.show, m.farm.alloc) == (0, 100)
-        # The whole job max books again: nothing is left reading high.
-        assert_fits_then_release(service, m.delta(10))
+        if not managed:
+            counters = db_counters(conn, w.shows)
+            assert len(counters) >= 5, "the world has rows in the five counter tables"
+            nonzero = {k: v for k, v in counters.items() if v != (0, 0)}
+            assert not nonzero, f"database counters still booked after TRUNCATE proc: {nonzero}"
+            return
+        wait_store_matches(service.store, conn, w.shows, "Store to drop to 0 after TRUNCATE proc (acct_resync)")
+        assert service.store.sub_counters(w.farm.show, w.farm.alloc) == (0, 100)
+        assert_fits_then_release(service, w.delta(10))
 
 
 # --------------------------------------------------------------------------- row 8: reopened job
