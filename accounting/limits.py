@@ -102,8 +102,11 @@ def read_limits(conn: psycopg.Connection) -> LimitRows:
 
 def reseed_limits(store: Store, conn: psycopg.Connection) -> LimitRows:
     started = time.monotonic()
+    incarnation = store.incarnation
     rows = read_limits(conn)
-    removed = store.set_caps(rows.subs, rows.folders, rows.jobs, pg_snapshot=rows.pg_snapshot, complete=True)
+    removed = store.set_caps(
+        rows.subs, rows.folders, rows.jobs, pg_snapshot=rows.pg_snapshot, complete=True, incarnation=incarnation
+    )
     logger.info(
         "limit reseed: %d subscriptions, %d folders, %d jobs in %.3fs (%d caps removed)",
         len(rows.subs),
@@ -117,6 +120,7 @@ def reseed_limits(store: Store, conn: psycopg.Connection) -> LimitRows:
 
 def fill_caps(store: Store, conn: psycopg.Connection, folders: list[str], jobs: list[str]) -> LimitRows:
     """Load the caps of these folders and jobs into the Store, fenced by the read's snapshot."""
+    incarnation = store.incarnation
     try:
         snap = begin_snapshot(conn)
         params = {"folders": folders, "jobs": jobs}
@@ -128,7 +132,7 @@ def fill_caps(store: Store, conn: psycopg.Connection, folders: list[str], jobs: 
     except BaseException:
         abort_snapshot(conn)
         raise
-    store.set_caps({}, folder_rows, job_rows, pg_snapshot=snap)
+    store.set_caps({}, folder_rows, job_rows, pg_snapshot=snap, incarnation=incarnation)
     return LimitRows(subs={}, folders=folder_rows, jobs=job_rows, pg_snapshot=snap)
 
 

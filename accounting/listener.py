@@ -68,6 +68,9 @@ class ListenerStats:
     # of the newest heartbeat received, or the start of the last reseed, whichever is later.
     fresh_as_of: float | None = None
     server_id: str | None = None
+    # The newest transaction id a notification carried: a server whose xmax is not past it
+    # never committed that transaction (a failover that lost the tail).
+    max_xid: int = 0
     # The latest applied cap changes (vertex, key, field, value, unix time), newest last: the
     # ops console shows when the scheduler applied an operator's edit.
     recent_caps: deque[tuple[str, str, str, int, float]] = field(default_factory=lambda: deque(maxlen=500))
@@ -221,6 +224,8 @@ class Listener:
                     self.stats.injected_drops += 1
                     return "dropped:injected"
                 release = channels.parse_release(payload)
+                if release.xid is not None and release.xid > self.stats.max_xid:
+                    self.stats.max_xid = release.xid
                 if self.store.apply_delta(release.delta, release.xid):
                     self.stats.releases_applied += 1
                     return "applied"
@@ -228,6 +233,8 @@ class Listener:
                 return "skipped"
             if channel == channels.LIMIT_CHANNEL:
                 notice = channels.parse_limit_change(payload)
+                if notice.xid is not None and notice.xid > self.stats.max_xid:
+                    self.stats.max_xid = notice.xid
                 outcome = "skipped"
                 for change in notice.changes:
                     if self.store.apply_limit_change(change, notice.xid):

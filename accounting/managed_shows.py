@@ -54,8 +54,9 @@ def refresh_managed(current: Managed, recomputer: Recomputer, conn: psycopg.Conn
             # Under the recompute lock: a recompute pass must not interleave its older read
             # with this seed (both write absolute values).
             with recomputer.lock:
-                snapshot, pg_snapshot = recomputer.seed_show(conn, show)
-                recomputer.store.seed_show_booked(snapshot, pg_snapshot=pg_snapshot)
+                snapshot, pg_snapshot, incarnation = recomputer.seed_show(conn, show)
+                if not recomputer.store.seed_show_booked(snapshot, pg_snapshot=pg_snapshot, incarnation=incarnation):
+                    raise psycopg.OperationalError("the server changed during the seed; retrying next tick")
             logger.info(
                 "managed-flip seed: show %s seeded (%d subscriptions, %d folders, %d jobs)",
                 show,

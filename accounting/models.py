@@ -103,6 +103,7 @@ class ShowFlip(models.Model):
     class Meta:
         db_table = accounting_triggers.SHOW_FLIP_TABLE
         verbose_name = "show flip"
+        triggers = accounting_triggers.show_flip_triggers()
 
     def __str__(self) -> str:
         return f"show {self.pk_show} generation {self.int_generation}"

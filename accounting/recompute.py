@@ -277,6 +277,7 @@ class Recomputer:
         store = self.store
         started = time.monotonic()
         with self.lock:
+            incarnation = store.incarnation
             epoch = store.begin_recompute()
             try:
                 if self.before_snapshot is not None:
@@ -308,7 +309,7 @@ class Recomputer:
                 [*folder_keys, *before.folder.keys()],
                 [*job_keys, *before.job.keys()],
             )
-            store.overwrite_counters(snapshot, epoch, pg_snapshot=snap)
+            store.overwrite_counters(snapshot, epoch, pg_snapshot=snap, incarnation=incarnation)
             result.pg_xmax = snap.xmax
         after = store.audit_snapshot()
         result.drift_cores = _drift(before, after)
@@ -339,8 +340,9 @@ class Recomputer:
         self.pg_pass(conn, usage, result)
         return result
 
-    def seed_show(self, conn: psycopg.Connection, show: str) -> tuple[CounterSnapshot, PgSnapshot]:
+    def seed_show(self, conn: psycopg.Connection, show: str) -> tuple[CounterSnapshot, PgSnapshot, int]:
         """Read one show's booked counters over a zero baseline of its keys (managed-flip seed)."""
+        incarnation = self.store.incarnation
         self.store.open_release_window()
         try:
             snap = begin_snapshot(conn)
@@ -353,4 +355,4 @@ class Recomputer:
         except BaseException:
             abort_snapshot(conn)
             raise
-        return build_snapshot(read_usage(rows, [show]), sub_keys, folder_keys, job_keys), snap
+        return build_snapshot(read_usage(rows, [show]), sub_keys, folder_keys, job_keys), snap, incarnation

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import psycopg
 
 from accounting.triggers import (
+    COUNTER_REBUILD_SQL,
     LOCK_DB_SHOWS_SQL,
     LOCK_KEYS_SHARED_SQL,
     REBUILD_TABLES,
@@ -52,6 +53,7 @@ def reconcile_unmanaged(conn: psycopg.Connection) -> ReconcileResult:
             if not row or not row[0]:
                 continue
             conn.execute(LOCK_DB_SHOWS_SQL, {"shows": [show]})
+            conn.execute(COUNTER_REBUILD_SQL)
             # A fresh statement: its snapshot starts after every writer the locks waited for.
             drift = conn.execute(RECONCILE_SQL, {"shows": [show]}).fetchone() or (0,) * len(REBUILD_TABLES)
         result.shows += 1

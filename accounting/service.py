@@ -218,8 +218,10 @@ class AccountingService:
     def _check_server(self, identity: ServerIdentity) -> None:
         """Forget every recorded snapshot and xid when the server (or its xid counter) changed."""
         changed = (
-            identity.system_id is not None and self.server_id is not None and identity.system_id != self.server_id
-        ) or identity.xmax < self._max_xmax
+            (identity.system_id is not None and self.server_id is not None and identity.system_id != self.server_id)
+            or identity.xmax < self._max_xmax
+            or identity.xmax <= self.listener.stats.max_xid
+        )
         if changed:
             self.state.server_changes += 1
             metrics.FORGOTTEN.inc()
@@ -233,6 +235,7 @@ class AccountingService:
             )
             self.store.forget_sources()
             self._max_xmax = 0
+            self.listener.stats.max_xid = 0
         self._max_xmax = max(self._max_xmax, identity.xmax)
 
     def _reseed_on_connect(self, identity: ServerIdentity | None = None) -> None:
@@ -390,7 +393,9 @@ class AccountingService:
         self._spawn("heartbeat", self.heartbeat.run, stop)
         self._spawn("listener", self.listener.run, stop)
         deadline = None if bootstrap_timeout is None else time.monotonic() + bootstrap_timeout
-        while not self.bootstrapped.wait(0.2):
+        # The bootstrap reseed runs inside the listener's connect, which only afterwards marks
+        # itself listening (fresh): wait for both, or the first bookings after start are paused.
+        while not (self.bootstrapped.wait(0.2) and self.listener.connected.wait(0.2)):
             if stop.is_set():
                 return
             if deadline is not None and time.monotonic() > deadline:

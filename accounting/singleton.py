@@ -18,13 +18,17 @@ holds every booking the old one committed.
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
+import time
 
 import psycopg
 
 from accounting import db
-from accounting.triggers import LOCK_KEYS_EXCLUSIVE_SQL
+from accounting.triggers import LOCK_KEYS_TRY_EXCLUSIVE_SQL
+
+logger = logging.getLogger(__name__)
 
 # An arbitrary, fixed 64-bit key ("cuesched" in ASCII).
 SCHEDULER_LOCK_KEY = 0x6375657363686564
@@ -61,10 +65,22 @@ def holder_name() -> str:
 
 
 def take_lease(conn: psycopg.Connection, holder: str | None = None) -> int:
-    """Bump the lease generation, after every in-flight proc write has committed; returns it."""
+    """Bump the lease generation, after every in-flight proc write has committed; returns it.
+
+    The exclusive accounting-keys lock is polled, never queued for: a queued exclusive request
+    would hold every later proc write of the farm behind it.
+    """
+    waited_since = time.monotonic()
+    logged = waited_since
     with conn.transaction():
         conn.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
-        conn.execute(LOCK_KEYS_EXCLUSIVE_SQL)
+        while not conn.execute(LOCK_KEYS_TRY_EXCLUSIVE_SQL).fetchone()[0]:  # type: ignore[index]
+            if time.monotonic() - logged > 5:
+                logged = time.monotonic()
+                logger.warning(
+                    "lease: still waiting for in-flight proc writes to commit (%.0fs)", logged - waited_since
+                )
+            time.sleep(0.005)
         row = conn.execute(TAKE_LEASE_SQL, {"holder": (holder or holder_name())[:255]}).fetchone()
     assert row is not None
     return int(row[0])

@@ -263,6 +263,7 @@ class Store:
         "_folder",
         "_folder_cap_src",
         "_folder_caps",
+        "_incarnation",
         "_job",
         "_job_cap_src",
         "_job_caps",
@@ -283,12 +284,19 @@ class Store:
         self._folder_cap_src: dict[str, tuple[_CapSource, _CapSource]] = {}
         self._job_cap_src: dict[str, tuple[_CapSource, _CapSource]] = {}
         self._epoch = 0
+        # Bumped by forget_sources: a read that started before (on the old server) is dropped.
+        self._incarnation = 0
         # Releases applied while a snapshot read is open (see open_release_window).
         self._window: list[tuple[BookingDelta, int]] | None = None
 
     @property
     def epoch(self) -> int:
         return self._epoch
+
+    @property
+    def incarnation(self) -> int:
+        """Which server's snapshots the Store trusts; capture it before a read, pass it to the write."""
+        return self._incarnation
 
     # ----------------------------------------------------------------------- hot path
 
@@ -537,6 +545,7 @@ class Store:
         snapshot: CounterSnapshot,
         epoch: int,
         pg_snapshot: PgSnapshot | None = None,
+        incarnation: int | None = None,
     ) -> None:
         """Replace live totals with `SUM(proc)` plus what the snapshot cannot have seen.
 
@@ -557,6 +566,10 @@ class Store:
         with self._lock:
             if epoch != self._epoch - 1:
                 raise ValueError(f"overwrite_counters for epoch {epoch}, but the open pass is {self._epoch - 1}")
+            if incarnation is not None and incarnation != self._incarnation:
+                # Read on the server we no longer trust: carried like a failed pass (high, safe).
+                self._window = None
+                return
             clear = epoch & 1
             kc = 4 + 2 * (1 - clear)
             cc = 4 + 2 * clear
@@ -577,7 +590,9 @@ class Store:
                     counter[cc + 1] = 0
             self._replay_window(snapshot, pg_snapshot)
 
-    def seed_show_booked(self, snapshot: CounterSnapshot, pg_snapshot: PgSnapshot | None = None) -> None:
+    def seed_show_booked(
+        self, snapshot: CounterSnapshot, pg_snapshot: PgSnapshot | None = None, incarnation: int | None = None
+    ) -> bool:
         """Set absolute live totals for a show about to be published (or re-published) as managed.
 
         `cores = snap + inflight + settled[current epoch]`, as `overwrite_counters` keeps them:
@@ -586,9 +601,13 @@ class Store:
         confirms since the last recompute began may postdate the snapshot. Confirms of the
         other bucket predate the last pass's begin, hence this snapshot: not carried. Buckets,
         in-flight amounts and the epoch are untouched; absent keys are left alone. The
-        snapshot is recorded per key like `overwrite_counters` does.
+        snapshot is recorded per key like `overwrite_counters` does. Returns False (nothing
+        written) for a read begun before `forget_sources`: the show must not be published then.
         """
         with self._lock:
+            if incarnation is not None and incarnation != self._incarnation:
+                self._window = None
+                return False
             kc = 4 + 2 * (self._epoch & 1)
             for table, values in (
                 (self._sub, snapshot.sub),
@@ -603,6 +622,7 @@ class Store:
                     counter[1] = gpus + counter[3] + counter[kc + 1]
                     counter[8] = pg_snapshot
             self._replay_window(snapshot, pg_snapshot)
+        return True
 
     # ----------------------------------------------------------------------- caps
 
@@ -614,6 +634,7 @@ class Store:
         pg_snapshot: PgSnapshot | None = None,
         *,
         complete: bool = False,
+        incarnation: int | None = None,
     ) -> int:
         """Bulk write from a limit reseed (`complete=True`) or a fill of a few keys; returns removals.
 
@@ -628,10 +649,14 @@ class Store:
         the Store holds but the rows lack (a deleted subscription, a finished job, a show no
         longer managed) is removed, unless its source is newer than the snapshot, and the
         tombstones of earlier removals that this snapshot supersedes are purged. Without a
-        snapshot every row is written (reference) and nothing is removed.
+        snapshot every row is written (reference) and nothing is removed. A read begun before
+        `forget_sources` (`incarnation` differs) is dropped whole: its snapshot is the old
+        server's, and recording it would freeze every later cap write again.
         """
         removed = 0
         with self._lock:
+            if incarnation is not None and incarnation != self._incarnation:
+                return 0
             burst = self._burst
             burst_src = self._burst_src
             for key, value in subs.items():
@@ -754,6 +779,7 @@ class Store:
         follow) then apply unconditionally, and until then every delta is applied (high).
         """
         with self._lock:
+            self._incarnation += 1
             for table in (self._sub, self._folder, self._job):
                 for counter in table.values():
                     counter[8] = None

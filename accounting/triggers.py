@@ -130,11 +130,31 @@ def _tail() -> str:
 ACCT_LOCK_CLASS = 0x61636374
 ACCT_LOCK_KEY = 0
 LOCK_KEYS_SHARED = f"PERFORM pg_advisory_xact_lock_shared({ACCT_LOCK_CLASS}, {ACCT_LOCK_KEY});"
-LOCK_KEYS_EXCLUSIVE = f"PERFORM pg_advisory_xact_lock({ACCT_LOCK_CLASS}, {ACCT_LOCK_KEY});"
+# The exclusive side never queues: PostgreSQL would put every later shared request behind a
+# waiting exclusive one, so one idle transaction holding the shared lock (a psql session left
+# open after a DELETE FROM proc) would stall every proc write of the farm behind a mover. A
+# mover polls instead, and gives up with a clear error after MOVE_LOCK_SECONDS.
+MOVE_LOCK_SECONDS = 10
+LOCK_KEYS_EXCLUSIVE = f"""
+    IF NOT pg_try_advisory_xact_lock({ACCT_LOCK_CLASS}, {ACCT_LOCK_KEY}) THEN
+        v_lock_deadline := clock_timestamp() + interval '{MOVE_LOCK_SECONDS} seconds';
+        LOOP
+            PERFORM pg_sleep(0.005);
+            EXIT WHEN pg_try_advisory_xact_lock({ACCT_LOCK_CLASS}, {ACCT_LOCK_KEY});
+            IF clock_timestamp() > v_lock_deadline THEN
+                RAISE EXCEPTION USING
+                    MESSAGE = 'cuesched: could not take the accounting-keys lock within {MOVE_LOCK_SECONDS} s',
+                    HINT = 'Proc writes kept it busy (or a transaction that wrote procs is left open); '
+                           'this statement moves the accounting of running procs or flips a show: retry it.',
+                    ERRCODE = 'lock_not_available';
+            END IF;
+        END LOOP;
+    END IF;"""
+LOCK_DECLARE = [("v_lock_deadline", "timestamptz")]
 # The same from a client. Run it as its own statement, so that the next one's snapshot starts
 # after any flip or move it waited for.
 LOCK_KEYS_SHARED_SQL = f"SELECT pg_advisory_xact_lock_shared({ACCT_LOCK_CLASS}, {ACCT_LOCK_KEY})"
-LOCK_KEYS_EXCLUSIVE_SQL = f"SELECT pg_advisory_xact_lock({ACCT_LOCK_CLASS}, {ACCT_LOCK_KEY})"
+LOCK_KEYS_TRY_EXCLUSIVE_SQL = f"SELECT pg_try_advisory_xact_lock({ACCT_LOCK_CLASS}, {ACCT_LOCK_KEY})"
 
 # A proc writer at REPEATABLE READ / SERIALIZABLE reads keys from its transaction snapshot, which
 # may predate a flip or move it waited for: locking the epoch row makes PostgreSQL fail it (40001)
@@ -252,6 +272,8 @@ DELTA_DECLARE = [
     ("v_seq", "bigint"),
     ("v_constraint", "text"),
     ("v_message", "text"),
+    ("v_enabled", "boolean"),
+    *LOCK_DECLARE,
 ]
 DELTAS = (
     "unnest(v_show, v_alloc, v_folder, v_job, v_layer, v_dept, v_cc, v_g, v_managed) "
@@ -292,8 +314,12 @@ RELEASE_PAYLOAD = (
     + _tail()
 )
 
+# The kill switch silences releases only (what it loses reads high). A positive delta (a proc
+# written or grown outside the scheduler, the new side of a move) is always sent: losing one
+# would leave the Store LOW.
 NOTIFY_MANAGED = f"""
-    IF true = ANY(v_managed) AND NOT {STORE_ACCOUNTED} AND {NOTIFY_ENABLED} THEN
+    IF true = ANY(v_managed) AND NOT {STORE_ACCOUNTED} THEN
+        v_enabled := {NOTIFY_ENABLED};
         v_xid := {CURRENT_XID};
         v_seq := {NEXT_SEQ};
         PERFORM pg_notify('{RELEASE_CHANNEL}', {RELEASE_PAYLOAD}) FROM (
@@ -302,7 +328,7 @@ NOTIFY_MANAGED = f"""
             FROM {DELTAS}
             WHERE d.managed
             GROUP BY d.pk_show, d.pk_alloc, d.pk_folder, d.pk_job, d.pk_layer, d.pk_dept
-            HAVING SUM(d.cc) <> 0 OR SUM(d.g) <> 0
+            HAVING (SUM(d.cc) <> 0 OR SUM(d.g) <> 0) AND (v_enabled OR SUM(d.cc) > 0 OR SUM(d.g) > 0)
             ORDER BY d.pk_show, d.pk_alloc, d.pk_folder, d.pk_job, d.pk_layer, d.pk_dept
         ) g;
     END IF;"""
@@ -540,6 +566,8 @@ _REBUILD = """
         FROM job_resource jr JOIN job j ON j.pk_job = jr.pk_job
         LEFT JOIN live l ON l.pk_job = jr.pk_job
         WHERE j.pk_show IN (SELECT pk_show FROM target)
+          -- finished history holding nothing is skipped: a rebuild costs the live jobs, not years
+          AND (j.str_state <> 'FINISHED' OR jr.int_cores <> 0 OR jr.int_gpus <> 0 OR l.pk_job IS NOT NULL)
         GROUP BY jr.pk_job_resource
     ),
     job_u AS (
@@ -553,6 +581,7 @@ _REBUILD = """
         FROM layer_resource lr JOIN job j ON j.pk_job = lr.pk_job
         LEFT JOIN live l ON l.pk_layer = lr.pk_layer
         WHERE j.pk_show IN (SELECT pk_show FROM target)
+          AND (j.str_state <> 'FINISHED' OR lr.int_cores <> 0 OR lr.int_gpus <> 0 OR l.pk_layer IS NOT NULL)
         GROUP BY lr.pk_layer_resource
     ),
     layer_u AS (
@@ -603,9 +632,27 @@ RECONCILE_SQL = rebuild_sql("SELECT unnest(%(shows)s::text[]) AS pk_show")
 
 # --- proc triggers ---------------------------------------------------------------------------
 
+# A proc row whose host, job or show this statement cannot see (deferred foreign keys: the host
+# inserted later in the transaction) could not be keyed: its delta would be lost, a counter LOW.
+KEYS_VISIBLE = """
+    IF EXISTS (
+        SELECT 1 FROM new_procs n
+        LEFT JOIN host h ON h.pk_host = n.pk_host
+        LEFT JOIN job j ON j.pk_job = n.pk_job
+        LEFT JOIN show s ON s.pk_show = n.pk_show
+        WHERE NOT n.b_local AND (h.pk_host IS NULL OR j.pk_job IS NULL OR s.pk_show IS NULL)
+    ) THEN
+        RAISE EXCEPTION USING
+            MESSAGE = 'cuesched: a proc names a host, job or show this statement cannot see',
+            HINT = 'Write the host, job and show before the proc that books on them (deferred foreign keys '
+                   'are not enough: the proc is accounted when it is written).',
+            ERRCODE = 'foreign_key_violation';
+    END IF;"""
+
 PROC_INSERT_FUNC = usage_func(
     PROC_INSERT_KEYED,
     guard="IF NOT EXISTS (SELECT 1 FROM new_procs WHERE NOT b_local) THEN RETURN NULL; END IF;",
+    prologue=KEYS_VISIBLE,
     rows="new_procs",
 )
 PROC_DELETE_FUNC = usage_func(
@@ -621,6 +668,7 @@ PROC_UPDATE_FUNC = usage_func(
         "IF NOT EXISTS (SELECT 1 FROM new_procs n JOIN old_procs o ON o.pk_proc = n.pk_proc "
         f"WHERE {PROC_CHANGED}) THEN RETURN NULL; END IF;"
     ),
+    prologue=KEYS_VISIBLE,
 )
 
 PROC_TRUNCATE_FUNC = f"""
@@ -659,6 +707,7 @@ def _keys_lock_trigger(name: str, operation: pgtrigger.Operation) -> pgtrigger.T
         when=pgtrigger.Before,
         operation=operation,
         level=pgtrigger.Statement,
+        declare=LOCK_DECLARE,
         func=f"{LOCK_KEYS_EXCLUSIVE}\n    RETURN NULL;",
     )
 
@@ -709,7 +758,9 @@ def job_triggers() -> list[pgtrigger.Trigger]:
 # --- acct_limit_change: caps of every show -----------------------------------------------------
 # Sent whatever the show's flag: a cap write that read "unmanaged" just before a flip to managed
 # committed would otherwise be missed by the flip's seed if it committed after the seed's read.
-# The Store ignores caps of shows it does not enforce, and the limit reseed prunes them.
+# The Store ignores caps of shows it does not enforce, and the limit reseed prunes them. Sent
+# whatever the kill switch says, too: a missed cap decrease is the one drift that over-books,
+# and cap changes are rare.
 
 SUB_PAYLOAD = (
     '\'{"vertex":"sub","show":\' || '
@@ -780,7 +831,7 @@ def limit_update_func(spec: dict[str, str]) -> str:
     changed = f"FROM new_rows n JOIN old_rows o ON o.{spec['pk']} = n.{spec['pk']} WHERE ({spec['changed']})"
     removed = spec["removed"].replace("n.", "o.")
     return f"""
-    IF NOT EXISTS (SELECT 1 {changed}) OR NOT {NOTIFY_ENABLED} THEN
+    IF NOT EXISTS (SELECT 1 {changed}) THEN
         RETURN NULL;
     END IF;
     v_xid := {CURRENT_XID};
@@ -806,9 +857,6 @@ def _key_changed(spec: dict[str, str]) -> str:
 
 def limit_insert_func(spec: dict[str, str]) -> str:
     return f"""
-    IF NOT {NOTIFY_ENABLED} THEN
-        RETURN NULL;
-    END IF;
     v_xid := {CURRENT_XID};
     v_seq := {NEXT_SEQ};
     PERFORM pg_notify('{LIMIT_CHANNEL}', p.payload) FROM (
@@ -821,9 +869,6 @@ def limit_insert_func(spec: dict[str, str]) -> str:
 def limit_delete_func(spec: dict[str, str]) -> str:
     """A deleted cap row: the Store forgets the cap, so the key fails closed until a reseed or fill."""
     return f"""
-    IF NOT {NOTIFY_ENABLED} THEN
-        RETURN NULL;
-    END IF;
     v_xid := {CURRENT_XID};
     v_seq := {NEXT_SEQ};
     PERFORM pg_notify('{LIMIT_CHANNEL}', p.payload) FROM (
@@ -881,15 +926,85 @@ def _limit_triggers(vertex: str, table: str, spec: dict[str, str]) -> list[pgtri
 
 
 def subscription_triggers() -> list[pgtrigger.Trigger]:
-    return _limit_triggers("sub", "subscription", _SUB)
+    return [*_limit_triggers("sub", "subscription", _SUB), *usage_guard_triggers("subscription")]
 
 
 def folder_resource_triggers() -> list[pgtrigger.Trigger]:
-    return _limit_triggers("folder", "folder_resource", _FOLDER)
+    return [*_limit_triggers("folder", "folder_resource", _FOLDER), *usage_guard_triggers("folder_resource")]
 
 
 def job_resource_triggers() -> list[pgtrigger.Trigger]:
-    return _limit_triggers("job", "job_resource", _JOB)
+    return [*_limit_triggers("job", "job_resource", _JOB), *usage_guard_triggers("job_resource")]
+
+
+# --- the usage columns of unmanaged shows: only the triggers write them -------------------------
+
+# The database-enforced path keeps subscription / folder_resource / job_resource usage by deltas;
+# a row written with any other value would read wrong until the reconcile. A new row of an
+# unmanaged show (a subscription deleted and inserted again while procs run) therefore starts at
+# SUM(proc), and a client statement that writes the usage of an unmanaged show is refused. The
+# triggers' own writes run inside another trigger (pg_trigger_depth() > 0 in the WHEN clause); the
+# reconcile, a client,
+# marks its transaction with `cuesched.counter_rebuild`.
+COUNTER_REBUILD_SETTING = "cuesched.counter_rebuild"
+COUNTER_REBUILD_SQL = f"SELECT set_config('{COUNTER_REBUILD_SETTING}', 'on', true)"
+_USAGE_SOURCES = {
+    "subscription": (
+        "SELECT 1 FROM show s WHERE s.pk_show = NEW.pk_show AND NOT s.b_scheduler_managed",
+        "FROM proc p JOIN host h ON h.pk_host = p.pk_host JOIN show s ON s.pk_show = p.pk_show "
+        "WHERE p.pk_show = NEW.pk_show AND h.pk_alloc = NEW.pk_alloc AND NOT p.b_local AND NOT s.b_scheduler_managed",
+    ),
+    "folder_resource": (
+        "SELECT 1 FROM folder f JOIN show s ON s.pk_show = f.pk_show WHERE f.pk_folder = NEW.pk_folder "
+        "AND NOT s.b_scheduler_managed",
+        "FROM proc p JOIN job j ON j.pk_job = p.pk_job JOIN show s ON s.pk_show = p.pk_show "
+        "WHERE j.pk_folder = NEW.pk_folder AND NOT p.b_local AND NOT s.b_scheduler_managed",
+    ),
+    "job_resource": (
+        "SELECT 1 FROM job j JOIN show s ON s.pk_show = j.pk_show WHERE j.pk_job = NEW.pk_job "
+        "AND NOT s.b_scheduler_managed",
+        "FROM proc p JOIN show s ON s.pk_show = p.pk_show "
+        "WHERE p.pk_job = NEW.pk_job AND NOT p.b_local AND NOT s.b_scheduler_managed",
+    ),
+}
+
+
+def usage_guard_triggers(table: str) -> list[pgtrigger.Trigger]:
+    unmanaged, procs = _USAGE_SOURCES[table]
+    return [
+        pgtrigger.Trigger(
+            name="acct_usage_seed",
+            when=pgtrigger.Before,
+            operation=pgtrigger.Insert,
+            level=pgtrigger.Row,
+            func=f"""
+    IF EXISTS ({unmanaged}) THEN
+        SELECT COALESCE(SUM(p.int_cores_reserved), 0), COALESCE(SUM(p.int_gpus_reserved), 0)
+        INTO NEW.int_cores, NEW.int_gpus {procs};
+    END IF;
+    RETURN NEW;
+""",
+        ),
+        pgtrigger.Trigger(
+            name="acct_usage_guard",
+            when=pgtrigger.Before,
+            operation=pgtrigger.UpdateOf("int_cores", "int_gpus"),
+            level=pgtrigger.Row,
+            condition=pgtrigger.Condition(
+                "pg_trigger_depth() = 0 AND (OLD.int_cores IS DISTINCT FROM NEW.int_cores "
+                "OR OLD.int_gpus IS DISTINCT FROM NEW.int_gpus)"
+            ),
+            func=f"""
+    IF COALESCE(current_setting('{COUNTER_REBUILD_SETTING}', true), '') <> 'on' AND EXISTS ({unmanaged}) THEN
+        RAISE EXCEPTION USING
+            MESSAGE = format('cuesched: %s usage of an unmanaged show is kept by the proc triggers', TG_TABLE_NAME),
+            HINT = 'int_cores and int_gpus follow SUM(proc); change the procs, not the counter.',
+            ERRCODE = 'check_violation', CONSTRAINT = 'acct_usage_written_by_triggers';
+    END IF;
+    RETURN NEW;
+""",
+        ),
+    ]
 
 
 # --- managed flips -------------------------------------------------------------
@@ -914,11 +1029,14 @@ SHOW_FLIP_FUNC = f"""
     -- not name the column (it cannot happen through SQL, but costs nothing).
     {LOCK_KEYS_EXCLUSIVE}
     {EPOCH_BUMP}
+    -- Generations come from one sequence, so a row deleted and re-created can never repeat a
+    -- generation a seed was published with.
     INSERT INTO {SHOW_FLIP_TABLE} AS t (pk_show, int_generation, b_managed, ts_flipped)
-    SELECT n.pk_show, 1, n.b_scheduler_managed, now() FROM new_rows n JOIN old_rows o ON o.pk_show = n.pk_show
+    SELECT n.pk_show, nextval('{SHOW_FLIP_TABLE}_generation'), n.b_scheduler_managed, now()
+    FROM new_rows n JOIN old_rows o ON o.pk_show = n.pk_show
     WHERE o.b_scheduler_managed IS DISTINCT FROM n.b_scheduler_managed
     ON CONFLICT (pk_show) DO UPDATE
-    SET int_generation = t.int_generation + 1, b_managed = EXCLUDED.b_managed, ts_flipped = EXCLUDED.ts_flipped;
+    SET int_generation = EXCLUDED.int_generation, b_managed = EXCLUDED.b_managed, ts_flipped = EXCLUDED.ts_flipped;
     -- To unmanaged: the database path adds and subtracts from the five tables from now on, so
     -- they are rewritten to SUM(proc) in the flipping transaction, caps unchecked.
     IF EXISTS ({_TO_UNMANAGED}) THEN
@@ -937,7 +1055,7 @@ def show_triggers() -> list[pgtrigger.Trigger]:
             operation=pgtrigger.Update,
             level=pgtrigger.Statement,
             referencing=pgtrigger.Referencing(old="old_rows", new="new_rows"),
-            declare=[(f"v_d{i}", "bigint") for i in range(1, 6)],
+            declare=[*[(f"v_d{i}", "bigint") for i in range(1, 6)], *LOCK_DECLARE],
             func=SHOW_FLIP_FUNC,
         ),
     ]
@@ -949,6 +1067,11 @@ def show_triggers() -> list[pgtrigger.Trigger]:
 def settings_triggers() -> list[pgtrigger.Trigger]:
     """Deleting the row would silently turn the switch into its default; refuse it."""
     return [pgtrigger.Protect(name="acct_settings_keep_row", operation=pgtrigger.Delete)]
+
+
+def show_flip_triggers() -> list[pgtrigger.Trigger]:
+    """A deleted generation row would read as generation 0 again: refuse it."""
+    return [pgtrigger.Protect(name="acct_show_flip_keep_rows", operation=pgtrigger.Delete)]
 
 
 def epoch_triggers() -> list[pgtrigger.Trigger]:

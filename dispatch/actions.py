@@ -85,7 +85,7 @@ WITH v AS (SELECT {acct_triggers.CURRENT_XID} AS v_xid, {acct_triggers.NEXT_SEQ}
 SELECT pg_notify('{LIMIT_CHANNEL}', {acct_triggers.cap_payload("job", "pk_job")})
 FROM job_resource n
 CROSS JOIN v
-WHERE n.pk_job = %s AND {acct_triggers.NOTIFY_ENABLED}
+WHERE n.pk_job = %s
 """
 
 _FRAME_FILTER = " AND (pk_frame = ANY(%(frames)s::text[]) OR str_name = ANY(%(frames)s::text[]))"

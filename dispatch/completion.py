@@ -28,6 +28,7 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Jsonb
 
+from accounting.triggers import LOCK_KEYS_SHARED_SQL
 from dispatch.dispatcher import HOST_GIVE_BACK_TEMPLATE
 from dispatch.placement import ALL, Shard, in_shard, shard_params
 
@@ -175,6 +176,9 @@ def complete_in_transaction(cur: psycopg.Cursor[Any], completions: Sequence[Comp
     out = CompletionResult()
     if not completions:
         return out
+    # Before the statement locks any host row: a key move that took the accounting-keys lock
+    # and then waited for one of those rows would otherwise deadlock with the proc trigger.
+    cur.execute(LOCK_KEYS_SHARED_SQL)
     cur.execute(COMPLETE_SQL, complete_params(completions))
     released: list[tuple[str, str, str]] = []  # (pk_proc, pk_frame, pk_job)
     ended: dict[str, str] = {}  # pk_frame -> new state

@@ -503,10 +503,11 @@ class CompensationResult:
 def compensate(conn: psycopg.Connection, bookings: Sequence[Booking]) -> CompensationResult:
     """Undo committed bookings whose launch failed: proc, then host, then frame, in one transaction.
 
-    The proc delete is marked Store-accounted so no release is sent: the caller rolls the
-    booking back in the Store itself (after this commits). Idempotent: run again after an
-    unknown outcome, it deletes nothing twice and gives no host anything twice; which of two
-    attempts deleted a proc is told by the first one's transaction id (`out.xid`).
+    The proc delete sends an ordinary release, with the keys and amounts the proc has NOW
+    (an outside writer may have moved or resized it since it was booked), and the caller
+    confirms the booking instead of rolling it back: the release takes it out of the Store,
+    whoever deleted the proc. Idempotent: run again after an unknown outcome, it deletes
+    nothing twice and gives no host anything twice.
     """
     out = CompensationResult()
     if not bookings:
@@ -514,7 +515,7 @@ def compensate(conn: psycopg.Connection, bookings: Sequence[Booking]) -> Compens
     with conn.cursor() as cur:
         cur.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
         try:
-            cur.execute(STORE_ACCOUNTED_SQL)
+            cur.execute(acct_triggers.LOCK_KEYS_SHARED_SQL)
             cur.execute("SELECT pg_current_xact_id()::text::bigint")
             row = cur.fetchone()
             out.xid = None if row is None else row[0]

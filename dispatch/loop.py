@@ -343,6 +343,7 @@ class DispatchLoop:
             while not stop.is_set():
                 if self.service.lease_lost.is_set():
                     logger.error("dispatch: this scheduler lost its lease; booking stopped")
+                    self._release_open_work()
                     return self.totals
                 try:
                     stats = self.run_once()
@@ -398,6 +399,10 @@ class DispatchLoop:
         self._room_seen = self.service.room_generation()
         self._cycle_started_at = time.perf_counter()
         try:
+            if self._server_id and self.service.server_id and self._server_id != self.service.server_id:
+                # The Store was re-seeded on another server while this connection stayed on the
+                # old one (a switchover that left it up): never book there.
+                self._drop_connection()
             conn = self._connection()
             self._settle_open_work(conn, stats)
             self._complete(conn, stats)
@@ -421,6 +426,21 @@ class DispatchLoop:
         return stats
 
     # -- settling what a failure left open ------------------------------------------------
+    def _release_open_work(self) -> None:
+        """After the lease is lost: undo what this loop left half-done, so no proc is left counted
+        for a frame nobody will run. Deletes need no lease; their releases reach the new owner."""
+        bookings = [b for e in self._unresolved for b in e.bookings] + [
+            b for e in self._pending_compensations for b in e.bookings
+        ]
+        self._unresolved, self._pending_compensations = [], []
+        if not bookings:
+            return
+        try:
+            result = compensate(self._connection(), bookings)
+            logger.warning("dispatch: released %d procs left open at the lease loss", len(result.procs_deleted))
+        except Exception as exc:
+            logger.error("dispatch: could not release %d open bookings after the lease loss: %s", len(bookings), exc)
+
     def _status(self, conn: psycopg.Connection, xid: int | None, server_id: str | None) -> str | None:
         """pg_xact_status of a transaction of ours, None when this server cannot know it."""
         if server_id is not None and self._server_id is not None and server_id != self._server_id:
@@ -738,6 +758,9 @@ class DispatchLoop:
                         full_folders.add(job.folder)
                         return
                     decided_at = time.time()  # before the Store's check: see Booking.decided_at
+                    # The seed generation BEFORE the check: read after it, a re-seed published
+                    # in between would lend a booking checked on stale counters the new one.
+                    generation = self.service.managed_generation(show)
                     result = self.service.apply_booking(
                         BookingDelta(show, host.alloc, job.folder, job.pk, cores, demand.gpus)
                     )
@@ -782,7 +805,7 @@ class DispatchLoop:
                         result=result,
                         managed=isinstance(result, Applied),
                         decided_at=decided_at,
-                        generation=self._generation(show, result),
+                        generation=self._generation(generation, result),
                     )
                     view.take(host, centi, demand.mem, demand.gpus, demand.gpu_mem)
                     if tightest:
@@ -825,10 +848,10 @@ class DispatchLoop:
         if managed and least_skipped and not booked_any:
             self._blocked_jobs[job.pk] = (least_skipped, time.monotonic())
 
-    def _generation(self, show: str, result: object) -> int:
+    @staticmethod
+    def _generation(generation: int | None, result: object) -> int:
         if not isinstance(result, Applied):
             return -1
-        generation = self.service.managed_generation(show)
         return -2 if generation is None else generation  # -2 never matches: unpublished meanwhile
 
     @staticmethod
@@ -943,23 +966,19 @@ class DispatchLoop:
             self._pending_compensations.append(entry)
             return
         if status == "committed" and attempt is not None:
-            # That attempt deleted these procs (its release was suppressed): roll them back.
             self._settle_compensation(entry.bookings, attempt, stats)
             return
-        # Aborted, or unknowable: compensate again. What it deletes now is surely ours; a proc
-        # already gone was released by someone else (confirm) or by an attempt whose fate is
-        # unknown (confirm as well: high until the recompute, never low).
+        # Aborted or unknowable: run it again; it deletes only what is still there.
         self._compensate(conn, entry.bookings, stats)
 
     def _settle_compensation(self, bookings: list[Booking], result: CompensationResult, stats: CycleStats) -> None:
+        """Confirm every compensated booking: the proc's release (ours or whoever deleted it first)
+        takes it out of the Store with the keys the proc had when it went, not the booked ones."""
         freed: dict[str, int] = {}
         for b in bookings:
             if b.pk_proc in result.procs_deleted:
-                self.service.rollback_booking(b.result)
                 freed[b.host.pk] = freed.get(b.host.pk, 0) + b.mem
-            else:
-                # Someone else released the proc first, and its release reached the Store.
-                self.service.confirm_booking(b.result)
+            self.service.confirm_booking(b.result)
         stats.compensated += len(result.procs_deleted)
         self.view.set_ledger(result.host_rows, freed)
 

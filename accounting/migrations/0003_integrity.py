@@ -59,12 +59,18 @@ class Migration(migrations.Migration):
             model_name='schedulerlease',
             constraint=models.CheckConstraint(condition=models.Q(('id', 1)), name='cuesched_scheduler_lease_single_row'),
         ),
+        pgtrigger.migrations.AddTrigger(
+            model_name='showflip',
+            trigger=pgtrigger.compiler.Trigger(name='acct_show_flip_keep_rows', sql=pgtrigger.compiler.UpsertTriggerSql(func="RAISE EXCEPTION 'pgtrigger: Cannot delete rows from % table', TG_TABLE_NAME;", hash='4027738b14c5daa282a3c6dc50f979399574ece7', operation='DELETE', pgid='pgtrigger_acct_show_flip_keep_rows_e0537', table='cuesched_show_flip', when='BEFORE')),
+        ),
+    
         # The single rows: the lease starts at generation 0 (no scheduler yet), the epoch at 0 moves.
         migrations.RunSQL(
         "INSERT INTO cuesched_scheduler_lease (id, int_generation, str_holder) VALUES (1, 0, '') "
         "ON CONFLICT (id) DO NOTHING;"
         "INSERT INTO cuesched_accounting_epoch (id, int_moves, ts_moved) VALUES (1, 0, now()) "
-        "ON CONFLICT (id) DO NOTHING;",
+        "ON CONFLICT (id) DO NOTHING;"
+        "CREATE SEQUENCE IF NOT EXISTS cuesched_show_flip_generation;",
         reverse_sql=migrations.RunSQL.noop,
     ),
 ]

@@ -243,11 +243,15 @@ class TestManagedToUnmanagedFlip:
 
 
 def wait_until_blocked(conn: psycopg.Connection, pid: int, what: str) -> None:
-    """Poll pg_stat_activity until backend `pid` waits on a lock (a deadline, not a sleep)."""
+    """Poll pg_stat_activity until backend `pid` waits on a lock (a deadline, not a sleep).
+
+    A flip or key move polls the exclusive accounting-keys lock (it never queues for it, so it
+    cannot hold later proc writes behind it): blocked, it sleeps between tries (PgSleep).
+    """
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        row = conn.execute("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()
-        if row and row[0] == "Lock":
+        row = conn.execute("SELECT wait_event_type, wait_event FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()
+        if row and (row[0] == "Lock" or row[1] == "PgSleep"):
             return
         time.sleep(0.01)
     raise AssertionError(f"{what} never waited on a lock")

@@ -50,8 +50,12 @@ def test_launch_failure_after_commit_compensates_exactly() -> None:
             stats = loop.run_once()
 
         assert (stats.booked, stats.launch_failures, stats.compensated) == (3, 1, 1)
-        # The compensating delete emitted no release (the Store was rolled back instead).
-        assert releases.sent_before_sentinel("acct_release") == []
+        # The compensating delete sends one ordinary release, keyed as the proc is when it goes
+        # (an outside move since the booking would have re-keyed it), and the booking is
+        # confirmed: that release, not a rollback of the booked key, takes it out of the Store.
+        [release] = as_json(releases.sent_before_sentinel("acct_release"))
+        assert release["cores"] == -1
+        wait_for(lambda: store_cores(service, farm) == db_cores(conn, farm), what="the release applied in the Store")
         row = conn.execute(
             "SELECT str_state, int_exit_status, int_version FROM frame WHERE pk_frame = %s", (target,)
         ).fetchone()

@@ -14,6 +14,7 @@ from django.db import connection
 
 from accounting import actions
 from accounting.models import AccountingSettings
+from accounting.triggers import COUNTER_REBUILD_SQL
 from dispatch.models import FolderResource, JobResource, Show, Subscription
 from ops import admin_views, permissions
 from ops.models import FolderCapEvent, JobCapEvent, KillSwitchEvent, ShowManagedEvent, SubscriptionCapEvent
@@ -52,6 +53,8 @@ def test_actions_write_only_the_cap_columns_never_live_counters(operator: object
     """A booked counter moved by a booking after the operator loaded the page is never written back."""
     farm = tiny_farm(managed=False)
     with connection.cursor() as cur:
+        # Stand in for bookings: only the triggers (or a rebuild) may write an unmanaged show's usage.
+        cur.execute(COUNTER_REBUILD_SQL)
         cur.execute("UPDATE job_resource SET int_cores = 4200 WHERE pk_job = %s", [farm.job.pk])
         cur.execute("UPDATE folder_resource SET int_cores = 4300 WHERE pk_folder = %s", [farm.folder.pk])
     actions.set_job_caps(farm.job.pk, max_cores=20, max_gpus=-1, actor=operator)
@@ -144,6 +147,7 @@ def test_changes_from_outside_the_console_are_recorded_with_the_database_role() 
     farm = tiny_farm(managed=False)
     with connection.cursor() as cur:
         cur.execute("UPDATE job_resource SET int_max_cores = 700 WHERE pk_job = %s", [farm.job.pk])
+        cur.execute(COUNTER_REBUILD_SQL)  # a booking's counter update, as the triggers write it
         cur.execute("UPDATE subscription SET int_cores = 300 WHERE pk_subscription = %s", [farm.subscription.pk])
         cur.execute("UPDATE show SET b_scheduler_managed = true WHERE pk_show = %s", [farm.show.pk])
     (event,) = JobCapEvent.objects.all()
