@@ -26,7 +26,7 @@ _CHUNK = 65536
 _TAIL = 4096  # bytes of each client stream kept to match a marker split across reads
 
 
-@dataclass
+@dataclass(eq=False)
 class _Pair:
     """One client connection and its upstream connection."""
 
@@ -54,7 +54,10 @@ class _Pair:
 
 
 class NetProxy:
-    """Forward 127.0.0.1:<ephemeral> to `target`; freeze, thaw, cut, retarget, close on demand."""
+    """Forward 127.0.0.1:<ephemeral> to `target`; freeze, thaw, cut, retarget, close on demand.
+
+    The target is (host, port), or (socket directory, port) when host starts with "/".
+    """
 
     def __init__(
         self,
@@ -181,13 +184,13 @@ class NetProxy:
                 client.close()
                 continue
             try:
-                upstream = socket.create_connection(self.target, timeout=self.connect_timeout)
+                upstream = self._open_upstream()
             except OSError:
                 self.refused += 1
                 client.close()
                 continue
+            client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             for sock in (client, upstream):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 sock.settimeout(5.0)
             pair = _Pair(client, upstream)
             with self._pairs_lock:
@@ -201,6 +204,22 @@ class NetProxy:
                 thread.start()
                 self._threads.append(thread)
         self.cut()
+
+    def _open_upstream(self) -> socket.socket:
+        host, port = self.target
+        if host.startswith("/"):
+            # A Unix-socket directory, libpq style (the embedded server listens only there).
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(self.connect_timeout)
+            try:
+                sock.connect(f"{host}/.s.PGSQL.{port}")
+            except OSError:
+                sock.close()
+                raise
+            return sock
+        sock = socket.create_connection((host, port), timeout=self.connect_timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
 
     def _check_armed(self, pair: _Pair, data: bytes) -> None:
         with self._armed_lock:
