@@ -283,8 +283,8 @@ def set_notifications(enabled: bool, *, actor: Any) -> ActionResult:
             result.changes = [Change("notify_enabled", row.notify_enabled, enabled)]
         if result.changes and not enabled:
             result.warnings.append(
-                "Notifications are OFF: the scheduler corrects its counters only from its recompute (~15 s) and "
-                "its caps only from its limit reseed (~5 min); a lowered cap can be over-booked until then."
+                "Releases are OFF: the scheduler learns of finished frames only from its recompute (~15 s) and "
+                "books less meanwhile; cap changes and outside bookings are still sent."
             )
     return _finish(result)
 

@@ -14,12 +14,12 @@ from accounting import actions
 from accounting.models import AccountingSettings
 
 OFF_MEANS = (
-    "Off stops every acct_release and acct_limit_change notification at once, for every "
+    "Off stops every release notification (acct_release for deleted procs) at once, for every "
     "connection, without a restart. The scheduler then learns about released procs only from "
-    "its recompute (about every 15 s: counters read high, so it books less, which is safe) and "
-    "about cap changes only from its limit reseed (about every 5 min: a lowered burst or max can "
-    "be over-booked until then). Shows that are not scheduler-managed are not affected: the "
-    "database keeps and enforces their accounting either way."
+    "its recompute (about every 15 s: counters read high, so it books less, which is safe). "
+    "Cap changes and procs written outside the scheduler are still notified, so no cap can be "
+    "over-booked because of the switch. Shows that are not scheduler-managed are not affected: "
+    "the database keeps and enforces their accounting either way."
 )
 
 

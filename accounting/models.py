@@ -26,11 +26,11 @@ class AccountingSettings(models.Model):
         default=True,
         verbose_name="send accounting notifications",
         help_text=(
-            "On: every proc delete of a scheduler-managed show sends acct_release, and every "
-            "burst / max cores / max GPUs change sends acct_limit_change, inside the writing "
-            "transaction. Off: nothing is sent, for every connection from the next statement on; "
-            "the scheduler then corrects its counters from SUM(proc) every ~15 s and its caps "
-            "every ~5 min, so a lowered cap can be over-booked until then."
+            "On: every proc delete of a scheduler-managed show sends its release (acct_release), "
+            "inside the writing transaction. Off: releases are not sent, for every connection "
+            "from the next statement on, and the scheduler corrects its counters from SUM(proc) "
+            "every ~15 s (it under-books meanwhile). Cap changes and positive deltas are always "
+            "sent, so switching this off can never let a booking over a cap."
         ),
     )
     ts_updated = models.DateTimeField(auto_now=True)
