@@ -348,6 +348,8 @@ class DispatchLoop:
                 try:
                     stats = self.run_once()
                     backoff = 0.0
+                except LeaseLostError:
+                    continue  # logged where it was raised; the check above ends the loop
                 except psycopg.Error as exc:
                     self.totals.db_errors += 1
                     backoff = min(backoff_max, max(0.2, backoff * 2))
@@ -630,6 +632,8 @@ class DispatchLoop:
                 # A flip in progress (the Store has not published it yet, or has already
                 # dropped it): neither path may book the show until both agree.
                 stats.skipped_flip += 1
+                if job.managed_in_db and not managed:
+                    self.service.request_managed_refresh()  # seed it now, not at the next tick
                 continue
             if managed and paused:
                 stats.rejected[PAUSED] += 1

@@ -12,6 +12,14 @@ Why each phase exists:
 - straddle / drops / listener_kill / caps / flip / sigkill: the failure modes of
   accounting-design.md §6 under load, each one must end with the Store equal to SUM(proc)
   and no cap ever exceeded.
+- outside_writers (issue 15): writers that are not the scheduler (scripts, a DBA, a Cuebot)
+  move hosts and jobs, resize and insert procs, delete and re-create subscriptions, reopen
+  jobs and flip shows under a REPEATABLE READ writer, beside a managed and an unmanaged show:
+  every change must reach the side that owns the show exactly once.
+- split_brain / listener_wedge / flip_roundtrip (issue 16): a second scheduler taking over
+  after the first's lock session is killed (the lease must fence the first), the listener's
+  path frozen while caps drop (the heartbeat deadline must bound the stale caps), and a show
+  flipped out and back faster than the managed-shows tick (its generation must force a seed).
 
 The watchdog's breach rule: a key over its current cap is a breach unless its cap was
 lowered during the phase and every proc of the key was decided before the decrease reached
@@ -20,35 +28,72 @@ against the listener's `recent_caps` time, stamped just after the cap was applie
 procs were legal when booked, and the scheduler never preempts. `proc.ts_booked` (the
 INSERT) is not used: in a batch of hundreds it can follow the decision by tens of
 milliseconds, which made bookings checked against the old cap look like breaches.
+A write from outside the scheduler can also take a managed key over its cap (nothing in the
+database checks a managed show's caps: the Store does, for the scheduler's own bookings), so
+keys an outside write added to are judged the same way: over the cap is a breach only if the
+key's newest booking was decided after the Store surely had that write (`adding`).
 """
 
 from __future__ import annotations
 
+import bisect
+import heapq
+import math
 import os
+import random
 import signal
+import statistics
 import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 
-from accounting import db, live
+from accounting import db, live, singleton
+from accounting.scheduler import SchedulerOptions, SchedulerProcess
 from accounting.service import AccountingService
 from accounting.units import centicores_to_cores
-from dispatch.completion import kill_frames
+from dispatch.completion import Completion, complete, kill_frames
 from dispatch.launchers.simulated import SimulatedLauncher
 from dispatch.loop import DispatchLoop
+from dispatch.netfreeze import FreezableProxy
 from dispatch.seeding import FarmSeed, FarmSpec, farm_counts, purge_farm, seed_farm
 
-PHASES: tuple[str, ...] = ("drain", "saturation", "straddle", "drops", "listener_kill", "caps", "flip", "sigkill")
+if TYPE_CHECKING:
+    from dispatch.dispatcher import Booking
+
+PHASES: tuple[str, ...] = (
+    "drain",
+    "saturation",
+    "straddle",
+    "drops",
+    "listener_kill",
+    "caps",
+    "flip",
+    "sigkill",
+    "outside_writers",
+    "split_brain",
+    "listener_wedge",
+    "flip_roundtrip",
+)
 PERTURBATIONS = PHASES[2:]
+# The farm prefix letters of each perturbation phase (`<prefix>_<letters>`); the older phases
+# use their first two letters, the integrity phases their own (so none shares a prefix).
+PHASE_LETTERS: dict[str, str] = {
+    **{p: p[:2] for p in PERTURBATIONS},
+    "outside_writers": "ow",
+    "split_brain": "sb",
+    "listener_wedge": "lw",
+    "flip_roundtrip": "fr",
+}
 
 # SUM(proc) of the farm's shows against every cap, in one statement (one snapshot); only the
 # rows over the cap come back: (vertex, key, booked centicores, cap centicores, newest booking).
@@ -132,6 +177,57 @@ SELECT 'layer_stat_' || x.state, x.pk_layer, x.kept, x.counted FROM (
 WHERE x.kept <> x.counted
 """
 
+# The five database counters of the farm's unmanaged shows against SUM(proc), and the proc
+# sums no counter row holds: (what, key, counter "cc/g", SUM(proc) "cc/g"), mismatches only.
+DB_COUNTERS_SQL = """
+WITH u AS (SELECT pk_show FROM show WHERE pk_show = ANY(%(shows)s) AND NOT b_scheduler_managed),
+live AS MATERIALIZED (
+  SELECT p.pk_show, h.pk_alloc, j.pk_folder, p.pk_job, p.pk_layer, j.pk_dept,
+         p.int_cores_reserved::bigint AS cc, p.int_gpus_reserved::bigint AS g
+  FROM proc p JOIN host h ON h.pk_host = p.pk_host JOIN job j ON j.pk_job = p.pk_job
+  WHERE NOT p.b_local AND p.pk_show IN (SELECT pk_show FROM u)
+)
+SELECT 'db_subscription', s.pk_show || ':' || s.pk_alloc, s.int_cores || '/' || s.int_gpus,
+       COALESCE(SUM(l.cc), 0) || '/' || COALESCE(SUM(l.g), 0)
+FROM subscription s LEFT JOIN live l ON l.pk_show = s.pk_show AND l.pk_alloc = s.pk_alloc
+WHERE s.pk_show IN (SELECT pk_show FROM u) GROUP BY s.pk_subscription
+HAVING s.int_cores <> COALESCE(SUM(l.cc), 0) OR s.int_gpus <> COALESCE(SUM(l.g), 0)
+UNION ALL
+SELECT 'db_folder_resource', fr.pk_folder, fr.int_cores || '/' || fr.int_gpus,
+       COALESCE(SUM(l.cc), 0) || '/' || COALESCE(SUM(l.g), 0)
+FROM folder_resource fr JOIN folder f ON f.pk_folder = fr.pk_folder LEFT JOIN live l ON l.pk_folder = fr.pk_folder
+WHERE f.pk_show IN (SELECT pk_show FROM u) GROUP BY fr.pk_folder_resource
+HAVING fr.int_cores <> COALESCE(SUM(l.cc), 0) OR fr.int_gpus <> COALESCE(SUM(l.g), 0)
+UNION ALL
+SELECT 'db_job_resource', jr.pk_job, jr.int_cores || '/' || jr.int_gpus,
+       COALESCE(SUM(l.cc), 0) || '/' || COALESCE(SUM(l.g), 0)
+FROM job_resource jr JOIN job j ON j.pk_job = jr.pk_job LEFT JOIN live l ON l.pk_job = jr.pk_job
+WHERE j.pk_show IN (SELECT pk_show FROM u) GROUP BY jr.pk_job_resource
+HAVING jr.int_cores <> COALESCE(SUM(l.cc), 0) OR jr.int_gpus <> COALESCE(SUM(l.g), 0)
+UNION ALL
+SELECT 'db_layer_resource', lr.pk_layer, lr.int_cores || '/' || lr.int_gpus,
+       COALESCE(SUM(l.cc), 0) || '/' || COALESCE(SUM(l.g), 0)
+FROM layer_resource lr JOIN job j ON j.pk_job = lr.pk_job LEFT JOIN live l ON l.pk_layer = lr.pk_layer
+WHERE j.pk_show IN (SELECT pk_show FROM u) GROUP BY lr.pk_layer_resource
+HAVING lr.int_cores <> COALESCE(SUM(l.cc), 0) OR lr.int_gpus <> COALESCE(SUM(l.g), 0)
+UNION ALL
+SELECT 'db_point', pt.pk_show || ':' || pt.pk_dept, pt.int_cores || '/' || pt.int_gpus,
+       COALESCE(SUM(l.cc), 0) || '/' || COALESCE(SUM(l.g), 0)
+FROM point pt LEFT JOIN live l ON l.pk_show = pt.pk_show AND l.pk_dept = pt.pk_dept
+WHERE pt.pk_show IN (SELECT pk_show FROM u) GROUP BY pt.pk_point
+HAVING pt.int_cores <> COALESCE(SUM(l.cc), 0) OR pt.int_gpus <> COALESCE(SUM(l.g), 0)
+UNION ALL
+SELECT 'db_subscription_missing', l.pk_show || ':' || l.pk_alloc, 'no row', SUM(l.cc) || '/' || SUM(l.g)
+FROM live l
+WHERE NOT EXISTS (SELECT 1 FROM subscription s WHERE s.pk_show = l.pk_show AND s.pk_alloc = l.pk_alloc)
+GROUP BY l.pk_show, l.pk_alloc
+UNION ALL
+SELECT 'db_point_missing', l.pk_show || ':' || l.pk_dept, 'no row', SUM(l.cc) || '/' || SUM(l.g)
+FROM live l
+WHERE NOT EXISTS (SELECT 1 FROM point pt WHERE pt.pk_show = l.pk_show AND pt.pk_dept = l.pk_dept)
+GROUP BY l.pk_show, l.pk_dept
+"""
+
 CAPS_SQL = """
 SELECT 'sub', s.pk_show || ':' || s.pk_alloc, s.int_burst FROM subscription s WHERE s.pk_show = ANY(%(shows)s)
 UNION ALL SELECT 'folder', fr.pk_folder, fr.int_max_cores FROM folder_resource fr WHERE fr.pk_folder = ANY(%(folders)s)
@@ -179,6 +275,29 @@ class StressConfig:
     runtime_max: float = 0.15
     phase_timeout: float = 300.0
     watch_interval: float = 0.02  # s between watchdog samples
+    # the integrity phases (issues 15 and 16): the perturbation farm's hosts, jobs and caps,
+    # with more frames that run longer, so the load outlasts the faults
+    int_frames_per_layer: int = 30
+    int_runtime_min: float = 0.3
+    int_runtime_max: float = 1.0
+    # outside_writers: writes in all (bounded), writer threads, mean pause between two writes, s
+    ow_ops: int = 1200
+    ow_writers: int = 4
+    ow_pause: float = 0.02
+    # split_brain: the standby's lock poll (CUESCHED_STANDBY_POLL_INTERVAL's default), s
+    sb_poll: float = 1.0
+    # listener_wedge: hosts and frames per layer of its farm (the hosts, not the caps, bind
+    # there, so bookings go on while the Store hears no release); the listener's heartbeat
+    # deadline and how long its path stays frozen, s
+    lw_hosts: int = 40
+    lw_frames_per_layer: int = 25
+    lw_deadline: float = 3.0
+    lw_freeze: float = 6.0
+    # flip_roundtrip: round trips, the managed-shows tick (longer than a trip), the recompute
+    # (shorter than the 0.1-0.3 s a show stays out, so a recompute sees it unmanaged), s
+    fr_trips: int = 10
+    fr_ttl: float = 5.0
+    fr_recompute: float = 0.1
 
     def drain_spec(self) -> FarmSpec:
         return FarmSpec(
@@ -226,6 +345,16 @@ class StressConfig:
             managed=phase != "flip",
         )
 
+    def integrity_spec(self, phase: str, **shape: Any) -> FarmSpec:
+        """The perturbation farm for an integrity phase; `shape` overrides FarmSpec fields (shows...)."""
+        base = replace(
+            self.perturbation_spec(phase),
+            prefix=f"{self.prefix}_{PHASE_LETTERS[phase]}",
+            frames_per_layer=self.int_frames_per_layer,
+            managed=True,
+        )
+        return replace(base, **shape)
+
     def frames(self, spec: FarmSpec) -> int:
         return spec.jobs * spec.layers * spec.frames_per_layer
 
@@ -239,11 +368,22 @@ class Breach:
     cap: int  # centicores
 
 
+@dataclass(eq=False)
+class OutsideWrite:
+    """A write from outside the scheduler that added cores to managed keys (`CapWatchdog.adding`)."""
+
+    keys: frozenset[tuple[str, str]]
+    committed: float | None = None  # time.monotonic() once its COMMIT returned; None in transit
+    aborted: bool = False
+
+
 class CapWatchdog:
     """Samples SUM(proc) against every cap of a farm from its own connection, in a thread.
 
     `applied_at(vertex, key, since)` answers when a cap decrease registered with `lowering`
-    reached the Store (unix time), or None while it is in transit.
+    reached the Store (unix time), or None while it is in transit. `reached_at(t)` answers
+    when the Store surely had everything committed up to monotonic time `t` (unix time), or
+    None while it may not; it judges the keys outside writes added to (`adding`).
     """
 
     def __init__(
@@ -252,17 +392,38 @@ class CapWatchdog:
         *,
         interval: float = 0.02,
         applied_at: Callable[[str, str, float], float | None] | None = None,
+        reached_at: Callable[[float], float | None] | None = None,
     ) -> None:
         self.show_ids = show_ids
         self.interval = interval
         self.applied_at = applied_at
+        self.reached_at = reached_at
         self.samples = 0
         self.breaches: list[Breach] = []
         self.over_lowered = 0  # over a lowered cap, every proc booked before it reached the Store
+        self.over_outside = 0  # over a cap an outside write took it over, before the Store had it
+        # The newest decision (proc.ts_dispatched) seen on a key while it was over its lowered cap.
+        self.last_over_lowered: dict[tuple[str, str], float] = {}
         self.errors = 0
         self._lowered: dict[tuple[str, str], float] = {}
+        self._outside: dict[tuple[str, str], list[OutsideWrite]] = {}
+        self._outside_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    def adding(self, keys: list[tuple[str, str]]) -> OutsideWrite:
+        """Register, before its COMMIT, an outside write that adds to managed `keys`.
+
+        The caller sets `committed` once COMMIT returned, or `aborted` if it rolled back.
+        Nothing in the database checks a managed show's caps, so such a write may itself take
+        a key over: that is not the scheduler's booking. Until the Store surely had the write,
+        a booking decided on the key was checked against a count without it.
+        """
+        write = OutsideWrite(frozenset(keys))
+        with self._outside_lock:
+            for key in write.keys:
+                self._outside.setdefault(key, []).append(write)
+        return write
 
     @contextmanager
     def lowering(self, keys: list[tuple[str, str]]) -> Iterator[None]:
@@ -303,11 +464,27 @@ class CapWatchdog:
     def _judge(self, vertex: str, key: str, booked: int, cap: int, last_booked: float) -> None:
         since = self._lowered.get((vertex, key))
         if since is not None:
+            seen = self.last_over_lowered.get((vertex, key))
+            self.last_over_lowered[(vertex, key)] = last_booked if seen is None else max(seen, last_booked)
             reached = self.applied_at(vertex, key, since) if self.applied_at else None
             if reached is None or last_booked < reached:
                 self.over_lowered += 1
                 return
+        with self._outside_lock:
+            writes = [w for w in self._outside.get((vertex, key), ()) if not w.aborted]
+        if writes:
+            reached = self._outside_reached(writes)
+            if reached is None or last_booked < reached:
+                self.over_outside += 1
+                return
         self.breaches.append(Breach(vertex, key, booked, cap))
+
+    def _outside_reached(self, writes: list[OutsideWrite]) -> float | None:
+        """When the Store surely had the newest of `writes` (None: one is still in transit)."""
+        committed = [w.committed for w in writes]
+        if any(c is None for c in committed) or self.reached_at is None:
+            return None
+        return self.reached_at(max(c for c in committed if c is not None))
 
     def breach_keys(self) -> set[tuple[str, str]]:
         return {(b.vertex, b.key) for b in self.breaches}
@@ -323,6 +500,43 @@ def recent_caps_lookup(service: AccountingService) -> Callable[[str, str, float]
         return None
 
     return applied_at
+
+
+class StoreReach:
+    """When the Store surely had every commit up to a monotonic time, from the listener's heartbeats.
+
+    Notifications arrive in commit order, and the listener's `fresh_as_of` is the send time of
+    the newest heartbeat it received (or the start of its last reseed): once it passes `t`,
+    everything committed before `t` has been applied. A thread records, for each advance, the
+    unix time it was seen (at most `poll` late: lenient by that much).
+    """
+
+    def __init__(self, service: AccountingService, poll: float = 0.005) -> None:
+        self.listener = service.listener
+        self.poll = poll
+        self._fresh: list[float] = []
+        self._seen: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stress-reach", daemon=True)
+
+    def start(self) -> StoreReach:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll):
+            fresh = self.listener.stats.fresh_as_of
+            if fresh is not None and (not self._fresh or fresh > self._fresh[-1]):
+                self._seen.append(time.time())
+                self._fresh.append(fresh)
+
+    def reached_at(self, committed: float) -> float | None:
+        i = bisect.bisect_left(self._fresh, committed)
+        return self._seen[i] if i < len(self._seen) else None
 
 
 # --- the audit -----------------------------------------------------------------------------
@@ -381,7 +595,11 @@ def counter_mismatches(store: Counters, inflight: Counters, booked: Counters) ->
 
 
 def audit_database(conn: psycopg.Connection, seed: FarmSeed) -> tuple[list[str], Counters]:
-    """The database invariants and the managed shows' SUM(proc), from one REPEATABLE READ snapshot."""
+    """The database invariants and the managed shows' SUM(proc), from one REPEATABLE READ snapshot.
+
+    The invariants include, for the unmanaged shows, the five counter tables the triggers
+    keep (subscription, folder_resource, job_resource, layer_resource, point) equal to SUM(proc).
+    """
     params = {
         "shows": list(seed.show_ids),
         "folders": list(seed.folder_ids),
@@ -394,6 +612,8 @@ def audit_database(conn: psycopg.Connection, seed: FarmSeed) -> tuple[list[str],
         conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
         for what, key, seen, expected in conn.execute(AUDIT_SQL, params).fetchall():
             failed.append(f"{what} {key}: {seen} vs {expected}")
+        for what, key, seen, expected in conn.execute(DB_COUNTERS_SQL, params).fetchall():
+            failed.append(f"{what} {key}: counter {seen} vs SUM(proc) {expected} (centicores/gpus)")
         caps = {(v, k): int(c) for v, k, c in conn.execute(CAPS_SQL, params).fetchall()}
         all_booked = {
             (v, k): int(cc) for v, k, cc, _g in conn.execute(BOOKED_BY_KEY_SQL, {"shows": params["shows"]}).fetchall()
@@ -559,6 +779,7 @@ def run_inprocess(
     duration: float | None = None,
     loop_env: dict[str, str] | None = None,
     heal: Callable[[Run], None] | None = None,
+    listener_connect: Callable[[], psycopg.Connection] | None = None,
 ) -> PhaseReport:
     """Seed, run the service and the loop (to idle, or for `duration`), perturb, audit, purge."""
     report = PhaseReport(name=name, frames=cfg.frames(spec))
@@ -566,7 +787,7 @@ def run_inprocess(
     stop_service = threading.Event()
     stop_loop = threading.Event()
     with env(**{**QUIET_LOOPS, **(loop_env or {})}):
-        service = AccountingService()
+        service = AccountingService(listener_connect=listener_connect)
         service.start(stop_service, bootstrap_timeout=30)
         watchdog = CapWatchdog(list(seed.show_ids), interval=cfg.watch_interval, applied_at=recent_caps_lookup(service))
         loop = DispatchLoop(service, launcher)
@@ -615,15 +836,24 @@ def run_inprocess(
     report.breaches = len(watchdog.breaches)
     report.breach_keys = sorted(f"{v} {k}" for v, k in watchdog.breach_keys())
     report.samples = watchdog.samples
+    _watchdog_notes(watchdog, report)
+    if loop.totals.db_errors:
+        report.notes.append(f"dispatch database errors (retried): {loop.totals.db_errors}")
+    _teardown(spec, report)
+    return report
+
+
+def _watchdog_notes(watchdog: CapWatchdog, report: PhaseReport) -> None:
     if watchdog.over_lowered:
         report.notes.append(
             f"over a lowered cap but booked before the decrease reached the Store (not breaches): "
             f"{watchdog.over_lowered} samples"
         )
-    if loop.totals.db_errors:
-        report.notes.append(f"dispatch database errors (retried): {loop.totals.db_errors}")
-    _teardown(spec, report)
-    return report
+    if watchdog.over_outside:
+        report.notes.append(
+            f"over a cap an outside write took it over, no booking since the Store had the write "
+            f"(not breaches): {watchdog.over_outside} samples"
+        )
 
 
 def _launcher(cfg: StressConfig, *, runtime: bool) -> SimulatedLauncher:
@@ -1007,6 +1237,949 @@ def phase_sigkill(cfg: StressConfig, log_dir: Path | None = None) -> PhaseReport
     return report
 
 
+# --- integrity phases (issues 15 and 16) ---------------------------------------------------
+def _int_launcher(cfg: StressConfig, seed_offset: int = 0) -> SimulatedLauncher:
+    return SimulatedLauncher(
+        runtime_min=cfg.int_runtime_min,
+        runtime_max=cfg.int_runtime_max,
+        failure_rate=0.0,
+        launch_failure_rate=0.0,
+        seed=cfg.seed + seed_offset,
+    )
+
+
+class _Skip(Exception):
+    """An outside write that found nothing to do (rolled back, counted as skipped)."""
+
+
+OW_KINDS: tuple[tuple[str, int], ...] = (
+    ("host_move", 3),
+    ("job_move", 2),
+    ("resize", 3),
+    ("insert", 3),
+    ("sub_cycle", 1),
+    ("reopen", 1),
+    ("flip_rr", 1),
+)
+
+# A proc of the farm at random, with the keys it is booked against and whether its show is managed.
+OW_PROC_SQL = """
+SELECT p.pk_proc, p.pk_host, p.int_cores_reserved, p.pk_show, p.pk_job
+FROM proc p WHERE p.pk_show = ANY(%s) AND NOT p.b_local ORDER BY random() LIMIT 1
+"""
+OW_PROC_KEYS_SQL = """
+SELECT s.b_scheduler_managed, p.pk_show, h.pk_alloc, j.pk_folder, p.pk_job
+FROM proc p JOIN show s ON s.pk_show = p.pk_show JOIN host h ON h.pk_host = p.pk_host JOIN job j ON j.pk_job = p.pk_job
+WHERE p.pk_proc = %s
+"""
+OW_WAITING_FRAME_SQL = """
+SELECT f.pk_frame, f.pk_layer, f.pk_job, j.pk_show, l.int_cores_min, l.int_mem_min
+FROM frame f JOIN job j ON j.pk_job = f.pk_job JOIN layer l ON l.pk_layer = f.pk_layer
+WHERE f.pk_job = ANY(%s) AND f.str_state = 'WAITING' AND j.str_state = 'PENDING' ORDER BY random() LIMIT 1
+"""
+OW_HOST_WITH_ROOM_SQL = """
+SELECT pk_host FROM host WHERE pk_host = ANY(%s) AND int_cores_idle >= %s AND int_mem_idle >= %s
+ORDER BY random() LIMIT 1
+"""
+OW_START_FRAME_SQL = """
+UPDATE frame SET str_state = 'RUNNING', int_version = int_version + 1, ts_started = now(), ts_updated = now()
+WHERE pk_frame = %s AND str_state = 'WAITING'
+"""
+OW_INSERT_PROC_SQL = """
+INSERT INTO proc (pk_proc, pk_host, pk_show, pk_layer, pk_job, pk_frame, int_cores_reserved, int_mem_reserved,
+                  int_gpus_reserved)
+VALUES (%s, %s, %s, %s, %s, %s, %s, %s, 0)
+"""
+OW_TAKE_HOST_SQL = """
+UPDATE host SET int_cores_idle = int_cores_idle - %(c)s, int_mem_idle = int_mem_idle - %(m)s, ts_last_updated = now()
+WHERE pk_host = %(host)s AND int_cores_idle >= %(c)s AND int_mem_idle >= %(m)s AND int_cores_idle - %(c)s <= int_cores
+"""
+
+
+@dataclass
+class _OutsideWriters:
+    """The outside writers of `outside_writers`: plain SQL on autocommit connections of their own.
+
+    They know nothing of the scheduler; they write as a script or a DBA would, each write one
+    READ COMMITTED transaction (the REPEATABLE READ writer excepted). What they add to managed
+    keys is registered with the watchdog (`adding`) before COMMIT, so that only bookings the
+    scheduler decided once the Store had the write can count as breaches. Procs they insert
+    run on no launcher: an "agent" here completes each after a drawn runtime.
+    """
+
+    run: Run
+    cfg: StressConfig
+    folders: dict[str, list[tuple[str, str | None]]]  # show -> [(folder, dept)]
+    counts: Counter[str] = field(default_factory=Counter)
+    moved_procs: int = 0
+    failures: list[str] = field(default_factory=list)
+    flipped: dict[str, bool] = field(default_factory=dict)  # show -> flipped from its seeded state
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    # Subscription deletes and flips one at a time: a subscription deleted while its show flips
+    # to unmanaged would be re-created with a counter of 0 under running procs (see sub_cycle).
+    _flip_lock: threading.Lock = field(default_factory=threading.Lock)
+    _agent: list[tuple[float, str]] = field(default_factory=list)  # heap of (due, pk_proc)
+    _agent_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def seed(self) -> FarmSeed:
+        return self.run.seed
+
+    def count(self, what: str, n: int = 1) -> None:
+        with self._lock:
+            self.counts[what] += n
+
+    # -- one write ------------------------------------------------------------------------
+    def _write(
+        self, conn: psycopg.Connection, body: Callable[[psycopg.Connection], tuple[str, list[tuple[str, str]]]]
+    ) -> str:
+        """Run `body` in one transaction; what it added to managed keys is registered before COMMIT."""
+        write: OutsideWrite | None = None
+        try:
+            with conn.transaction():
+                outcome, keys = body(conn)
+                if keys:
+                    write = self.run.watchdog.adding(keys)
+        except _Skip as skip:
+            return f"skipped ({skip})"
+        except psycopg.OperationalError:
+            if write is not None:
+                write.committed = time.monotonic()  # COMMIT may have happened: judged as if it had
+            raise
+        except BaseException:
+            if write is not None:
+                write.aborted = True
+            raise
+        if write is not None:
+            write.committed = time.monotonic()
+        return outcome
+
+    def host_move(self, conn: psycopg.Connection, rng: random.Random) -> str:
+        seed = self.seed
+
+        def body(c: psycopg.Connection) -> tuple[str, list[tuple[str, str]]]:
+            row = None
+            if rng.random() < 0.75:
+                row = c.execute(OW_PROC_SQL, (list(seed.show_ids),)).fetchone()
+            host = row[1] if row else rng.choice(seed.host_ids)
+            current = c.execute("SELECT pk_alloc FROM host WHERE pk_host = %s", (host,)).fetchone()
+            if current is None:
+                raise _Skip("host gone")
+            target = rng.choice([a for a in seed.alloc_ids if a != current[0]])
+            moved = c.execute(
+                "UPDATE host SET pk_alloc = %s, ts_last_updated = now() WHERE pk_host = %s AND pk_alloc = %s",
+                (target, host, current[0]),
+            ).rowcount
+            if not moved:
+                raise _Skip("moved meanwhile")
+            rows = c.execute(
+                "SELECT p.pk_show, s.b_scheduler_managed, count(*) FROM proc p JOIN show s ON s.pk_show = p.pk_show"
+                " WHERE p.pk_host = %s AND NOT p.b_local GROUP BY 1, 2",
+                (host,),
+            ).fetchall()
+            with self._lock:
+                self.moved_procs += sum(int(n) for _s, _m, n in rows)
+            return "done", [("sub", f"{show}:{target}") for show, managed, _n in rows if managed]
+
+        return self._write(conn, body)
+
+    def job_move(self, conn: psycopg.Connection, rng: random.Random) -> str:
+        seed = self.seed
+
+        def body(c: psycopg.Connection) -> tuple[str, list[tuple[str, str]]]:
+            row = None
+            if rng.random() < 0.75:
+                row = c.execute(OW_PROC_SQL, (list(seed.show_ids),)).fetchone()
+            job = row[4] if row else rng.choice(seed.job_ids)
+            current = c.execute("SELECT pk_show, pk_folder FROM job WHERE pk_job = %s", (job,)).fetchone()
+            if current is None:
+                raise _Skip("job gone")
+            show, folder = current
+            targets = [(f, d) for f, d in self.folders[show] if f != folder]
+            if not targets:
+                raise _Skip("one folder only")
+            target, dept = rng.choice(targets)
+            moved = c.execute(
+                "UPDATE job SET pk_folder = %s, pk_dept = COALESCE(%s, pk_dept), ts_updated = now()"
+                " WHERE pk_job = %s AND pk_folder = %s",
+                (target, dept, job, folder),
+            ).rowcount
+            if not moved:
+                raise _Skip("moved meanwhile")
+            managed, procs = c.execute(
+                "SELECT s.b_scheduler_managed, (SELECT count(*) FROM proc p WHERE p.pk_job = %s AND NOT p.b_local)"
+                " FROM show s WHERE s.pk_show = %s",
+                (job, show),
+            ).fetchone() or (False, 0)
+            return "done", [("folder", target)] if managed and procs else []
+
+        return self._write(conn, body)
+
+    def resize(self, conn: psycopg.Connection, rng: random.Random) -> str:
+        seed = self.seed
+
+        def body(c: psycopg.Connection) -> tuple[str, list[tuple[str, str]]]:
+            row = c.execute(OW_PROC_SQL, (list(seed.show_ids),)).fetchone()
+            if row is None:
+                raise _Skip("no proc")
+            pk_proc, host, cores, _show, _job = row
+            delta = rng.choice((100, -100))
+            if cores + delta < 100:
+                delta = 100
+            if not c.execute(
+                "UPDATE proc SET int_cores_reserved = int_cores_reserved + %s"
+                " WHERE pk_proc = %s AND int_cores_reserved + %s >= 100",
+                (delta, pk_proc, delta),
+            ).rowcount:
+                raise _Skip("proc gone")
+            if not c.execute(OW_TAKE_HOST_SQL, {"c": delta, "m": 0, "host": host}).rowcount:
+                raise _Skip("host full")
+            keys: list[tuple[str, str]] = []
+            if delta > 0:
+                managed, show, alloc, folder, job = c.execute(OW_PROC_KEYS_SQL, (pk_proc,)).fetchone()  # type: ignore[misc]
+                if managed:
+                    keys = [("sub", f"{show}:{alloc}"), ("folder", folder), ("job", job)]
+            return ("grown" if delta > 0 else "shrunk"), keys
+
+        return self._write(conn, body)
+
+    def insert(self, conn: psycopg.Connection, rng: random.Random) -> str:
+        seed = self.seed
+        pk_proc = str(uuid.uuid4())
+
+        def body(c: psycopg.Connection) -> tuple[str, list[tuple[str, str]]]:
+            row = c.execute(OW_WAITING_FRAME_SQL, (list(seed.job_ids),)).fetchone()
+            if row is None:
+                raise _Skip("no waiting frame")
+            frame, layer, job, show, cores, mem = row
+            host = c.execute(OW_HOST_WITH_ROOM_SQL, (list(seed.host_ids), cores, mem)).fetchone()
+            if host is None:
+                raise _Skip("no host with room")
+            if not c.execute(OW_START_FRAME_SQL, (frame,)).rowcount:
+                raise _Skip("frame taken")
+            c.execute(OW_INSERT_PROC_SQL, (pk_proc, host[0], show, layer, job, frame, cores, mem))
+            if not c.execute(OW_TAKE_HOST_SQL, {"c": cores, "m": mem, "host": host[0]}).rowcount:
+                raise _Skip("host full")
+            managed, show, alloc, folder, job = c.execute(OW_PROC_KEYS_SQL, (pk_proc,)).fetchone()  # type: ignore[misc]
+            return "done", [("sub", f"{show}:{alloc}"), ("folder", folder), ("job", job)] if managed else []
+
+        outcome = self._write(conn, body)
+        if outcome == "done":
+            due = time.monotonic() + rng.uniform(self.cfg.int_runtime_min, self.cfg.int_runtime_max)
+            with self._agent_lock:
+                heapq.heappush(self._agent, (due, pk_proc))
+        return outcome
+
+    def sub_cycle(self, conn: psycopg.Connection, rng: random.Random) -> str:
+        """A managed show's subscription deleted, then re-created as it was.
+
+        Managed shows only: an unmanaged show's subscription row IS its database counter, and a
+        re-created row starts at 0 under the procs still running (nothing rebuilds it but the
+        periodic reconcile), which no trigger can tell from a new subscription.
+        """
+        with self._flip_lock:
+            managed = [
+                s
+                for (s,) in conn.execute(
+                    "SELECT pk_show FROM show WHERE pk_show = ANY(%s) AND b_scheduler_managed",
+                    (list(self.seed.show_ids),),
+                )
+            ]
+            if not managed:
+                return "skipped (no managed show)"
+            show, alloc = rng.choice(managed), rng.choice(self.seed.alloc_ids)
+            row = conn.execute(
+                "DELETE FROM subscription WHERE pk_show = %s AND pk_alloc = %s"
+                " RETURNING pk_subscription, int_size, int_burst, float_tier",
+                (show, alloc),
+            ).fetchone()
+            if row is None:
+                return "skipped (no subscription)"
+            # Deleted for a moment while the loop books: the Store must refuse the allocation.
+            self.run.stop_loop.wait(rng.uniform(0.05, 0.3))
+            conn.execute(
+                "INSERT INTO subscription (pk_subscription, pk_alloc, pk_show, int_size, int_burst, float_tier)"
+                " VALUES (%s, %s, %s, %s, %s, %s)",
+                (row[0], alloc, show, row[1], row[2], row[3]),
+            )
+        return "done"
+
+    def reopen(self, conn: psycopg.Connection, rng: random.Random) -> str:
+        seed = self.seed
+
+        def body(c: psycopg.Connection) -> tuple[str, list[tuple[str, str]]]:
+            row = c.execute(
+                "SELECT pk_job FROM job WHERE pk_job = ANY(%s) AND str_state = 'FINISHED' ORDER BY random() LIMIT 1",
+                (list(seed.job_ids),),
+            ).fetchone()
+            if row is None:
+                raise _Skip("no finished job yet")
+            frames = c.execute(
+                "UPDATE frame SET str_state = 'WAITING', int_version = int_version + 1, ts_updated = now()"
+                " WHERE pk_frame IN (SELECT pk_frame FROM frame WHERE pk_job = %s AND str_state = 'SUCCEEDED'"
+                " ORDER BY random() LIMIT %s)",
+                (row[0], rng.randint(2, 6)),
+            ).rowcount
+            if not frames:
+                raise _Skip("nothing to run again")
+            if not c.execute(
+                "UPDATE job SET str_state = 'PENDING', ts_stopped = NULL, ts_updated = now()"
+                " WHERE pk_job = %s AND str_state = 'FINISHED'",
+                (row[0],),
+            ).rowcount:
+                raise _Skip("reopened meanwhile")
+            self.count("reopen frames", frames)
+            return "done", []
+
+        return self._write(conn, body)
+
+    def flip_rr(self, conn: psycopg.Connection, rng: random.Random, rr: psycopg.Connection) -> str:
+        """A show flipped while a REPEATABLE READ writer, whose snapshot predates it, inserts a proc.
+
+        The writer's snapshot is taken (reading a frame and the show's flag) before the flip
+        commits; its INSERT comes after, and must fail with a serialization failure (40001)
+        from the accounting epoch guard: committed, it would be accounted by the side its old
+        snapshot believes owns the show.
+        """
+        with self._flip_lock:
+            show = rng.choice(self.seed.show_ids)
+            rr.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+            try:
+                row = rr.execute(
+                    OW_WAITING_FRAME_SQL.replace("f.pk_job = ANY(%s)", "j.pk_show = %s"), (show,)
+                ).fetchone()
+                host = (
+                    rr.execute(OW_HOST_WITH_ROOM_SQL, (list(self.seed.host_ids), row[4], row[5])).fetchone()
+                    if row
+                    else None
+                )
+                conn.execute(
+                    "UPDATE show SET b_scheduler_managed = NOT b_scheduler_managed WHERE pk_show = %s", (show,)
+                )
+                self.flipped[show] = not self.flipped.get(show, False)
+                self.count("flips")
+                if row is None or host is None:
+                    rr.execute("ROLLBACK")
+                    return "flipped (no frame or host for the writer)"
+                frame, layer, job, _show, cores, mem = row
+                pk_proc = str(uuid.uuid4())
+                try:
+                    rr.execute(OW_INSERT_PROC_SQL, (pk_proc, host[0], show, layer, job, frame, cores, mem))
+                    rr.execute(OW_START_FRAME_SQL, (frame,))
+                    rr.execute(OW_TAKE_HOST_SQL, {"c": cores, "m": mem, "host": host[0]})
+                    rr.execute("COMMIT")
+                except psycopg.errors.SerializationFailure as exc:
+                    rr.execute("ROLLBACK")
+                    context = exc.diag.context or ""
+                    return "serialization (epoch guard)" if "cuesched_accounting_epoch" in context else "serialization"
+            except BaseException:
+                if rr.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+                    rr.execute("ROLLBACK")
+                raise
+        with self._agent_lock:
+            heapq.heappush(self._agent, (time.monotonic(), pk_proc))
+        self.failures.append(f"a REPEATABLE READ writer inserted proc {pk_proc} across a flip of show {show}")
+        return "committed across the flip"
+
+    def restore_flips(self, conn: psycopg.Connection) -> None:
+        """Every show back to its seeded state, so the audit sees both kinds."""
+        with self._flip_lock:
+            for show, flipped in sorted(self.flipped.items()):
+                if flipped:
+                    conn.execute(
+                        "UPDATE show SET b_scheduler_managed = NOT b_scheduler_managed WHERE pk_show = %s", (show,)
+                    )
+                    self.flipped[show] = False
+                    self.count("flips")
+
+    # -- the threads ----------------------------------------------------------------------
+    def writer(self, index: int, ops: int) -> None:
+        rng = random.Random(f"{self.cfg.seed}/outside_writers/{index}")
+        kinds = [k for k, _w in OW_KINDS]
+        weights = [w for _k, w in OW_KINDS]
+        conn = db.connect(autocommit=True, application_name=f"cuesched-stress-writer-{index}")
+        rr = db.connect(autocommit=True, application_name=f"cuesched-stress-rr-{index}")
+        try:
+            for _ in range(ops):
+                if not self.run.loop_alive():
+                    break
+                kind = rng.choices(kinds, weights)[0]
+                try:
+                    if kind == "flip_rr":
+                        outcome = self.flip_rr(conn, rng, rr)
+                    else:
+                        outcome = getattr(self, kind)(conn, rng)
+                except psycopg.errors.CheckViolation as exc:
+                    outcome = f"refused ({exc.diag.constraint_name})"
+                except psycopg.errors.SerializationFailure:
+                    outcome = "serialization failure"
+                except psycopg.errors.DeadlockDetected:
+                    outcome = "deadlock"
+                except psycopg.OperationalError as exc:
+                    outcome = f"connection lost ({type(exc).__name__})"
+                    conn.close()
+                    rr.close()
+                    conn = db.connect(autocommit=True, application_name=f"cuesched-stress-writer-{index}")
+                    rr = db.connect(autocommit=True, application_name=f"cuesched-stress-rr-{index}")
+                except psycopg.Error as exc:
+                    outcome = f"error {exc.sqlstate}"
+                    self.failures.append(f"{kind}: unexpected {type(exc).__name__}: {exc}")
+                self.count(f"{kind} {outcome}")
+                self.run.stop_loop.wait(rng.uniform(0, 2 * self.cfg.ow_pause))
+        finally:
+            conn.close()
+            rr.close()
+
+    def agent(self, stop: threading.Event) -> None:
+        """Completes the procs the writers inserted, each once its runtime is up (all when `stop`)."""
+        conn = db.connect(autocommit=True, application_name="cuesched-stress-agent")
+        try:
+            while True:
+                with self._agent_lock:
+                    now = time.monotonic()
+                    due = []
+                    while self._agent and (self._agent[0][0] <= now or stop.is_set()):
+                        due.append(heapq.heappop(self._agent)[1])
+                    empty = not self._agent
+                if due:
+                    try:
+                        result = complete(conn, [Completion(pk, 0) for pk in due])
+                    except psycopg.Error as exc:
+                        # A deadlock with a booking (both lock a job_stat row and the show's
+                        # database-accounting lock, in opposite orders) rolls it back: retry.
+                        self.count(f"agent retries ({type(exc).__name__})")
+                        with self._agent_lock:
+                            for pk in due:
+                                heapq.heappush(self._agent, (time.monotonic() + 0.05, pk))
+                        if conn.broken or conn.closed:
+                            conn = db.connect(autocommit=True, application_name="cuesched-stress-agent")
+                        time.sleep(0.05)
+                        continue
+                    self.count("agent completions", result.released)
+                elif stop.is_set() and empty:
+                    return
+                else:
+                    time.sleep(0.01)
+        finally:
+            conn.close()
+
+
+def phase_outside_writers(cfg: StressConfig) -> PhaseReport:
+    """Issue 15: every outside write, under booking load, beside a managed and an unmanaged show."""
+    spec = cfg.integrity_spec("outside_writers", shows=2, managed_shows=1, folders_per_show=3, depts=2)
+    box: dict[str, _OutsideWriters] = {}
+    reaches: dict[int, StoreReach] = {}
+
+    def perturb(run: Run) -> None:
+        if not run.under_load(20):
+            return
+        with db.connect(autocommit=True, application_name="cuesched-stress") as conn:
+            folders: dict[str, list[tuple[str, str | None]]] = {}
+            for folder, show, dept in conn.execute(
+                "SELECT pk_folder, pk_show, pk_dept FROM folder WHERE pk_folder = ANY(%s) ORDER BY pk_folder",
+                (list(run.seed.folder_ids),),
+            ):
+                folders.setdefault(show, []).append((folder, dept))
+            writers = box["w"] = _OutsideWriters(run, cfg, folders)
+            reach = reaches[0] = StoreReach(run.service).start()
+            run.watchdog.reached_at = reach.reached_at
+            stop_agent = threading.Event()
+            agent = threading.Thread(target=writers.agent, args=(stop_agent,), name="stress-agent", daemon=True)
+            agent.start()
+            per_writer = math.ceil(cfg.ow_ops / max(cfg.ow_writers, 1))
+            threads = [
+                threading.Thread(target=writers.writer, args=(i, per_writer), name=f"stress-writer-{i}", daemon=True)
+                for i in range(cfg.ow_writers)
+            ]
+            try:
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(cfg.phase_timeout)
+                writers.restore_flips(conn)
+            finally:
+                stop_agent.set()
+                agent.join(30)
+                # The recorder keeps running: the watchdog judges with it until the audit is over.
+
+    report = run_inprocess(
+        cfg,
+        "outside_writers",
+        spec,
+        launcher=_int_launcher(cfg),
+        perturb=perturb,
+        # A recompute every second (evictions of finished jobs, which a reopened job must
+        # survive); no database reconcile, so the triggers alone must keep unmanaged counters.
+        loop_env={"CUESCHED_RECOMPUTE_INTERVAL": "1", "CUESCHED_DB_RECONCILE_INTERVAL": "3600"},
+    )
+    for reach in reaches.values():
+        reach.stop()
+    writers = box.get("w")
+    if writers is None:
+        report.failed.append("the outside writers never ran")
+        return report
+    counts = writers.counts
+    for kind, _w in OW_KINDS:
+        mine = {k.split(" ", 1)[1]: n for k, n in sorted(counts.items()) if k.startswith(kind + " ")}
+        report.notes.append(f"outside {kind}: " + (", ".join(f"{k} {n}" for k, n in mine.items()) or "none"))
+    report.notes.append(
+        f"outside writes: {sum(n for k, n in counts.items() if k.split(' ')[0] in dict(OW_KINDS))} "
+        f"({cfg.ow_writers} writers), procs moved with their hosts: {writers.moved_procs}, flips: "
+        f"{counts['flips']}, frames reopened: {counts['reopen frames']}, outside procs completed by the agent: "
+        f"{counts['agent completions']}"
+        + "".join(f", {k} {n}" for k, n in sorted(counts.items()) if k.startswith("agent retries"))
+    )
+    done = {
+        "host_move": counts["host_move done"],
+        "job_move": counts["job_move done"],
+        "resize": counts["resize grown"] + counts["resize shrunk"],
+        "insert": counts["insert done"],
+        "sub_cycle": counts["sub_cycle done"],
+        "reopen": counts["reopen done"],
+        "flip_rr": counts["flip_rr serialization (epoch guard)"],
+    }
+    missing = [k for k, n in done.items() if not n]
+    if missing:
+        report.failed.append(f"outside writes never done under load: {', '.join(missing)}")
+    report.failed.extend(writers.failures)
+    return report
+
+
+class _RecordingLauncher(SimulatedLauncher):
+    """The simulated launcher, recording each booking it is handed (its batch has committed)."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.booked: list[tuple[str, str, float, float]] = []  # (pk_proc, pk_frame, decided, launched), unix
+
+    def launch(self, bookings: Sequence[Booking]) -> list[tuple[Booking, str]]:
+        now = time.time()
+        self.booked.extend((b.pk_proc, b.frame.pk, b.decided_at or now, now) for b in bookings)
+        return super().launch(bookings)
+
+
+class _InprocScheduler:
+    """A real SchedulerProcess (lock, lease, service, publisher) with one dispatch loop, in a thread.
+
+    The same process `run_scheduler` runs (`SchedulerProcess.run(main)`), with a main that is
+    `dispatch_main`'s single-worker case on a recording launcher, so the phase knows which
+    scheduler booked what and when it decided it.
+    """
+
+    def __init__(self, cfg: StressConfig, name: str, *, standby: bool, lock_check_interval: float, offset: int) -> None:
+        self.name = name
+        self.launcher = _RecordingLauncher(
+            runtime_min=cfg.int_runtime_min,
+            runtime_max=cfg.int_runtime_max,
+            failure_rate=0.0,
+            launch_failure_rate=0.0,
+            seed=cfg.seed + offset,
+        )
+        self.process = SchedulerProcess(
+            SchedulerOptions(bootstrap_timeout=30, standby=standby, lock_check_interval=lock_check_interval)
+        )
+        self.loop: DispatchLoop | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name=f"stress-{name}", daemon=True)
+
+    def _main(self, service: AccountingService, stop: threading.Event) -> None:
+        loop = self.loop = DispatchLoop(service, self.launcher)
+        service.view_providers["dispatch"] = loop.live_view
+        try:
+            loop.run(stop)
+        finally:
+            loop.close()
+            self.launcher.close()
+
+    def _run(self) -> None:
+        try:
+            self.process.run(self._main)
+        except BaseException as exc:  # reported by the phase
+            self.error = exc
+
+    def start(self) -> _InprocScheduler:
+        self.thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.process.stop.set()
+        self.thread.join(timeout)
+
+    def decided(self) -> list[float]:
+        return [d for _p, _f, d, _l in self.launcher.booked]
+
+    def launched(self) -> list[float]:
+        return [launched for _p, _f, _d, launched in self.launcher.booked]
+
+
+LEASE_ROW_SQL = (
+    "SELECT int_generation, EXTRACT(EPOCH FROM ts_acquired)::float8 FROM cuesched_scheduler_lease WHERE id = 1"
+)
+
+
+def phase_split_brain(cfg: StressConfig) -> PhaseReport:
+    """Issue 16: a standby takes over after the first scheduler's lock session is killed.
+
+    Both are real SchedulerProcess objects in this process, each with its own Store, listener
+    and dispatch loop. The first's lock check is made longer than the phase, so only the lease
+    (checked by every booking transaction) can stop it: the lock session dies, the standby takes
+    the lock and the lease (which waits for the first's in-flight batch), bootstraps and books;
+    the first's next batch must find the lease gone and stop. Its frames, left running on its
+    launcher, are released the completion way (as their agents would report them) and the
+    second books them again.
+    """
+    spec = cfg.integrity_spec("split_brain")
+    report = PhaseReport(name="split_brain", frames=cfg.frames(spec))
+    seed = _seed(spec)
+    jobs = list(seed.job_ids)
+    started = time.perf_counter()
+    with env(**QUIET_LOOPS, CUESCHED_STANDBY_POLL_INTERVAL=str(cfg.sb_poll)):
+        watchdog = CapWatchdog(list(seed.show_ids), interval=cfg.watch_interval).start()
+        conn = db.connect(autocommit=True, application_name="cuesched-stress")
+        first = _InprocScheduler(cfg, "first", standby=False, lock_check_interval=cfg.phase_timeout * 10, offset=0)
+        second = _InprocScheduler(cfg, "second", standby=True, lock_check_interval=5.0, offset=1)
+        deadline = time.monotonic() + cfg.phase_timeout
+
+        def count(sql: str) -> int:
+            row = conn.execute(sql, (jobs,)).fetchone()
+            return int(row[0]) if row else 0
+
+        def wait(what: str, predicate: Callable[[], bool], timeout: float) -> bool:
+            until = min(deadline, time.monotonic() + timeout)
+            while time.monotonic() < until:
+                if predicate():
+                    return True
+                time.sleep(0.01)
+            report.failed.append(f"timed out waiting for {what}")
+            return False
+
+        moments: dict[str, Any] = {}
+
+        def scenario() -> None:
+            first.start()
+            if not wait("the first scheduler to be ready", first.process.ready.is_set, 30):
+                return
+            procs_sql = "SELECT count(*) FROM proc WHERE pk_job = ANY(%s)"
+            wait("20 procs booked by the first scheduler", lambda: count(procs_sql) >= 20, 60)
+            second.start()
+            # The standby is retrying (the issue's case): its first attempts fail, and its poll,
+            # not the kill, decides when it takes over, so the first scheduler books on for up
+            # to a poll interval without its lock. Only the lease can stop it then.
+            time.sleep(1.5 * cfg.sb_poll)
+            if second.process.ready.is_set():
+                report.failed.append("the standby took over while the first scheduler held the lock")
+                return
+            holder = conn.execute(singleton.HOLDER_SQL, {"key": singleton.SCHEDULER_LOCK_KEY}).fetchone()
+            if holder is None or holder[1] != "cuesched-scheduler-lock":
+                report.failed.append(f"no scheduler lock session to kill ({holder})")
+                return
+            conn.execute("SELECT pg_terminate_backend(%s)", (holder[0],))
+            moments["killed"] = time.time()
+            if not wait("the standby to take over", second.process.ready.is_set, 30):
+                return
+            moments["lease"] = conn.execute(LEASE_ROW_SQL).fetchone()
+            if not wait("the first scheduler to stop on its lost lease", lambda: not first.thread.is_alive(), 30):
+                first.stop()
+            # The first's frames still run on its (dead) launcher: release them as their agents would.
+            mine = {p for p, _f, _d, _l in first.launcher.booked}
+            orphans = [
+                f
+                for pk, f in conn.execute("SELECT pk_proc, pk_frame FROM proc WHERE pk_job = ANY(%s)", (jobs,))
+                if pk in mine
+            ]
+            released = kill_frames(conn, orphans).released
+            report.notes.append(f"the first scheduler's frames left running, released the completion way: {released}")
+            wait(
+                "the second scheduler to run every frame",
+                lambda: count(WAITING_SQL) == 0 and count(procs_sql) == 0,
+                cfg.phase_timeout,
+            )
+            service = second.process.service
+            report.failed.extend(audit(seed, lambda: store_counters(service, seed)))
+
+        try:
+            scenario()
+        finally:
+            second.stop()
+            first.stop()
+            watchdog.stop()
+            conn.close()
+    report.wall = time.perf_counter() - started
+    for sched in (first, second):
+        if sched.error is not None:
+            report.failed.append(f"the {sched.name} scheduler raised {type(sched.error).__name__}: {sched.error}")
+    rejected: Counter[str] = Counter()
+    for sched in (first, second):
+        if sched.loop is not None:
+            rejected.update(sched.loop.totals.rejected)
+    report.rejected = dict(rejected)
+    a_decided, b_decided = first.decided(), second.decided()
+    report.booked = len(a_decided) + len(b_decided)
+    everything = a_decided + b_decided
+    if everything:
+        report.window = max(first.launched() + second.launched()) - min(everything)
+    if not first.process.service.lease_lost.is_set():
+        report.failed.append("the first scheduler never found its lease gone")
+    if not a_decided or not b_decided:
+        report.failed.append(f"each scheduler must book: first {len(a_decided)}, second {len(b_decided)}")
+    elif "lease" in moments and moments["lease"] is not None and second.process.lease_taken_at is not None:
+        killed_at, lease_row = moments["killed"], moments["lease"]
+        lease_taken = second.process.lease_taken_at
+        a_last_decided, a_last_commit = max(a_decided), max(first.launched())
+        b_first = min(b_decided)
+        generation, ts_acquired = lease_row
+        report.notes.append(
+            f"lock session killed -> standby's lease (generation {generation}) committed: "
+            f"{lease_taken - killed_at:.3f}s; -> its first booking decided: {b_first - killed_at:.3f}s"
+        )
+        report.notes.append(
+            f"lost lock session -> the first scheduler's last booking committed: {a_last_commit - killed_at:+.3f}s "
+            "(it held the lease until the takeover)"
+        )
+        report.notes.append(
+            f"lost lease -> the first scheduler's last booking: committed {a_last_commit - lease_taken:+.3f}s, "
+            f"decided {a_last_decided - ts_acquired:+.3f}s after the lease's ts_acquired (<= 0 or tiny: the fence)"
+        )
+        loop = first.loop
+        report.notes.append(
+            f"bookings: first {len(a_decided)}, second {len(b_decided)}; first's loop database errors "
+            f"(the fence's LeaseLostError among them): {loop.totals.db_errors if loop else 0}"
+        )
+        # One booker at a time: every decision of the first precedes the lease it lost (the
+        # takeover waits for the batch those decisions went into) and the second's first one.
+        if a_last_decided >= lease_taken or a_last_decided >= b_first:
+            report.failed.append(
+                f"two schedulers booked at once: the first decided a booking {a_last_decided - lease_taken:+.3f}s "
+                f"after the second took the lease, {a_last_decided - b_first:+.3f}s after the second's first booking"
+            )
+    report.breaches = len(watchdog.breaches)
+    report.breach_keys = sorted(f"{v} {k}" for v, k in watchdog.breach_keys())
+    report.samples = watchdog.samples
+    _watchdog_notes(watchdog, report)
+    _teardown(spec, report)
+    return report
+
+
+# Each subscription (folder) of the farm's shows lowered to half of what it holds now, whole
+# cores, at least `floor` centicores.
+HALVE_SUB_SQL = """
+UPDATE subscription s SET int_burst = GREATEST(%(floor)s, COALESCE(u.cc, 0) / 200 * 100)
+FROM (
+  SELECT s2.pk_subscription,
+         (SELECT SUM(p.int_cores_reserved) FROM proc p JOIN host h ON h.pk_host = p.pk_host
+          WHERE p.pk_show = s2.pk_show AND h.pk_alloc = s2.pk_alloc AND NOT p.b_local) AS cc
+  FROM subscription s2 WHERE s2.pk_show = ANY(%(shows)s)
+) u
+WHERE s.pk_subscription = u.pk_subscription
+RETURNING s.pk_show || ':' || s.pk_alloc
+"""
+HALVE_FOLDER_SQL = """
+UPDATE folder_resource fr SET int_max_cores = GREATEST(%(floor)s, COALESCE(u.cc, 0) / 200 * 100)
+FROM (
+  SELECT f.pk_folder,
+         (SELECT SUM(p.int_cores_reserved) FROM proc p JOIN job j ON j.pk_job = p.pk_job
+          WHERE j.pk_folder = f.pk_folder AND NOT p.b_local) AS cc
+  FROM folder f WHERE f.pk_folder = ANY(%(folders)s)
+) u
+WHERE fr.pk_folder = u.pk_folder
+RETURNING fr.pk_folder
+"""
+
+
+def phase_listener_wedge(cfg: StressConfig) -> PhaseReport:
+    """Issue 16: the listener's path frozen while caps are lowered; the heartbeat deadline bounds it.
+
+    The listener connects through a relay this phase freezes (dispatch.netfreeze); the
+    heartbeat sender, the dispatch loop and the cap writer go direct. So heartbeats are sent
+    but none come back: within the deadline the service must stop booking managed shows
+    (`can_enforce` False), and after the thaw reconnect, reseed (the lowered caps with it) and
+    book again. A booking decided over a lowered cap later than the lowering commit plus the
+    deadline plus 1 s is a breach, whatever the listener had applied.
+
+    Its farm's caps leave room (the hosts bind): a frozen listener delivers no release either,
+    so a Store at its caps could not book anything over a lowered cap, and the bound would hold
+    trivially. Here the loop goes on booking the hosts its own completions free, the caps are
+    lowered to half of what each key holds, and every booking until the pause is over them.
+    """
+    proxy = FreezableProxy().start()
+    figures: dict[str, float] = {}
+    lowered: list[tuple[str, str]] = []
+    watchdogs: dict[int, CapWatchdog] = {}
+    slack = 1.0
+
+    def perturb(run: Run) -> None:
+        service, listener = run.service, run.service.listener
+        lookup = recent_caps_lookup(service)
+
+        def applied_at(vertex: str, key: str, since: float) -> float | None:
+            seen = lookup(vertex, key, since)
+            if "lowered" not in figures:
+                return seen
+            bound = figures["lowered"] + listener.deadline + slack
+            return bound if seen is None else min(seen, bound)
+
+        run.watchdog.applied_at = applied_at
+        watchdogs[0] = run.watchdog
+        if not run.under_load(30):
+            return
+        if not run.wait_for("the listener to be fresh through the relay", service.can_enforce, 10):
+            return
+        wedges, reconnects = listener.stats.wedges, listener.stats.reconnects
+        frozen = time.monotonic()
+        figures["freeze"] = time.time()
+        proxy.freeze()
+        run.stop_loop.wait(min(0.5, listener.deadline / 4))  # a moment into the freeze
+        seed = run.seed
+        jobs = list(seed.job_ids[::4])
+        keys = [("sub", f"{s}:{a}") for s in seed.show_ids for a in seed.alloc_ids]
+        keys += [("folder", f) for f in seed.folder_ids] + [("job", j) for j in jobs]
+        params = {"shows": list(seed.show_ids), "folders": list(seed.folder_ids), "floor": 800}
+        with run.watchdog.lowering(keys), db.connect(autocommit=False, application_name="cuesched-stress") as conn:
+            lowered.extend(("sub", k) for (k,) in conn.execute(HALVE_SUB_SQL, params))
+            lowered.extend(("folder", k) for (k,) in conn.execute(HALVE_FOLDER_SQL, params))
+            # The largest frame's cores: a cap below it would leave that job's frames unbookable.
+            lowered.extend(("job", k) for (k,) in conn.execute(LOWER_JOB_SQL, (400, jobs)))
+            conn.commit()
+        figures["lowered"] = time.time()
+        if run.wait_for("the service to stop enforcing", lambda: not service.can_enforce(), listener.deadline + 5):
+            figures["paused"] = time.time()
+        run.stop_loop.wait(max(0.0, cfg.lw_freeze - (time.monotonic() - frozen)))
+        proxy.thaw()
+        figures["thaw"] = time.time()
+        if run.wait_for("the listener to be fresh again after the thaw", service.can_enforce, 30):
+            figures["resumed"] = time.time()
+        figures["wedges"] = listener.stats.wedges - wedges
+        figures["reconnects"] = listener.stats.reconnects - reconnects
+
+    try:
+        report = run_inprocess(
+            cfg,
+            "listener_wedge",
+            cfg.integrity_spec(
+                "listener_wedge",
+                hosts=cfg.lw_hosts,
+                frames_per_layer=cfg.lw_frames_per_layer,
+                sub_burst=1_000_000,
+                folder_max_cores=-1,
+                job_max_cores=10_000,
+            ),
+            launcher=_int_launcher(cfg),
+            perturb=perturb,
+            loop_env={"CUESCHED_HEARTBEAT_DEADLINE": str(cfg.lw_deadline)},
+            listener_connect=lambda: proxy.connect(application_name="cuesched-listener"),
+        )
+    finally:
+        proxy.close()
+    dog = watchdogs.get(0)
+    last = dog.last_over_lowered if dog is not None else {}
+    if not lowered:
+        report.failed.append("no cap was lowered")
+        return report
+    if "paused" in figures:
+        report.notes.append(
+            f"listener path frozen -> service stopped enforcing: {figures['paused'] - figures['freeze']:.3f}s "
+            f"(heartbeat deadline {cfg.lw_deadline:.1f}s)"
+        )
+    report.notes.append(
+        f"caps lowered {figures['lowered'] - figures['freeze']:.3f}s into the freeze: {len(lowered)} "
+        f"(subscriptions and folders to half their use, a quarter of the jobs to 4 cores); "
+        f"frozen {figures.get('thaw', 0.0) - figures['freeze']:.2f}s"
+    )
+    over = [t for key, t in last.items() if key in set(lowered)]
+    if over:
+        report.notes.append(
+            f"cap lowering commit -> last booking decided on a key over its lowered cap: "
+            f"{max(over) - figures['lowered']:+.3f}s (breach past {cfg.lw_deadline + slack:.1f}s)"
+        )
+    else:
+        report.notes.append("no booking was decided on a key over its lowered cap")
+    if "resumed" in figures:
+        report.notes.append(
+            f"thaw -> enforcing again (reconnected, reseeded): {figures['resumed'] - figures['thaw']:.3f}s; "
+            f"wedges detected {int(figures.get('wedges', 0))}, reconnects {int(figures.get('reconnects', 0))}"
+        )
+    if not figures.get("wedges"):
+        report.failed.append("the listener never noticed its frozen path")
+    return report
+
+
+FLIP_SQL = "UPDATE show SET b_scheduler_managed = %s WHERE pk_show = %s"
+
+
+def phase_flip_roundtrip(cfg: StressConfig) -> PhaseReport:
+    """Issue 16: a managed show with live procs flipped out and back, faster than the managed-shows tick.
+
+    The tick (CUESCHED_MANAGED_SHOWS_TTL) is longer than a round trip, so the published set
+    looks the same before and after; only the flip generation (checked by the booking
+    transaction, and by the recompute before it overwrites) can tell the Store its counters
+    and caps of that show are stale. Each trip must end with the show seeded again at its new
+    generation before it books as managed.
+    """
+    trips: list[tuple[int, float, float]] = []
+    invisible = [0]  # trips the published set never showed: the show stayed published throughout
+
+    def perturb(run: Run) -> None:
+        show = run.seed.show_ids[0]
+        rng = random.Random(f"{cfg.seed}/flip_roundtrip")
+        with db.connect(autocommit=True, application_name="cuesched-stress") as conn:
+            for trip_no in range(cfg.fr_trips):
+                if not run.under_load(10) or not run.loop_alive():
+                    break
+                procs = run.procs()
+                started = time.monotonic()
+                conn.execute(FLIP_SQL, (False, show))
+                # Out for a moment (the database's). Even trips stay out longer than a recompute
+                # interval (a recompute reads the show unmanaged and would zero its counters),
+                # odd ones shorter (often no recompute sees it: only the generation tells).
+                if trip_no % 2 == 0:
+                    out = rng.uniform(max(0.1, cfg.fr_recompute), max(0.3, 2 * cfg.fr_recompute))
+                else:
+                    out = rng.uniform(0.01, cfg.fr_recompute / 2)
+                out_until = started + out
+                published = True
+                while time.monotonic() < out_until:
+                    published = published and run.service.is_managed(show)
+                    time.sleep(0.002)
+                conn.execute(FLIP_SQL, (True, show))
+                trip = time.monotonic() - started
+                invisible[0] += published and run.service.is_managed(show)
+                row = conn.execute(
+                    "SELECT int_generation FROM cuesched_show_flip WHERE pk_show = %s", (show,)
+                ).fetchone()
+                generation = int(row[0]) if row else None
+                if not run.wait_for(
+                    "the show seeded again at its new generation",
+                    lambda g=generation: run.service.managed_generation(show) == g,
+                    cfg.fr_ttl + 10,
+                ):
+                    break
+                trips.append((procs, trip, time.monotonic() - started))
+                run.stop_loop.wait(rng.uniform(0.2, 0.6))  # books as managed again for a while
+
+    report = run_inprocess(
+        cfg,
+        "flip_roundtrip",
+        cfg.integrity_spec("flip_roundtrip"),
+        launcher=_int_launcher(cfg),
+        perturb=perturb,
+        heal=reconcile,
+        loop_env={"CUESCHED_MANAGED_SHOWS_TTL": str(cfg.fr_ttl), "CUESCHED_RECOMPUTE_INTERVAL": str(cfg.fr_recompute)},
+    )
+    if trips:
+        report.notes.append(
+            f"round trips: {len(trips)} (managed-shows tick {cfg.fr_ttl:.1f}s), procs running at each "
+            f"{min(t[0] for t in trips)}-{max(t[0] for t in trips)}, out and back in "
+            f"{max(t[1] for t in trips):.3f}s at most, seeded again at the new generation after "
+            f"{statistics.median(t[2] for t in trips):.3f}s median, {max(t[2] for t in trips):.3f}s max; "
+            f"{invisible[0]} of them never left the published set (only the flip generation told)"
+        )
+    if len(trips) < min(2, cfg.fr_trips):
+        report.failed.append(f"only {len(trips)} round trips under load")
+    if any(t[1] >= cfg.fr_ttl for t in trips):
+        report.failed.append("a round trip took longer than the managed-shows tick")
+    return report
+
+
 RUNNERS: dict[str, Callable[[StressConfig], PhaseReport]] = {
     "drain": phase_drain,
     "saturation": phase_saturation,
@@ -1016,6 +2189,10 @@ RUNNERS: dict[str, Callable[[StressConfig], PhaseReport]] = {
     "caps": phase_caps,
     "flip": phase_flip,
     "sigkill": phase_sigkill,
+    "outside_writers": phase_outside_writers,
+    "split_brain": phase_split_brain,
+    "listener_wedge": phase_listener_wedge,
+    "flip_roundtrip": phase_flip_roundtrip,
 }
 
 
@@ -1058,6 +2235,15 @@ def small(cfg: StressConfig | None = None, **overrides: Any) -> StressConfig:
         "pert_folder_max_cores": 90,
         "pert_job_max_cores": 8,
         "phase_timeout": 60.0,
+        "int_frames_per_layer": 10,
+        "ow_ops": 240,
+        "ow_writers": 3,
+        "lw_hosts": 10,
+        "lw_frames_per_layer": 8,
+        "lw_deadline": 1.5,
+        "lw_freeze": 3.0,
+        "fr_trips": 4,
+        "fr_ttl": 2.0,
     }
     sizes.update(overrides)
     return replace(base, **sizes)
