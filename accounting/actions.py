@@ -76,7 +76,7 @@ def audit_context(actor: Any, action: str) -> pghistory.context:
     """The audit context the ops triggers record with each change: who asked and for what.
 
     `actor` is the console user, a name (a command passes one), or None. Every action that
-    writes audited rows runs inside it, here and in dispatch.actions.
+    writes audited rows runs inside it, here and in dispatch.jobs.actions.
     """
     if actor is None:
         return pghistory.context(action=action)

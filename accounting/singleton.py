@@ -11,7 +11,7 @@ and the first would keep booking until it notices. So whoever takes the lock als
 lease (`take_lease`): under the exclusive accounting-keys lock, which waits for every
 in-flight proc write including the old holder's last booking batch, it bumps
 `cuesched_scheduler_lease.int_generation`. Every booking transaction checks the generation
-its scheduler took (`dispatch.dispatcher.write_batch`), so after a takeover the old holder
+its scheduler took (`dispatch.engine.booking.write_batch`), so after a takeover the old holder
 cannot commit a single booking, and the new one bootstraps from a SUM(proc) that already
 holds every booking the old one committed.
 """

@@ -95,7 +95,7 @@ else:
 # --- Host agents --------------------------------------------------------------------------
 # django-q2 on its ORM broker (the database is the queue: no extra service). Every host agent
 # (`manage.py run_agent --host NAME`) runs a cluster of its own on its host's queue
-# (dispatch.agent.queue_name); `workers` is set per agent from its slots. The timeout is the
+# (dispatch.hosts.agent.queue_name); `workers` is set per agent from its slots. The timeout is the
 # longest a frame may run, and the retry (re-delivery of an unacknowledged task) is above it,
 # so a long frame is never handed out twice. No scheduler: cuesched has no django-q schedules.
 _AGENT_MAX_RUNTIME = int(os.environ.get("CUESCHED_AGENT_MAX_RUNTIME", str(7 * 24 * 3600)))
@@ -114,7 +114,7 @@ Q_CLUSTER = {
 }
 
 # Celery (the `celery` launcher and `run_agent --transport celery`): RabbitMQ, one queue per
-# host, late acks and prefetch 1 (see dispatch/celery_app.py). No result backend: frame ends
+# host, late acks and prefetch 1 (see dispatch/hosts/celery_app.py). No result backend: frame ends
 # are written to the database by the agent.
 CELERY_BROKER_URL = os.environ.get("CUESCHED_CELERY_BROKER", "amqp://guest:guest@127.0.0.1:5672//")
 

@@ -1,4 +1,4 @@
-"""URL routes: the Django admin is the ops console; /api/ is the JSON API (dispatch.api)."""
+"""URL routes: the Django admin is the ops console; /api/ is the JSON API (dispatch.jobs.api)."""
 
 from django.contrib import admin
 from django.urls import include, path
@@ -7,5 +7,5 @@ from django.views.generic import RedirectView
 urlpatterns = [
     path("", RedirectView.as_view(url="/admin/", permanent=False)),
     path("admin/", admin.site.urls),
-    path("api/", include("dispatch.urls")),
+    path("api/", include("dispatch.jobs.urls")),
 ]

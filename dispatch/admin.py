@@ -21,7 +21,7 @@ from django.urls import reverse
 from django.utils.html import format_html
 
 from accounting import actions
-from dispatch.admin_jobs import JOB_ACTIONS  # also registers the Depend and ApiToken admins
+from dispatch.jobs.admin import JOB_ACTIONS  # also registers the Depend and ApiToken admins
 from dispatch.models import (
     Alloc,
     Dept,
@@ -234,7 +234,7 @@ class JobAdmin(FarmAdmin):
     search_fields = ("str_name", "str_show", "str_shot", "str_user", "pk_job")
     raw_id_fields = ("folder", "show", "facility", "dept")
     list_select_related = ("show", "folder")
-    actions = JOB_ACTIONS  # pause, resume, kill, retry, eat: dispatch.actions
+    actions = JOB_ACTIONS  # pause, resume, kill, retry, eat: dispatch.jobs.actions
 
     @admin.display(description="ops console")
     def console(self, obj: Job) -> str:

@@ -24,8 +24,8 @@ from django.db import connection
 
 from accounting.units import centicores_to_cores
 from dispatch import conf as dispatch_conf
-from dispatch.feed import FRAME_READY
-from dispatch.placement import parse_tags
+from dispatch.engine.feed import FRAME_READY
+from dispatch.engine.placement import parse_tags
 
 CENTI = 100
 KB_PER_GB = 1024 * 1024

@@ -1,4 +1,4 @@
-"""API tokens: one per user, stored only as a SHA-256 digest (see `dispatch.tokens`)."""
+"""API tokens: one per user, stored only as a SHA-256 digest (see `dispatch.jobs.tokens`)."""
 
 from __future__ import annotations
 

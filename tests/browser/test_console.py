@@ -18,9 +18,9 @@ from django.contrib.auth.models import Group
 from playwright.sync_api import Page, expect
 
 from accounting.scheduler import SchedulerOptions, SchedulerProcess
-from dispatch.loop import dispatch_main
+from dispatch.engine.loop import dispatch_main
+from dispatch.lab.seeding import FarmSpec, seed_farm
 from dispatch.models import JobResource, Show
-from dispatch.seeding import FarmSpec, seed_farm
 from ops import permissions, status
 from tests.integration.runtime_support import autocommit_conn, make_farm, running_scheduler, wait_for
 

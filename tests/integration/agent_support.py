@@ -20,7 +20,7 @@ from django.conf import settings
 from django.db import connection
 
 from cuesched_project.dburl import url_from_settings
-from dispatch.placement import parse_tags
+from dispatch.engine.placement import parse_tags
 from tests.integration.dispatch_support import scalar, seed, wait_for
 
 ROOT = Path(settings.BASE_DIR)

@@ -19,12 +19,12 @@ import psycopg
 from accounting import db
 from accounting.service import AccountingService, BookingResult, NotManaged
 from accounting.store import Applied, BookingDelta
-from dispatch.dispatcher import Booking
-from dispatch.feed import JobWork, fetch_pending
-from dispatch.launchers.simulated import SimulatedLauncher
-from dispatch.loop import CycleStats, DispatchLoop
-from dispatch.placement import HostView
-from dispatch.seeding import FarmSeed, FarmSpec, seed_farm
+from dispatch.engine.booking import Booking
+from dispatch.engine.feed import JobWork, fetch_pending
+from dispatch.engine.loop import CycleStats, DispatchLoop
+from dispatch.engine.placement import HostView
+from dispatch.hosts.launchers.simulated import SimulatedLauncher
+from dispatch.lab.seeding import FarmSeed, FarmSpec, seed_farm
 
 # Small, deterministic, and every cap binds: 3 allocs x 12 cores of burst, a 24-core folder,
 # 4-core jobs, on 10 hosts of 4 or 8 cores, for 12 jobs x 2 layers x 4 frames of 1 or 2 cores.

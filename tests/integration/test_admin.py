@@ -13,8 +13,8 @@ from django.db import connection
 from django.test import Client, RequestFactory
 from django.urls import reverse
 
+from dispatch.lab.seeding import FarmSpec, farm_counts, seed_farm
 from dispatch.models import JobStat, Show, Subscription
-from dispatch.seeding import FarmSpec, farm_counts, seed_farm
 
 pytestmark = pytest.mark.django_db
 

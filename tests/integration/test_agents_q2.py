@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from dispatch.agent import EXIT_COMMAND_NOT_FOUND, HostSpec, register_host, release_previous_runs, run_frame
-from dispatch.completion import EXIT_STATUS_DOWN_HOST, EXIT_STATUS_KILLED, kill_frames
-from dispatch.launchers import get_launcher
+from dispatch.engine.completion import EXIT_STATUS_DOWN_HOST, EXIT_STATUS_KILLED, kill_frames
+from dispatch.engine.launcher import get_launcher
+from dispatch.hosts.agent import EXIT_COMMAND_NOT_FOUND, HostSpec, register_host, release_previous_runs, run_frame
 from tests.integration.agent_support import agent_farm, agent_process
 from tests.integration.dispatch_support import autocommit, drain, make_loop, scalar, violations, wait_for
 from tests.integration.runtime_support import running_scheduler

@@ -16,9 +16,9 @@ from django.core.management.base import CommandError
 from django.db import connection
 from django.test import Client
 
-from dispatch.actions import submit_job
+from dispatch.jobs.actions import submit_job
+from dispatch.jobs.tokens import digest, issue_token
 from dispatch.models import ApiToken, Job, JobResource
-from dispatch.tokens import digest, issue_token
 from tests.integration.submit_support import frame_states, make_spec, simple_spec, submit_farm, table_counts
 
 pytestmark = pytest.mark.django_db

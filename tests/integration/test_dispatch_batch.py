@@ -6,8 +6,8 @@ import uuid
 
 import pytest
 
-from dispatch import loop as loop_module
-from dispatch.dispatcher import write_batch
+from dispatch.engine import loop as loop_module
+from dispatch.engine.booking import write_batch
 from tests.integration.dispatch_support import (
     ONE_CORE,
     autocommit,

@@ -13,7 +13,7 @@ import threading
 import pytest
 
 from accounting.scheduler import SchedulerOptions, SchedulerProcess
-from dispatch.loop import dispatch_main
+from dispatch.engine.loop import dispatch_main
 from tests.integration.dispatch_support import (
     Sampler,
     autocommit,

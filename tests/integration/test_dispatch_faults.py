@@ -7,9 +7,9 @@ import threading
 
 import pytest
 
-from dispatch.completion import EXIT_STATUS_DOWN_HOST, release_lost_hosts
-from dispatch.dispatcher import EXIT_STATUS_FRAME_CLEARED, BatchResult, write_batch
-from dispatch.loop import Unresolved
+from dispatch.engine.booking import EXIT_STATUS_FRAME_CLEARED, BatchResult, write_batch
+from dispatch.engine.completion import EXIT_STATUS_DOWN_HOST, release_lost_hosts
+from dispatch.engine.loop import Unresolved
 from tests.integration.dispatch_support import (
     ONE_CORE,
     Sampler,

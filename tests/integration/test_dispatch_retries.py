@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dispatch.completion import EXIT_STATUS_KILLED, Completion, complete, kill_frames
+from dispatch.engine.completion import EXIT_STATUS_KILLED, Completion, complete, kill_frames
 from tests.integration.dispatch_support import (
     ONE_CORE,
     autocommit,

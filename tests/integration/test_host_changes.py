@@ -6,9 +6,9 @@ from collections.abc import Sequence
 
 import pytest
 
-from dispatch.completion import Completion, complete
-from dispatch.dispatcher import Booking
-from dispatch.launchers.remote import RemoteLauncher
+from dispatch.engine.booking import Booking
+from dispatch.engine.completion import Completion, complete
+from dispatch.hosts.launchers.remote import RemoteLauncher
 from tests.integration.dispatch_support import autocommit, make_loop, scalar, seed, wait_for
 from tests.integration.runtime_support import running_scheduler
 

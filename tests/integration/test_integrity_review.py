@@ -12,7 +12,7 @@ from django.db import connection, transaction
 
 from accounting.models import AccountingSettings
 from accounting.notify import RELEASE_CHANNEL
-from dispatch.dispatcher import compensate, write_batch
+from dispatch.engine.booking import compensate, write_batch
 from dispatch.models import Proc, Subscription
 from tests.integration import farm_fixtures as ff
 from tests.integration.dispatch_support import plan, seed

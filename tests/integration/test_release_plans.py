@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from dispatch.completion import COMPLETE_SQL, Completion, complete, complete_params
-from dispatch.dispatcher import write_batch
+from dispatch.engine.booking import write_batch
+from dispatch.engine.completion import COMPLETE_SQL, Completion, complete, complete_params
 from tests.integration.dispatch_support import ONE_CORE, autocommit, plan, scalar, seed, violations
 
 pytestmark = pytest.mark.django_db(transaction=True)

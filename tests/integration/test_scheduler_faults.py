@@ -36,11 +36,11 @@ from accounting.service import AccountingService
 from accounting.store import Applied, BookingDelta, LimitExceeded
 from cuesched_project import conf
 from cuesched_project.dburl import database_from_url, url_from_settings
-from dispatch.actions import kill_job
-from dispatch.completion import Completion, complete
-from dispatch.dispatcher import Booking
-from dispatch.launchers.simulated import SimulatedLauncher
-from dispatch.loop import DispatchLoop
+from dispatch.engine.booking import Booking
+from dispatch.engine.completion import Completion, complete
+from dispatch.engine.loop import DispatchLoop
+from dispatch.hosts.launchers.simulated import SimulatedLauncher
+from dispatch.jobs.actions import kill_job
 from tests.integration.dispatch_support import ONE_CORE, db_cores, fast_launcher, make_loop, seed, store_cores
 from tests.integration.netproxy import NetProxy
 from tests.integration.runtime_support import make_farm, running_scheduler, wait_for

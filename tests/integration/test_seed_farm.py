@@ -11,6 +11,16 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.db import connection
 
+from dispatch.lab.seeding import (
+    PURGE_ORDER,
+    FarmExistsError,
+    FarmSpec,
+    farm_counts,
+    farm_digest,
+    plan_farm,
+    purge_farm,
+    seed_farm,
+)
 from dispatch.models import (
     Alloc,
     Folder,
@@ -26,16 +36,6 @@ from dispatch.models import (
     Proc,
     Show,
     Subscription,
-)
-from dispatch.seeding import (
-    PURGE_ORDER,
-    FarmExistsError,
-    FarmSpec,
-    farm_counts,
-    farm_digest,
-    plan_farm,
-    purge_farm,
-    seed_farm,
 )
 
 pytestmark = pytest.mark.django_db

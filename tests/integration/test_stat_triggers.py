@@ -14,9 +14,9 @@ from django.db import connection, transaction
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dispatch.lab.seeding import FarmSeed, FarmSpec, seed_farm
 from dispatch.models import Folder, Frame, Job, Layer
 from dispatch.models.triggers import STATE_COLUMNS
-from dispatch.seeding import FarmSeed, FarmSpec, seed_farm
 
 pytestmark = pytest.mark.django_db
 

@@ -11,8 +11,8 @@ import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
 
-from dispatch.seeding import farm_counts
-from dispatch.stress import PHASE_LETTERS, PHASES, Breach, CapWatchdog, run_stress, small
+from dispatch.lab.seeding import farm_counts
+from dispatch.lab.stress import PHASE_LETTERS, PHASES, Breach, CapWatchdog, run_stress, small
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -8,12 +8,12 @@ from typing import Any
 import pytest
 from django.db import connection
 
-from dispatch import actions
-from dispatch.actions import submit_job
-from dispatch.jobspec import SpecError, load_spec, parse_memory
+from dispatch.jobs import actions
+from dispatch.jobs.actions import submit_job
+from dispatch.jobs.spec import SpecError, load_spec, parse_memory
+from dispatch.lab.seeding import FarmSpec, purge_farm, seed_farm, show_name
 from dispatch.models import Depend, Frame, Job, JobResource, JobStat, Layer, LayerStat
 from dispatch.models.depends import FRAME_BY_FRAME, LAYER_ON_LAYER
-from dispatch.seeding import FarmSpec, purge_farm, seed_farm, show_name
 from tests.integration.submit_support import (
     GB,
     counters_mismatch,

@@ -12,8 +12,8 @@ import pytest
 from accounting.channels import parse_limit_change
 from accounting.notify import LIMIT_CHANNEL
 from accounting.service import AccountingService
-from dispatch.actions import kill_job, retry_frames, submit_job
-from dispatch.seeding import FarmSpec, seed_farm, show_name
+from dispatch.jobs.actions import kill_job, retry_frames, submit_job
+from dispatch.lab.seeding import FarmSpec, seed_farm, show_name
 from tests.integration.dispatch_support import (
     autocommit,
     drain,

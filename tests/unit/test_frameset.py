@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dispatch.frameset import (
+from dispatch.jobs.frameset import (
     Chunk,
     FrameRangeError,
     chunk_frames,

@@ -12,7 +12,7 @@ from typing import Any
 from django.core.management.base import BaseCommand
 
 from accounting import bench, db
-from dispatch.seeding import FarmSpec, purge_farm, seed_farm
+from dispatch.lab.seeding import FarmSpec, purge_farm, seed_farm
 
 
 class Command(BaseCommand):

@@ -12,7 +12,7 @@ from typing import Any
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
 
-from dispatch.tokens import issue_token, revoke_token
+from dispatch.jobs.tokens import issue_token, revoke_token
 
 
 class Command(BaseCommand):

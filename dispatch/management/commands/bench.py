@@ -40,11 +40,11 @@ from accounting.bench import Spread
 from accounting.management.commands import bench_store
 from accounting.service import AccountingService
 from dispatch import conf
-from dispatch.completion import Completion, complete
-from dispatch.launchers.simulated import SimulatedLauncher
-from dispatch.loop import DispatchLoop
-from dispatch.seeding import FarmSpec, purge_farm, seed_farm, show_name
-from dispatch.stress import QUIET_LOOPS, env
+from dispatch.engine.completion import Completion, complete
+from dispatch.engine.loop import DispatchLoop
+from dispatch.hosts.launchers.simulated import SimulatedLauncher
+from dispatch.lab.seeding import FarmSpec, purge_farm, seed_farm, show_name
+from dispatch.lab.stress import QUIET_LOOPS, env
 
 VACUUMED = "frame, proc, host, host_stat, job, job_stat, job_resource, layer, layer_stat, layer_resource"
 

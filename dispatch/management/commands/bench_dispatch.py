@@ -22,9 +22,9 @@ from django.core.management.base import BaseCommand
 from django.db import connection
 
 from accounting.service import AccountingService
-from dispatch.launchers import get_launcher
-from dispatch.loop import DispatchLoop
-from dispatch.seeding import FarmSpec, purge_farm, seed_farm
+from dispatch.engine.launcher import get_launcher
+from dispatch.engine.loop import DispatchLoop
+from dispatch.lab.seeding import FarmSpec, purge_farm, seed_farm
 
 VACUUMED = (
     "frame",

@@ -25,8 +25,8 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand
 from django.db import connection, transaction
 
+from dispatch.lab.seeding import FarmSpec, alloc_name, manual_tag, seed_farm
 from dispatch.models import Show
-from dispatch.seeding import FarmSpec, alloc_name, manual_tag, seed_farm
 
 DEFAULT_ADDR = "127.0.0.1:8000"
 ADMIN_USER = "admin"

@@ -1,4 +1,4 @@
-"""`manage.py job ACTION JOB ...`: control a job by id or name (calls dispatch.actions).
+"""`manage.py job ACTION JOB ...`: control a job by id or name (calls dispatch.jobs.actions).
 
 job pause JOB | job resume JOB | job kill JOB
 job retry JOB [FRAME ...] [--layer L]     DEAD frames (all, or the named ones) run again
@@ -18,8 +18,8 @@ from typing import Any
 from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError
 
-from dispatch import actions
-from dispatch.api import describe_job
+from dispatch.jobs import actions
+from dispatch.jobs.api import describe_job
 
 
 class Command(BaseCommand):

@@ -15,7 +15,14 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from dispatch import conf
-from dispatch.agent import Heartbeat, HostSpec, default_host_name, queue_name, register_host, release_previous_runs
+from dispatch.hosts.agent import (
+    Heartbeat,
+    HostSpec,
+    default_host_name,
+    queue_name,
+    register_host,
+    release_previous_runs,
+)
 
 
 def _memory(value: str) -> int:
@@ -113,7 +120,7 @@ class Command(BaseCommand):
             cluster.stop()  # workers finish the frames they run, then exit
 
     def _run_celery(self, queue: str, slots: int, host: str) -> None:
-        from dispatch.celery_app import app
+        from dispatch.hosts.celery_app import app
 
         def _stop(signum: int, _frame: object) -> None:
             raise SystemExit(0)

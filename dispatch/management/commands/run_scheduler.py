@@ -83,7 +83,7 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        from dispatch.loop import dispatch_main
+        from dispatch.engine.loop import dispatch_main
 
         stop = threading.Event()
 

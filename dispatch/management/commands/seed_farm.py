@@ -1,4 +1,4 @@
-"""`manage.py seed_farm`: write (or `--purge`) a deterministic farm; see dispatch.seeding."""
+"""`manage.py seed_farm`: write (or `--purge`) a deterministic farm; see dispatch.lab.seeding."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, OutputWrapper
 
-from dispatch.seeding import FarmExistsError, FarmSeed, FarmSpec, purge_farm, seed_farm
+from dispatch.lab.seeding import FarmExistsError, FarmSeed, FarmSpec, purge_farm, seed_farm
 
 DEFAULTS = FarmSpec()
 # Below this many rows a seed is over before a bar would be worth drawing.

@@ -1,4 +1,4 @@
-"""`manage.py stress`: the stress suite (dispatch/stress.py) with its per-phase report.
+"""`manage.py stress`: the stress suite (dispatch/lab/stress.py) with its per-phase report.
 
 Exits non-zero when any phase fails its audit, its pass criteria or sees a cap breach.
 """
@@ -11,7 +11,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
-from dispatch.stress import PHASES, StressConfig, run_stress, small
+from dispatch.lab.stress import PHASES, StressConfig, run_stress, small
 
 
 def _int(text: str) -> int:

@@ -1,7 +1,7 @@
 """`manage.py submit_job SPEC.json` (or `-` for standard input): submit a job spec.
 
 Prints the new job's id, name and frame count. A refused spec prints every reason on stderr,
-one per line, and exits non-zero. The spec format is in dispatch.jobspec.
+one per line, and exits non-zero. The spec format is in dispatch.jobs.spec.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
-from dispatch.actions import submit_job
-from dispatch.jobspec import SpecError, load_spec
+from dispatch.jobs.actions import submit_job
+from dispatch.jobs.spec import SpecError, load_spec
 
 
 class Command(BaseCommand):

@@ -2,10 +2,10 @@
 
 Flow of one frame: the loop commits the booking (proc row, frame RUNNING, host idle taken),
 then `launch` checks that the host has a live agent (host_stat.ts_ping within
-`CUESCHED_AGENT_TIMEOUT`) and inserts a signed task `dispatch.agent.run_frame(pk_proc, host)`
-into django-q2's queue table under the host's queue name (`dispatch.agent.queue_name`). The
+`CUESCHED_AGENT_TIMEOUT`) and inserts a signed task `dispatch.hosts.agent.run_frame(pk_proc, host)`
+into django-q2's queue table under the host's queue name (`dispatch.hosts.agent.queue_name`). The
 host's agent (`manage.py run_agent --host NAME`, a django-q2 cluster on that queue) runs the
-frame and writes its end through `dispatch.completion.complete` itself.
+frame and writes its end through `dispatch.engine.completion.complete` itself.
 
 So nothing comes back through this launcher: `poll_completions` is always empty and
 `running` is 0 (the database's RUNNING frames are the truth, which the loop's exit-when-idle
@@ -26,16 +26,16 @@ from typing import TYPE_CHECKING
 
 import psycopg
 
-from dispatch.agent import queue_name
-from dispatch.launchers import register
-from dispatch.launchers.remote import RemoteLauncher
+from dispatch.engine.launcher import register
+from dispatch.hosts.agent import queue_name
+from dispatch.hosts.launchers.remote import RemoteLauncher
 
 if TYPE_CHECKING:
-    from dispatch.dispatcher import Booking
+    from dispatch.engine.booking import Booking
 
 logger = logging.getLogger(__name__)
 
-TASK_FUNC = "dispatch.agent.run_frame"
+TASK_FUNC = "dispatch.hosts.agent.run_frame"
 
 
 @register("q2")

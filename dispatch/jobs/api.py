@@ -1,10 +1,10 @@
 """The JSON API: submit jobs and control them with a per-user bearer token (plain Django views).
 
-Routes (under /api/, see dispatch/urls.py):
+Routes (under /api/, see dispatch/jobs/urls.py):
 
 | method | path | body | answer |
 |---|---|---|---|
-| POST | /api/jobs | a job spec (dispatch.jobspec) | 201 {"job": id, "name": ..., "frames": n} |
+| POST | /api/jobs | a job spec (dispatch.jobs.spec) | 201 {"job": id, "name": ..., "frames": n} |
 | GET | /api/jobs/<id or name> | | 200 the job: state, counts, caps, layers |
 | POST | /api/jobs/<id or name>/pause, resume, kill | none or {} | 200 {"job", "action", "changed", ...} |
 | POST | /api/jobs/<id or name>/retry, eat | none, or {"frames": [names or ids], "layer": name} | 200 |
@@ -33,10 +33,10 @@ from django.core.exceptions import ValidationError
 from django.http import HttpRequest, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
-from dispatch import actions
-from dispatch.jobspec import SpecError, load_spec
+from dispatch.jobs import actions
+from dispatch.jobs.spec import SpecError, load_spec
+from dispatch.jobs.tokens import user_for_token
 from dispatch.models import Job, JobResource, JobStat, Layer, LayerStat
-from dispatch.tokens import user_for_token
 
 CONTROL_PERMISSION = "dispatch.change_job"
 COUNTS = ("waiting", "running", "dead", "depend", "eaten", "succeeded", "total")

@@ -51,8 +51,8 @@ from psycopg import errors as pg_errors
 from accounting import triggers as acct_triggers
 from accounting.notify import STORE_ACCOUNTED_SQL
 from accounting.service import BookingResult
-from dispatch.feed import FrameWork, LayerWork
-from dispatch.placement import HostRec
+from dispatch.engine.feed import FrameWork, LayerWork
+from dispatch.engine.placement import HostRec
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """What the q2 and celery launchers share: frames run on remote host agents.
 
-The agents write each frame's end through `dispatch.completion.complete` themselves, so a
+The agents write each frame's end through `dispatch.engine.completion.complete` themselves, so a
 remote launcher reports nothing back: `poll_completions` is empty and `running` is 0 (the
 database's RUNNING frames are the truth). Before sending, it checks in one query that each
 booked host's agent pinged recently; a silent host's bookings fail (the loop compensates
@@ -17,11 +17,11 @@ import psycopg
 
 from accounting import db as acct_db
 from dispatch import conf
-from dispatch.agent import silent_hosts
+from dispatch.hosts.agent import silent_hosts
 
 if TYPE_CHECKING:
-    from dispatch.completion import Completion
-    from dispatch.dispatcher import Booking
+    from dispatch.engine.booking import Booking
+    from dispatch.engine.completion import Completion
 
 
 class RemoteLauncher:

@@ -58,8 +58,8 @@ from django.conf import settings
 
 from accounting import db as acct_db
 from dispatch import conf
-from dispatch.completion import EXIT_STATUS_DOWN_HOST, Completion, complete
-from dispatch.frameset import Chunk, FrameRangeError, chunk_frames, parse_frames, substitute_tokens
+from dispatch.engine.completion import EXIT_STATUS_DOWN_HOST, Completion, complete
+from dispatch.jobs.frameset import Chunk, FrameRangeError, chunk_frames, parse_frames, substitute_tokens
 
 logger = logging.getLogger(__name__)
 

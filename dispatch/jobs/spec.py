@@ -51,7 +51,7 @@ from typing import Any
 
 from django.db import connection
 
-from dispatch.frameset import Chunk, FrameRangeError, chunk_frames, parse_frames
+from dispatch.jobs.frameset import Chunk, FrameRangeError, chunk_frames, parse_frames
 from dispatch.models import Dept, Facility, Folder, Job, Show
 from dispatch.models.depends import FRAME_BY_FRAME, LAYER_ON_LAYER
 

@@ -54,8 +54,7 @@ from accounting import db as acct_db
 from accounting.service import PAUSED, AccountingService, NotManaged
 from accounting.store import FOLDER_UNSEEDED, JOB_UNSEEDED, Applied, BookingDelta, LimitExceeded
 from dispatch import conf
-from dispatch.completion import Completion, complete, release_lost_hosts
-from dispatch.dispatcher import (
+from dispatch.engine.booking import (
     CAP_REFUSALS,
     REJECT_MANAGED_FLIP,
     AmbiguousCommitError,
@@ -69,9 +68,10 @@ from dispatch.dispatcher import (
     find_written,
     write_batch,
 )
-from dispatch.feed import JobWork, Skips, fetch_pending, has_waiting_or_running
-from dispatch.launchers import Launcher, get_launcher
-from dispatch.placement import ALL, CENTI, HostRec, HostView, Shard
+from dispatch.engine.completion import Completion, complete, release_lost_hosts
+from dispatch.engine.feed import JobWork, Skips, fetch_pending, has_waiting_or_running
+from dispatch.engine.launcher import Launcher, get_launcher
+from dispatch.engine.placement import ALL, CENTI, HostRec, HostView, Shard
 
 logger = logging.getLogger(__name__)
 

@@ -8,9 +8,11 @@ of two ways:
   through `poll_completions`, and the loop writes them through the completion path;
 * a launcher driving remote host agents (q2, celery: an agent runs the command and reports
   its exit status) lets the agent's side write the completion itself through
-  `dispatch.completion.complete` and returns nothing from `poll_completions`.
+  `dispatch.engine.completion.complete` and returns nothing from `poll_completions`.
 
-Launchers register by name, so `run_scheduler --launcher NAME` finds them.
+Launchers register by name, so `run_scheduler --launcher NAME` finds them. The built-in ones
+live on the host side (`dispatch.hosts.launchers`) and register when the app is ready
+(`dispatch.apps`), so the engine never imports them.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import psycopg
 
-    from dispatch.completion import Completion
-    from dispatch.dispatcher import Booking
+    from dispatch.engine.booking import Booking
+    from dispatch.engine.completion import Completion
 
 
 class Launcher(Protocol):
@@ -72,20 +74,13 @@ def register(name: str) -> Callable[[Callable[..., Launcher]], Callable[..., Lau
 
 
 def names() -> list[str]:
-    _load_builtin()
     return sorted(_REGISTRY)
 
 
 def get_launcher(name: str, **options: Any) -> Launcher:
     """Build the launcher registered as `name` with its options."""
-    _load_builtin()
     try:
         factory = _REGISTRY[name]
     except KeyError:
         raise ValueError(f"unknown launcher {name!r}; known: {', '.join(sorted(_REGISTRY))}") from None
     return factory(**options)
-
-
-def _load_builtin() -> None:
-    # Imported lazily so that the registry module stays free of launcher dependencies.
-    from dispatch.launchers import celery_launcher, q2, simulated  # noqa: F401

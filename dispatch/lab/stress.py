@@ -61,14 +61,14 @@ from accounting import db, live, singleton
 from accounting.scheduler import SchedulerOptions, SchedulerProcess
 from accounting.service import AccountingService
 from accounting.units import centicores_to_cores
-from dispatch.completion import Completion, complete, kill_frames
-from dispatch.launchers.simulated import SimulatedLauncher
-from dispatch.loop import DispatchLoop
-from dispatch.netfreeze import FreezableProxy
-from dispatch.seeding import FarmSeed, FarmSpec, farm_counts, purge_farm, seed_farm
+from dispatch.engine.completion import Completion, complete, kill_frames
+from dispatch.engine.loop import DispatchLoop
+from dispatch.hosts.launchers.simulated import SimulatedLauncher
+from dispatch.lab.netfreeze import FreezableProxy
+from dispatch.lab.seeding import FarmSeed, FarmSpec, farm_counts, purge_farm, seed_farm
 
 if TYPE_CHECKING:
-    from dispatch.dispatcher import Booking
+    from dispatch.engine.booking import Booking
 
 PHASES: tuple[str, ...] = (
     "drain",
@@ -1989,7 +1989,7 @@ RETURNING fr.pk_folder
 def phase_listener_wedge(cfg: StressConfig) -> PhaseReport:
     """Issue 16: the listener's path frozen while caps are lowered; the heartbeat deadline bounds it.
 
-    The listener connects through a relay this phase freezes (dispatch.netfreeze); the
+    The listener connects through a relay this phase freezes (dispatch.lab.netfreeze); the
     heartbeat sender, the dispatch loop and the cap writer go direct. So heartbeats are sent
     but none come back: within the deadline the service must stop booking managed shows
     (`can_enforce` False), and after the thaw reconnect, reseed (the lowered caps with it) and

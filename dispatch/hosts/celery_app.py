@@ -3,7 +3,7 @@
 Late acks with prefetch 1: a worker takes one frame at a time per slot and acknowledges it
 only after the frame ended and its completion was written, so a worker that dies mid-frame
 leaves the message to be delivered again (the run's advisory lock and the proc check in
-`dispatch.agent.run_frame` make a second delivery of a finished or running frame a no-op).
+`dispatch.hosts.agent.run_frame` make a second delivery of a finished or running frame a no-op).
 No result backend: the agent writes the frame's end to the database itself.
 """
 
@@ -37,6 +37,6 @@ app.conf.update(
 
 @app.task(name=RUN_FRAME)
 def run_frame(pk_proc: str, host: str) -> dict[str, Any]:
-    from dispatch.agent import run_frame as agent_run_frame
+    from dispatch.hosts.agent import run_frame as agent_run_frame
 
     return agent_run_frame(pk_proc, host)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import psycopg
 
-from dispatch.placement import ALL, Demand, Shard, in_shard, parse_tags, shard_params
+from dispatch.engine.placement import ALL, Demand, Shard, in_shard, parse_tags, shard_params
 
 # The seam for frame dependencies: a WAITING frame is dispatchable when this holds.
 FRAME_READY = "f.int_depend_count = 0"

@@ -40,9 +40,9 @@ from accounting import actions as accounting_actions
 from accounting import triggers as acct_triggers
 from accounting.actions import audit_context
 from accounting.notify import LIMIT_CHANNEL
-from dispatch.completion import EXIT_STATUS_KILLED, FINISH_JOBS_SQL, Completion, complete_in_transaction
-from dispatch.frameset import frame_name
-from dispatch.jobspec import JobPlan, SpecError, plan_job
+from dispatch.engine.completion import EXIT_STATUS_KILLED, FINISH_JOBS_SQL, Completion, complete_in_transaction
+from dispatch.jobs.frameset import frame_name
+from dispatch.jobs.spec import JobPlan, SpecError, plan_job
 from dispatch.models import Job, JobResource, Layer
 from dispatch.models.base import new_id
 from dispatch.models.depends import FRAME_BY_FRAME, LAYER_ON_LAYER

@@ -29,8 +29,8 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from accounting.triggers import LOCK_KEYS_SHARED_SQL
-from dispatch.dispatcher import HOST_GIVE_BACK_TEMPLATE
-from dispatch.placement import ALL, Shard, in_shard, shard_params
+from dispatch.engine.booking import HOST_GIVE_BACK_TEMPLATE
+from dispatch.engine.placement import ALL, Shard, in_shard, shard_params
 
 logger = logging.getLogger(__name__)
 

@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING
 import psycopg
 
 from dispatch import conf
-from dispatch.completion import Completion
-from dispatch.launchers import register
+from dispatch.engine.completion import Completion
+from dispatch.engine.launcher import register
 
 if TYPE_CHECKING:
-    from dispatch.dispatcher import Booking
+    from dispatch.engine.booking import Booking
 
 
 # The simulated agents are all alive: every UP host pings (only rows that need it are written).

@@ -1,8 +1,8 @@
-"""The JSON API's routes, included under /api/ (see dispatch.api for the contract)."""
+"""The JSON API's routes, included under /api/ (see dispatch.jobs.api for the contract)."""
 
 from django.urls import path
 
-from dispatch import api
+from dispatch.jobs import api
 
 app_name = "api"
 

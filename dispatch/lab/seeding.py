@@ -693,7 +693,7 @@ JOBS = (
     f" OR pk_folder IN ({FOLDERS}) OR pk_facility IN ({FACILITIES}) OR pk_dept IN ({DEPTS})"
 )
 LAYERS = f"SELECT pk_layer FROM layer WHERE pk_job IN ({JOBS})"
-# Seeds write no dependencies, but jobs submitted into a seeded show do (dispatch.actions).
+# Seeds write no dependencies, but jobs submitted into a seeded show do (dispatch.jobs.actions).
 DEPENDS = f"pk_job_depend_er IN ({JOBS}) OR pk_job_depend_on IN ({JOBS})"
 
 SCOPE: dict[str, str] = {

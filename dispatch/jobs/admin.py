@@ -1,7 +1,7 @@
 """Job controls in the admin, and the admin pages of the depend and API token tables.
 
 `JOB_ACTIONS` are the change-list actions of `JobAdmin` (pause, resume, kill, retry, eat):
-each calls `dispatch.actions` once per selected job, one transaction each, as the API and the
+each calls `dispatch.jobs.actions` once per selected job, one transaction each, as the API and the
 `job` command do. Importing this module (dispatch.admin does) registers the two admins.
 """
 
@@ -13,7 +13,7 @@ from django.contrib import admin, messages
 from django.db.models import Model, QuerySet
 from django.http import HttpRequest
 
-from dispatch import actions as job_actions
+from dispatch.jobs import actions as job_actions
 from dispatch.models import ApiToken, Depend, Job
 
 AdminAction = Callable[[admin.ModelAdmin, HttpRequest, QuerySet[Job]], None]

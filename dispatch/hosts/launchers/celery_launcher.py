@@ -1,6 +1,6 @@
 """The celery launcher: one message per booking on the booked host's own RabbitMQ queue.
 
-The same agent role as q2 (`dispatch.agent.run_frame`), consumed by a Celery worker per host
+The same agent role as q2 (`dispatch.hosts.agent.run_frame`), consumed by a Celery worker per host
 (`manage.py run_agent --host NAME --transport celery`) with late acks and prefetch 1; for
 farms with many machines, where thousands of agents polling one table would load the database.
 Launch failures (a silent agent - the host is marked DOWN -, or the broker refusing the
@@ -14,12 +14,12 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from dispatch.agent import queue_name
-from dispatch.launchers import register
-from dispatch.launchers.remote import RemoteLauncher
+from dispatch.engine.launcher import register
+from dispatch.hosts.agent import queue_name
+from dispatch.hosts.launchers.remote import RemoteLauncher
 
 if TYPE_CHECKING:
-    from dispatch.dispatcher import Booking
+    from dispatch.engine.booking import Booking
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ class CeleryLauncher(RemoteLauncher):
     name = "celery"
 
     def send(self, live: Sequence[Booking]) -> list[tuple[Booking, str]]:
-        from dispatch.celery_app import RUN_FRAME, app
+        from dispatch.hosts.celery_app import RUN_FRAME, app
 
         published = 0
         try:
