@@ -1108,7 +1108,7 @@ def _database_url() -> str:
 
 
 def _start_scheduler(cfg: StressConfig, log: Path) -> subprocess.Popen[bytes]:
-    manage = Path(__file__).resolve().parent.parent / "manage.py"
+    manage = Path(__file__).resolve().parents[2] / "manage.py"
     environ = {
         **os.environ,
         **QUIET_LOOPS,

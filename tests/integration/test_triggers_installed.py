@@ -81,7 +81,7 @@ def test_the_kill_switch_is_editable_in_the_admin_and_says_what_off_means(admin_
     url = "/admin/accounting/accountingsettings/1/change/"
     page = admin_client.get(url)
     assert page.status_code == 200
-    assert "Off stops every acct_release and acct_limit_change" in page.content.decode()
+    assert "Off stops every release notification" in page.content.decode()
     response = admin_client.post(url, {})  # an unchecked box posts nothing: off
     assert response.status_code == 302
     assert AccountingSettings.notifications_enabled() is False
