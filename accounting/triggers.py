@@ -525,7 +525,76 @@ def _usage_trigger(name: str, operation: pgtrigger.Operation, func: str) -> pgtr
 # unmanaged (the Store kept them only approximately), by a TRUNCATE of proc, and by the
 # scheduler's periodic reconcile of unmanaged shows (`RECONCILE_SQL`), which reports the
 # centicores it corrected as drift. Caps are not checked: a rebuild writes the truth.
-_REBUILD = """
+_IN_TARGET = "IN (SELECT pk_show FROM target)"
+# Finished history holding nothing is skipped: a rebuild costs the live jobs, not years of them.
+_LIVE_OR_HOLDING = "(j.str_state <> 'FINISHED' OR {a}.int_cores <> 0 OR {a}.int_gpus <> 0 OR l.{key} IS NOT NULL)"
+# name -> (table, alias, primary key, FROM clause, how live procs join, which rows)
+_REBUILT = {
+    "sub": (
+        "subscription",
+        "s",
+        "pk_subscription",
+        "subscription s",
+        "l.pk_show = s.pk_show AND l.pk_alloc = s.pk_alloc",
+        f"s.pk_show {_IN_TARGET}",
+    ),
+    "folder": (
+        "folder_resource",
+        "fr",
+        "pk_folder_resource",
+        "folder_resource fr JOIN folder f ON f.pk_folder = fr.pk_folder",
+        "l.pk_folder = fr.pk_folder",
+        f"f.pk_show {_IN_TARGET}",
+    ),
+    "job": (
+        "job_resource",
+        "jr",
+        "pk_job_resource",
+        "job_resource jr JOIN job j ON j.pk_job = jr.pk_job",
+        "l.pk_job = jr.pk_job",
+        f"j.pk_show {_IN_TARGET} AND " + _LIVE_OR_HOLDING.format(a="jr", key="pk_job"),
+    ),
+    "layer": (
+        "layer_resource",
+        "lr",
+        "pk_layer_resource",
+        "layer_resource lr JOIN job j ON j.pk_job = lr.pk_job",
+        "l.pk_layer = lr.pk_layer",
+        f"j.pk_show {_IN_TARGET} AND " + _LIVE_OR_HOLDING.format(a="lr", key="pk_layer"),
+    ),
+    "point": (
+        "point",
+        "pt",
+        "pk_point",
+        "point pt",
+        "l.pk_show = pt.pk_show AND l.pk_dept = pt.pk_dept",
+        f"pt.pk_show {_IN_TARGET}",
+    ),
+}
+REBUILD_TABLES = tuple(spec[0] for spec in _REBUILT.values())
+
+
+def _rebuild_ctes(name: str) -> str:
+    """The sum per row (`<name>_x`) and the write of the rows that differ (`<name>_u`, their drift)."""
+    table, a, pk, source, live_on, where = _REBUILT[name]
+    return f"""
+    {name}_x AS (
+        SELECT {a}.{pk} AS pk, {a}.int_cores AS old_c, COALESCE(SUM(l.cc), 0) AS cc, COALESCE(SUM(l.g), 0) AS g
+        FROM {source} LEFT JOIN live l ON {live_on}
+        WHERE {where}
+        GROUP BY {a}.{pk}
+    ),
+    {name}_u AS (
+        UPDATE {table} t SET int_cores = x.cc, int_gpus = x.g FROM {name}_x x
+        WHERE t.{pk} = x.pk AND (t.int_cores, t.int_gpus) IS DISTINCT FROM (x.cc, x.g)
+        RETURNING abs(x.cc - x.old_c) AS drift
+    ),"""
+
+
+def rebuild_sql(shows: str, *, into: str = "") -> str:
+    """Rebuild the five tables of `shows`; the last SELECT returns the centicores corrected per table."""
+    drift = ", ".join(f"(SELECT COALESCE(SUM(drift), 0) FROM {n}_u)::bigint" for n in _REBUILT if n != "point")
+    return f"""
     WITH target AS MATERIALIZED ({shows}),
     live AS (
         SELECT p.pk_show, h.pk_alloc, j.pk_folder, p.pk_job, p.pk_layer, j.pk_dept,
@@ -533,74 +602,8 @@ _REBUILD = """
         FROM proc p
         JOIN host h ON h.pk_host = p.pk_host
         JOIN job j ON j.pk_job = p.pk_job
-        WHERE NOT p.b_local AND p.pk_show IN (SELECT pk_show FROM target)
-    ),
-    sub_x AS (
-        SELECT s.pk_subscription AS pk, s.int_cores AS old_c,
-               COALESCE(SUM(l.cc), 0) AS cc, COALESCE(SUM(l.g), 0) AS g
-        FROM subscription s LEFT JOIN live l ON l.pk_show = s.pk_show AND l.pk_alloc = s.pk_alloc
-        WHERE s.pk_show IN (SELECT pk_show FROM target)
-        GROUP BY s.pk_subscription
-    ),
-    sub_u AS (
-        UPDATE subscription t SET int_cores = x.cc, int_gpus = x.g FROM sub_x x
-        WHERE t.pk_subscription = x.pk AND (t.int_cores, t.int_gpus) IS DISTINCT FROM (x.cc, x.g)
-        RETURNING abs(x.cc - x.old_c) AS drift
-    ),
-    folder_x AS (
-        SELECT fr.pk_folder_resource AS pk, fr.int_cores AS old_c,
-               COALESCE(SUM(l.cc), 0) AS cc, COALESCE(SUM(l.g), 0) AS g
-        FROM folder_resource fr JOIN folder f ON f.pk_folder = fr.pk_folder
-        LEFT JOIN live l ON l.pk_folder = fr.pk_folder
-        WHERE f.pk_show IN (SELECT pk_show FROM target)
-        GROUP BY fr.pk_folder_resource
-    ),
-    folder_u AS (
-        UPDATE folder_resource t SET int_cores = x.cc, int_gpus = x.g FROM folder_x x
-        WHERE t.pk_folder_resource = x.pk AND (t.int_cores, t.int_gpus) IS DISTINCT FROM (x.cc, x.g)
-        RETURNING abs(x.cc - x.old_c) AS drift
-    ),
-    job_x AS (
-        SELECT jr.pk_job_resource AS pk, jr.int_cores AS old_c,
-               COALESCE(SUM(l.cc), 0) AS cc, COALESCE(SUM(l.g), 0) AS g
-        FROM job_resource jr JOIN job j ON j.pk_job = jr.pk_job
-        LEFT JOIN live l ON l.pk_job = jr.pk_job
-        WHERE j.pk_show IN (SELECT pk_show FROM target)
-          -- finished history holding nothing is skipped: a rebuild costs the live jobs, not years
-          AND (j.str_state <> 'FINISHED' OR jr.int_cores <> 0 OR jr.int_gpus <> 0 OR l.pk_job IS NOT NULL)
-        GROUP BY jr.pk_job_resource
-    ),
-    job_u AS (
-        UPDATE job_resource t SET int_cores = x.cc, int_gpus = x.g FROM job_x x
-        WHERE t.pk_job_resource = x.pk AND (t.int_cores, t.int_gpus) IS DISTINCT FROM (x.cc, x.g)
-        RETURNING abs(x.cc - x.old_c) AS drift
-    ),
-    layer_x AS (
-        SELECT lr.pk_layer_resource AS pk, lr.int_cores AS old_c,
-               COALESCE(SUM(l.cc), 0) AS cc, COALESCE(SUM(l.g), 0) AS g
-        FROM layer_resource lr JOIN job j ON j.pk_job = lr.pk_job
-        LEFT JOIN live l ON l.pk_layer = lr.pk_layer
-        WHERE j.pk_show IN (SELECT pk_show FROM target)
-          AND (j.str_state <> 'FINISHED' OR lr.int_cores <> 0 OR lr.int_gpus <> 0 OR l.pk_layer IS NOT NULL)
-        GROUP BY lr.pk_layer_resource
-    ),
-    layer_u AS (
-        UPDATE layer_resource t SET int_cores = x.cc, int_gpus = x.g FROM layer_x x
-        WHERE t.pk_layer_resource = x.pk AND (t.int_cores, t.int_gpus) IS DISTINCT FROM (x.cc, x.g)
-        RETURNING abs(x.cc - x.old_c) AS drift
-    ),
-    point_x AS (
-        SELECT pt.pk_point AS pk, pt.int_cores AS old_c,
-               COALESCE(SUM(l.cc), 0) AS cc, COALESCE(SUM(l.g), 0) AS g
-        FROM point pt LEFT JOIN live l ON l.pk_show = pt.pk_show AND l.pk_dept = pt.pk_dept
-        WHERE pt.pk_show IN (SELECT pk_show FROM target)
-        GROUP BY pt.pk_point
-    ),
-    point_u AS (
-        UPDATE point t SET int_cores = x.cc, int_gpus = x.g FROM point_x x
-        WHERE t.pk_point = x.pk AND (t.int_cores, t.int_gpus) IS DISTINCT FROM (x.cc, x.g)
-        RETURNING abs(x.cc - x.old_c) AS drift
-    ),
+        WHERE NOT p.b_local AND p.pk_show {_IN_TARGET}
+    ),{"".join(_rebuild_ctes(n) for n in _REBUILT)}
     point_new AS (
         INSERT INTO point (pk_point, pk_show, pk_dept, int_cores, int_gpus)
         SELECT gen_random_uuid()::text, l.pk_show, l.pk_dept, SUM(l.cc)::int, SUM(l.g)::int
@@ -610,16 +613,10 @@ _REBUILD = """
         ON CONFLICT (pk_show, pk_dept) DO NOTHING
         RETURNING int_cores AS drift
     )
-    SELECT (SELECT COALESCE(SUM(drift), 0) FROM sub_u)::bigint, (SELECT COALESCE(SUM(drift), 0) FROM folder_u)::bigint,
-           (SELECT COALESCE(SUM(drift), 0) FROM job_u)::bigint, (SELECT COALESCE(SUM(drift), 0) FROM layer_u)::bigint,
+    SELECT {drift},
            ((SELECT COALESCE(SUM(drift), 0) FROM point_u) + (SELECT COALESCE(SUM(drift), 0) FROM point_new))::bigint
     {into}
 """
-REBUILD_TABLES = ("subscription", "folder_resource", "job_resource", "layer_resource", "point")
-
-
-def rebuild_sql(shows: str, *, into: str = "") -> str:
-    return _REBUILD.format(shows=shows, into=into)
 
 
 # The scheduler's reconcile of every unmanaged show, from a client: run after LOCK_KEYS_SHARED_SQL

@@ -17,6 +17,7 @@ from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Group
 from playwright.sync_api import Page, expect
 
+from accounting.models import AccountingSettings
 from accounting.scheduler import SchedulerOptions, SchedulerProcess
 from dispatch.engine.loop import dispatch_main
 from dispatch.lab.seeding import FarmSpec, seed_farm
@@ -129,12 +130,18 @@ def test_the_live_page_updates_by_itself(
             expect(sum_cell).to_have_text("0")
             expect(drift_cell.locator(".drift-bad")).to_have_count(0)
             page.evaluate("window.__notReloaded = true")
-            for _ in range(4):
-                farm.add_proc(conn, cores=4)  # written behind the scheduler's back: only SUM(proc) moves
+            procs = [farm.add_proc(conn, cores=4) for _ in range(4)]  # counted by the Store too
             expect(sum_cell).to_have_text("16", timeout=TIMEOUT_MS)
-            # The Store (booked 0) disagrees with the record of truth: the drift is flagged.
-            expect(drift_cell.locator(".drift-bad")).to_have_text("-16")
             expect(first_sub.locator("td").nth(4)).to_have_text("4")  # procs
+            # Releases silenced, one proc goes: the Store (16) disagrees with the record of truth
+            # (12) until the recompute, and the drift is flagged.
+            AccountingSettings.set_notifications_enabled(False)
+            try:
+                farm.delete_procs(conn, procs[:1])
+                expect(sum_cell).to_have_text("12", timeout=TIMEOUT_MS)
+                expect(drift_cell.locator(".drift-bad")).to_have_text("+4")
+            finally:
+                AccountingSettings.set_notifications_enabled(True)
             assert page.evaluate("window.__notReloaded") is True  # swapped in place, no reload
             expect(page.locator("#ops-refreshed")).to_contain_text("updated")
             shoot(page, screenshot_dir, "05-live-show-counters-drift")
