@@ -469,12 +469,16 @@ APPLY_UNMANAGED = f"""
     END IF;"""
 
 
-def usage_func(keyed: str, *, guard: str = "", prologue: str = "", rows: str | None = None) -> str:
+def usage_func(
+    keyed: str, *, guard: str = "", prologue: str = "", rows: str | None = None, outside_check: str = ""
+) -> str:
     """A trigger body: optional cheap exit, the lock, the keyed deltas, then both halves.
 
     `rows` names the transition table of a proc trigger: a statement of the scheduler's own
     Store-accounted transaction that touches no unmanaged show has nothing to do, which is
     told from the show flags alone (no host or job join) on the booking hot path.
+    `outside_check` runs for every other writer only: the scheduler's booking statement checks
+    its rows' hosts and jobs itself (and keys them exactly), so it is spared a second join.
     """
     fast = ""
     if rows is not None:
@@ -491,6 +495,7 @@ def usage_func(keyed: str, *, guard: str = "", prologue: str = "", rows: str | N
     {LOCK_KEYS_SHARED}
     {EPOCH_GUARD}
     {fast}
+    {f"IF NOT {STORE_ACCOUNTED} THEN {outside_check} END IF;" if outside_check else ""}
     {read_deltas(keyed)}
     IF v_show IS NULL THEN
         RETURN NULL;
@@ -649,7 +654,7 @@ KEYS_VISIBLE = """
 PROC_INSERT_FUNC = usage_func(
     PROC_INSERT_KEYED,
     guard="IF NOT EXISTS (SELECT 1 FROM new_procs WHERE NOT b_local) THEN RETURN NULL; END IF;",
-    prologue=KEYS_VISIBLE,
+    outside_check=KEYS_VISIBLE,
     rows="new_procs",
 )
 PROC_DELETE_FUNC = usage_func(
@@ -665,7 +670,7 @@ PROC_UPDATE_FUNC = usage_func(
         "IF NOT EXISTS (SELECT 1 FROM new_procs n JOIN old_procs o ON o.pk_proc = n.pk_proc "
         f"WHERE {PROC_CHANGED}) THEN RETURN NULL; END IF;"
     ),
-    prologue=KEYS_VISIBLE,
+    outside_check=KEYS_VISIBLE,
 )
 
 PROC_TRUNCATE_FUNC = f"""
