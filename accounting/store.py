@@ -854,6 +854,14 @@ class Store:
         with self._lock:
             return self._job_caps.get(job)
 
+    def missing_caps(self, folders: Iterable[str], jobs: Iterable[str]) -> tuple[list[str], list[str]]:
+        """Which of these folders and jobs `book` would refuse as unseeded; one lock for all of them."""
+        with self._lock:
+            return (
+                [f for f in folders if f not in self._folder_caps],
+                [j for j in jobs if j not in self._job_caps],
+            )
+
     def folder_cap(self, folder: str) -> tuple[int, int] | None:
         """(max_cores, max_gpus) of a folder, or None when unseeded (unlimited for `book`)."""
         with self._lock:

@@ -645,13 +645,12 @@ class DispatchLoop:
 
     def _fill_caps(self, conn: psycopg.Connection, jobs: list[JobWork]) -> None:
         """Load the caps the Store lacks for managed jobs and folders of this cycle (it refuses them)."""
-        store = self.store
-        folders = sorted(
-            {j.folder for j in jobs if self.service.is_managed(j.show) and store.folder_cap(j.folder) is None}
-        )
-        missing = sorted({j.pk for j in jobs if self.service.is_managed(j.show) and store.job_cap(j.pk) is None})
+        managed = [j for j in jobs if self.service.is_managed(j.show)]
+        if not managed:
+            return
+        folders, missing = self.store.missing_caps({j.folder for j in managed}, {j.pk for j in managed})
         if folders or missing:
-            self.service.fill_caps(conn, folders, missing)
+            self.service.fill_caps(conn, sorted(folders), sorted(missing))
 
     def _room_for_cycle(self, conn: psycopg.Connection, jobs: list[JobWork]) -> dict[Any, int]:
         """Whole cores each (show, alloc) may still book this cycle; decremented as we book.
