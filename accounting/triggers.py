@@ -642,12 +642,14 @@ KEYS_VISIBLE = """
         LEFT JOIN host h ON h.pk_host = n.pk_host
         LEFT JOIN job j ON j.pk_job = n.pk_job
         LEFT JOIN show s ON s.pk_show = n.pk_show
-        WHERE NOT n.b_local AND (h.pk_host IS NULL OR j.pk_job IS NULL OR s.pk_show IS NULL)
+        WHERE NOT n.b_local AND (h.pk_host IS NULL OR j.pk_job IS NULL OR s.pk_show IS NULL
+                                 OR j.pk_show IS DISTINCT FROM n.pk_show)
     ) THEN
         RAISE EXCEPTION USING
-            MESSAGE = 'cuesched: a proc names a host, job or show this statement cannot see',
+            MESSAGE = 'cuesched: a proc names a host, job or show this statement cannot see, or a show other '
+                      'than its job''s',
             HINT = 'Write the host, job and show before the proc that books on them (deferred foreign keys '
-                   'are not enough: the proc is accounted when it is written).',
+                   'are not enough: the proc is accounted when it is written), with the job''s own show.',
             ERRCODE = 'foreign_key_violation';
     END IF;"""
 
@@ -715,7 +717,7 @@ def _keys_lock_trigger(name: str, operation: pgtrigger.Operation) -> pgtrigger.T
 
 
 def _move_trigger(
-    name: str, operation: pgtrigger.Operation, condition: str, keyed: str, what: str
+    name: str, operation: pgtrigger.Operation, condition: str, keyed: str, what: str, *, check: str = ""
 ) -> pgtrigger.Trigger:
     return pgtrigger.Trigger(
         name=name,
@@ -726,7 +728,7 @@ def _move_trigger(
         declare=DELTA_DECLARE,
         func=usage_func(
             keyed,
-            prologue=f"{_refuse_unless_read_committed(what)}\n    {LOCK_KEYS_EXCLUSIVE}\n    {EPOCH_BUMP}",
+            prologue=f"{_refuse_unless_read_committed(what)}\n    {check}\n    {LOCK_KEYS_EXCLUSIVE}\n    {EPOCH_BUMP}",
         ),
     )
 
@@ -744,15 +746,32 @@ def host_triggers() -> list[pgtrigger.Trigger]:
     ]
 
 
+# A proc is accounted by its own show; its job's folder must be a folder of that show, or the
+# folder counter would be kept by the other show's side (read LOW by the rebuild of either).
+JOB_SAME_SHOW = """
+    IF NEW.pk_show IS DISTINCT FROM OLD.pk_show AND EXISTS (SELECT 1 FROM proc p WHERE p.pk_job = NEW.pk_job) THEN
+        RAISE EXCEPTION USING
+            MESSAGE = format('cuesched: job %s has running procs: it cannot move to another show', NEW.pk_job),
+            ERRCODE = 'check_violation', CONSTRAINT = 'acct_job_show_with_procs';
+    END IF;
+    IF EXISTS (SELECT 1 FROM folder f WHERE f.pk_folder = NEW.pk_folder AND f.pk_show IS DISTINCT FROM NEW.pk_show) THEN
+        RAISE EXCEPTION USING
+            MESSAGE = format('cuesched: folder %s belongs to another show than job %s', NEW.pk_folder, NEW.pk_job),
+            ERRCODE = 'check_violation', CONSTRAINT = 'acct_job_folder_of_its_show';
+    END IF;"""
+
+
 def job_triggers() -> list[pgtrigger.Trigger]:
     return [
-        _keys_lock_trigger("acct_job_keys_lock", pgtrigger.UpdateOf("pk_folder", "pk_dept")),
+        _keys_lock_trigger("acct_job_keys_lock", pgtrigger.UpdateOf("pk_folder", "pk_dept", "pk_show")),
         _move_trigger(
             "acct_job_move",
-            pgtrigger.UpdateOf("pk_folder", "pk_dept"),
-            "OLD.pk_folder IS DISTINCT FROM NEW.pk_folder OR OLD.pk_dept IS DISTINCT FROM NEW.pk_dept",
+            pgtrigger.UpdateOf("pk_folder", "pk_dept", "pk_show"),
+            "OLD.pk_folder IS DISTINCT FROM NEW.pk_folder OR OLD.pk_dept IS DISTINCT FROM NEW.pk_dept "
+            "OR OLD.pk_show IS DISTINCT FROM NEW.pk_show",
             JOB_MOVE_KEYED,
             "moving a job to another folder or department",
+            check=JOB_SAME_SHOW,
         ),
     ]
 
@@ -971,21 +990,40 @@ _USAGE_SOURCES = {
 }
 
 
+_USAGE_KEYS = {"subscription": ("pk_show", "pk_alloc"), "folder_resource": ("pk_folder",), "job_resource": ("pk_job",)}
+
+
 def usage_guard_triggers(table: str) -> list[pgtrigger.Trigger]:
     unmanaged, procs = _USAGE_SOURCES[table]
+    keys = _USAGE_KEYS[table]
+    # Under the shared accounting-keys lock, in a statement of its own: a flip to unmanaged that
+    # the row would miss (its rebuild cannot see an uncommitted row) waits for it, and one that
+    # committed first is seen by the flag read below.
+    seed = f"""
+    {LOCK_KEYS_SHARED}
+    IF EXISTS ({unmanaged}) THEN
+        SELECT COALESCE(SUM(p.int_cores_reserved), 0), COALESCE(SUM(p.int_gpus_reserved), 0)
+        INTO NEW.int_cores, NEW.int_gpus {procs};
+    END IF;
+    RETURN NEW;
+"""
     return [
         pgtrigger.Trigger(
             name="acct_usage_seed",
             when=pgtrigger.Before,
             operation=pgtrigger.Insert,
             level=pgtrigger.Row,
-            func=f"""
-    IF EXISTS ({unmanaged}) THEN
-        SELECT COALESCE(SUM(p.int_cores_reserved), 0), COALESCE(SUM(p.int_gpus_reserved), 0)
-        INTO NEW.int_cores, NEW.int_gpus {procs};
-    END IF;
-    RETURN NEW;
-""",
+            func=seed,
+        ),
+        # A row moved to another key (a subscription to another allocation) would carry the old
+        # key's usage to the new one: the new key starts at its own SUM(proc) instead.
+        pgtrigger.Trigger(
+            name="acct_usage_rekey",
+            when=pgtrigger.Before,
+            operation=pgtrigger.UpdateOf(*keys),
+            level=pgtrigger.Row,
+            condition=pgtrigger.Condition(" OR ".join(f"OLD.{k} IS DISTINCT FROM NEW.{k}" for k in keys)),
+            func=seed,
         ),
         pgtrigger.Trigger(
             name="acct_usage_guard",

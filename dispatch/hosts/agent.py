@@ -83,7 +83,7 @@ INSERT INTO host (pk_host, pk_alloc, str_name, str_fqdn, str_lock_state, str_tag
 VALUES (%(pk)s, %(alloc)s, %(name)s, %(fqdn)s, 'OPEN', %(tags)s, %(cores)s, %(cores)s, %(mem)s, %(mem)s,
         %(gpus)s, %(gpus)s, %(gpu_mem)s, %(gpu_mem)s)
 ON CONFLICT (str_name) DO UPDATE SET
-  pk_alloc = EXCLUDED.pk_alloc, str_fqdn = EXCLUDED.str_fqdn, str_tags = EXCLUDED.str_tags,
+  str_fqdn = EXCLUDED.str_fqdn, str_tags = EXCLUDED.str_tags,
   int_cores = EXCLUDED.int_cores, int_mem = EXCLUDED.int_mem, int_gpus = EXCLUDED.int_gpus,
   int_gpu_mem = EXCLUDED.int_gpu_mem,
   int_cores_idle = GREATEST(0, EXCLUDED.int_cores - COALESCE(
@@ -97,6 +97,10 @@ ON CONFLICT (str_name) DO UPDATE SET
   ts_last_updated = now()
 RETURNING pk_host
 """
+
+# Named only when the allocation really changes: a statement that sets pk_alloc moves the
+# accounting of the host's running procs and takes the farm-wide accounting-keys lock.
+MOVE_HOST_SQL = "UPDATE host SET pk_alloc = %s WHERE pk_host = %s AND pk_alloc IS DISTINCT FROM %s"
 
 UPSERT_HOST_STAT_SQL = """
 INSERT INTO host_stat (pk_host_stat, pk_host, str_state, str_os, int_mem_total, int_mem_free, int_gpu_mem_total,
@@ -215,6 +219,8 @@ def register_host(spec: HostSpec, conn: psycopg.Connection | None = None) -> str
                 },
             )
             pk_host = cur.fetchone()[0]
+            if existing and existing[1] != pk_alloc:
+                cur.execute(MOVE_HOST_SQL, (pk_alloc, pk_host, pk_alloc))
             cur.execute(
                 UPSERT_HOST_STAT_SQL,
                 {

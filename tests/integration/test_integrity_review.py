@@ -6,19 +6,44 @@ a cap, or a change reached nobody) and passes now.
 
 from __future__ import annotations
 
+import threading
+import time
+
 import psycopg
 import pytest
 from django.db import connection, transaction
 
+from accounting import actions as accounting_actions
 from accounting.models import AccountingSettings
 from accounting.notify import RELEASE_CHANNEL
 from dispatch.engine.booking import compensate, write_batch
-from dispatch.models import Proc, Subscription
+from dispatch.hosts.agent import HostSpec, register_host
+from dispatch.models import Job, Proc, Subscription
 from tests.integration import farm_fixtures as ff
 from tests.integration.dispatch_support import plan, seed
 from tests.integration.notify_listener import as_json, database_conninfo, listening
+from tests.integration.test_db_accounting import wait_until_blocked
 
 pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def wait_for_waiting_backend(application: str) -> None:
+    """Until another backend of this database polls for the accounting-keys lock, or 10 s.
+
+    From a connection of its own, outside any transaction: a transaction sees pg_stat_activity
+    as it was when it first looked.
+    """
+    deadline = time.monotonic() + 10
+    with psycopg.connect(database_conninfo(), autocommit=True) as conn:
+        while time.monotonic() < deadline:
+            row = conn.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                " AND (wait_event = 'PgSleep' OR query LIKE '%%pg_try_advisory_xact_lock%%')"
+            ).fetchone()
+            if row and row[0]:
+                return
+            time.sleep(0.01)
+    raise AssertionError(f"{application} never waited")
 
 
 def _sub_cores(farm: ff.Farm) -> int:
@@ -116,3 +141,121 @@ def test_a_compensation_releases_the_procs_current_keys_after_an_outside_move() 
     with connection.cursor() as cursor:
         cursor.execute("SELECT count(*) FROM proc")
         assert cursor.fetchone()[0] == 0
+
+
+# --- the second review -------------------------------------------------------------------------
+
+
+def test_a_proc_of_another_show_than_its_job_is_refused_and_so_is_a_job_moved_to_another_shows_folder() -> None:
+    # A proc is accounted by its own show, its job's counters belong to the job's show: mixed, the
+    # rebuild of either show read the job's counter LOW (a reconcile then admitted 16 cores on a
+    # max of 10).
+    farm = ff.tiny_farm(managed=False, int_burst=1000)
+    other = ff.tiny_farm(managed=False, int_burst=1000)
+    with psycopg.connect(database_conninfo()) as conn:
+        with pytest.raises(psycopg.errors.ForeignKeyViolation, match="other than its job"):
+            conn.execute(
+                "INSERT INTO proc (pk_proc, pk_host, pk_show, pk_job, pk_layer, pk_frame, int_cores_reserved,"
+                " int_mem_reserved) VALUES (gen_random_uuid()::text, %s, %s, %s, %s, %s, 800, 1)",
+                (farm.host.pk, other.show.pk, farm.job.pk, farm.layer.pk, farm.frames[0].pk),
+            )
+    proc = ff.create_proc(farm.host, farm.frames[1], cores=300)
+    with pytest.raises(Exception, match="other than its job"), transaction.atomic():
+        Proc.objects.filter(pk=proc.pk).update(show=other.show)
+    with pytest.raises(Exception, match="belongs to another show"), transaction.atomic():
+        Job.objects.filter(pk=farm.job.pk).update(folder=other.folder)
+    with pytest.raises(Exception, match="cannot move to another show"), transaction.atomic():
+        Job.objects.filter(pk=farm.job.pk).update(show=other.show, folder=other.folder)
+    assert _sub_cores(farm) == 300
+
+
+def test_a_cap_row_moved_to_another_key_starts_there_at_that_keys_sum() -> None:
+    # The subscription row of an idle allocation moved onto an allocation with running procs
+    # carried its own 0 there: a second burst's worth of bookings went through.
+    farm = ff.tiny_farm(managed=False, int_burst=1000)
+    ff.create_proc(farm.host, farm.frames[0], cores=800)
+    idle_alloc = ff.create_alloc(farm.facility)
+    idle = ff.create_subscription(farm.show, idle_alloc, int_burst=1000)
+    with transaction.atomic():
+        Subscription.objects.filter(pk=farm.subscription.pk).delete()
+        Subscription.objects.filter(pk=idle.pk).update(alloc=farm.alloc)
+    assert Subscription.objects.get(pk=idle.pk).int_cores == 800
+    with pytest.raises(Exception, match="exceeded burst"), transaction.atomic():
+        ff.create_proc(farm.host, farm.frames[1], cores=300)
+
+
+def test_a_cap_row_inserted_while_a_flip_to_unmanaged_commits_is_seeded_after_it() -> None:
+    # The row's seed read the show as managed (no seed) while a flip to unmanaged committed, whose
+    # rebuild could not see the uncommitted row: it read 0 under running procs until the reconcile.
+    farm = ff.tiny_farm(managed=True, int_burst=1000)
+    alloc = ff.create_alloc(farm.facility)
+    host = ff.create_host(alloc)
+    ff.create_proc(host, farm.frames[0], cores=600)  # a managed show books without a subscription check
+    with psycopg.connect(database_conninfo()) as writer, psycopg.connect(database_conninfo()) as flipper:
+        writer.execute(
+            "INSERT INTO subscription (pk_subscription, pk_alloc, pk_show, int_size, int_burst, int_cores)"
+            " VALUES (gen_random_uuid()::text, %s, %s, 0, 1000, 0)",
+            (alloc.pk, farm.show.pk),
+        )
+        flip = threading.Thread(
+            target=lambda: (
+                flipper.execute("UPDATE show SET b_scheduler_managed = false WHERE pk_show = %s", (farm.show.pk,)),
+                flipper.commit(),
+            )
+        )
+        flip.start()
+        wait_until_blocked(writer, flipper.info.backend_pid, "the flip")
+        writer.commit()
+        flip.join(15)
+        assert not flip.is_alive()
+    assert Subscription.objects.get(show=farm.show, alloc=alloc).int_cores == 600
+
+
+def test_a_flip_from_the_console_does_not_block_a_booking_in_flight_for_the_show() -> None:
+    # The action locked the show row, then its trigger waited for the in-flight booking, whose
+    # COMMIT needed a key-share lock on that row: the booking stalled 10 s and the flip failed.
+    farm = ff.tiny_farm(managed=False, int_burst=100_000)
+    outcome: list[object] = []
+    with psycopg.connect(database_conninfo()) as booker:
+        booker.execute("SET application_name = 'in-flight-booking'")
+        booker.execute(
+            "INSERT INTO proc (pk_proc, pk_host, pk_show, pk_job, pk_layer, pk_frame, int_cores_reserved,"
+            " int_mem_reserved) VALUES (gen_random_uuid()::text, %s, %s, %s, %s, %s, 100, 1)",
+            (farm.host.pk, farm.show.pk, farm.job.pk, farm.layer.pk, farm.frames[0].pk),
+        )
+
+        def flip() -> None:
+            try:
+                outcome.append(accounting_actions.flip_show(farm.show.pk, True, actor=None).changes)
+            except Exception as exc:  # reported below
+                outcome.append(exc)
+            finally:
+                connection.close()
+
+        thread = threading.Thread(target=flip)
+        thread.start()
+        wait_for_waiting_backend("flip_show")
+        started = time.monotonic()
+        booker.commit()
+        committed_in = time.monotonic() - started
+        thread.join(15)
+    assert committed_in < 2, f"the booking's COMMIT waited {committed_in:.1f}s behind the flip"
+    assert outcome and not isinstance(outcome[0], Exception), outcome
+
+
+def test_an_agent_registering_again_takes_no_farm_wide_lock() -> None:
+    # Its upsert named pk_alloc even when the allocation was unchanged, which took the exclusive
+    # accounting-keys lock: with any proc write open, registration failed after 10 s.
+    farm = ff.tiny_farm(managed=False, int_burst=100_000)
+    spec = HostSpec(name=farm.host.str_name, cores=8, memory_kb=32 * 1024 * 1024)
+    with psycopg.connect(database_conninfo()) as open_writer:
+        open_writer.execute(
+            "INSERT INTO proc (pk_proc, pk_host, pk_show, pk_job, pk_layer, pk_frame, int_cores_reserved,"
+            " int_mem_reserved) VALUES (gen_random_uuid()::text, %s, %s, %s, %s, %s, 100, 1)",
+            (farm.host.pk, farm.show.pk, farm.job.pk, farm.layer.pk, farm.frames[0].pk),
+        )
+        started = time.monotonic()
+        with psycopg.connect(database_conninfo(), autocommit=True) as conn:
+            assert register_host(spec, conn) == farm.host.pk
+        assert time.monotonic() - started < 2
+        open_writer.rollback()
