@@ -356,9 +356,28 @@ def test_job_moved_to_another_folder_moves_its_running_procs(conn, managed: bool
 # --------------------------------------------------------------------------- row 3: proc keys
 
 
-@pytest.mark.parametrize("column", ["pk_job", "pk_host", "pk_show"])
+def test_a_proc_moved_to_another_show_than_its_jobs_is_refused(conn) -> None:
+    """`UPDATE proc SET pk_show` alone: refused, with a clear error, counters unchanged on both paths.
+
+    It used to be accepted and moved the subscription only. But a proc is accounted by its own
+    show while its job's and folder's counters belong to the job's show, so the rebuild of either
+    side (a reconcile, a flip) then read them LOW: the second review admitted 16 cores on a job
+    capped at 10 that way. A proc changes show with its job, or not at all.
+    """
+    m = build_world(conn, "pk-show-m", managed=True)
+    u = build_world(conn, "pk-show-u", managed=False)
+    before = db_counters(conn, u.shows)
+    with running_scheduler() as proc:
+        for w in (m, u):
+            with pytest.raises(psycopg.errors.ForeignKeyViolation, match="other than its job"):
+                conn.execute("UPDATE proc SET pk_show = %s WHERE pk_proc = %s", (w.show_b, w.procs[0]))
+        assert db_counters(conn, u.shows) == before
+        wait_store_matches(proc.service.store, conn, m.shows, "Store unchanged by the refused move")
+
+
+@pytest.mark.parametrize("column", ["pk_job", "pk_host"])
 def test_proc_keys_updated_in_place_move_its_accounting(conn, column: str) -> None:
-    """`UPDATE proc SET pk_job / pk_host / pk_show`: the old key loses it, the new one gains it.
+    """`UPDATE proc SET pk_job / pk_host`: the old key loses it, the new one gains it.
 
     The Store learns of it through a -old/+new delta pair (the old code sent no message at all).
     The database-enforced half is checked alongside, with the new key's cap (the old code's
@@ -373,18 +392,15 @@ def test_proc_keys_updated_in_place_move_its_accounting(conn, column: str) -> No
                 "UPDATE proc SET pk_job = %s, pk_layer = %s WHERE pk_proc = ANY(%s)",
                 (w.farm.jobs[1], w.farm.layers[1], procs),
             )
-        target = w.host_b if column == "pk_host" else w.show_b
-        return f"UPDATE proc SET {column} = %s WHERE pk_proc = ANY(%s)", (target, procs)
+        return f"UPDATE proc SET {column} = %s WHERE pk_proc = ANY(%s)", (w.host_b, procs)
 
     def new_key(w: World, cores: int) -> BookingDelta:
         """A booking against the key procs[0] moved to (job1, alloc B or show B), on job1."""
         if column == "pk_host":
             return w.delta(cores, alloc=w.alloc_b, job_index=1)
-        if column == "pk_show":
-            return w.delta(cores, show=w.show_b, job_index=1)
         return w.delta(cores, job_index=1)
 
-    # After procs[0] (4 cores) moved, the new key holds 8 (job1) or 4 (alloc B, show B) of its 10.
+    # After procs[0] (4 cores) moved, the new key holds 8 (job1) or 4 (alloc B) of its 10.
     held = 8 if column == "pk_job" else 4
     table = "job" if column == "pk_job" else "subscription"
     constraint = "acct_job_max_cores" if column == "pk_job" else "acct_subscription_burst"
