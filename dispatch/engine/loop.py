@@ -450,12 +450,14 @@ class DispatchLoop:
         return commit_status(conn, xid)
 
     def _settle_open_work(self, conn: psycopg.Connection, stats: CycleStats) -> None:
-        still: list[Unresolved] = []
-        for entry in self._unresolved:
+        for entry in list(self._unresolved):
+            # Everything that can fail comes before the entry leaves the list: settled twice (a
+            # failure half-way, retried next cycle), a booking would be taken out twice, LOW.
             status = self._status(conn, entry.xid, entry.server_id)
             if status == "in progress":
-                still.append(entry)
                 continue
+            found = set() if status == "aborted" else find_written(conn, entry.result.written)
+            self._unresolved.remove(entry)
             if status == "aborted":
                 for b in entry.bookings:
                     self.service.rollback_booking(b.result)
@@ -468,7 +470,6 @@ class DispatchLoop:
             for b in entry.bookings:
                 if id(b) not in written:
                     self.service.rollback_booking(b.result)  # refused inside the transaction
-            found = find_written(conn, entry.result.written)
             present = [b for b in entry.result.written if b.pk_proc in found]
             for b in entry.result.written:
                 if b.pk_proc not in found:
@@ -482,12 +483,18 @@ class DispatchLoop:
                 len(entry.result.written) - len(present),
             )
             self._launch(conn, present, stats)
-        self._unresolved = still
         if self._pending_compensations:
             pending = self._pending_compensations
+            # First what can fail without changing anything, then each one settled exactly once:
+            # a failed attempt re-queues itself (in _compensate), and the ones after it stay queued.
+            statuses = [self._compensation_status(conn, entry) for entry in pending]
             self._pending_compensations = []
-            for entry in pending:
-                self._retry_compensation(conn, entry, stats)
+            for i, (entry, status) in enumerate(zip(pending, statuses, strict=True)):
+                try:
+                    self._retry_compensation(conn, entry, status, stats)
+                except BaseException:
+                    self._pending_compensations.extend(pending[i + 1 :])
+                    raise
 
     # -- completions ----------------------------------------------------------------------
     def _complete(self, conn: psycopg.Connection, stats: CycleStats) -> None:
@@ -962,9 +969,14 @@ class DispatchLoop:
             raise
         self._settle_compensation(bookings, result, stats)
 
-    def _retry_compensation(self, conn: psycopg.Connection, entry: PendingCompensation, stats: CycleStats) -> None:
+    def _compensation_status(self, conn: psycopg.Connection, entry: PendingCompensation) -> str | None:
         attempt = entry.attempt
-        status = "aborted" if attempt is None else self._status(conn, attempt.xid, entry.server_id)
+        return "aborted" if attempt is None else self._status(conn, attempt.xid, entry.server_id)
+
+    def _retry_compensation(
+        self, conn: psycopg.Connection, entry: PendingCompensation, status: str | None, stats: CycleStats
+    ) -> None:
+        attempt = entry.attempt
         if status == "in progress":
             self._pending_compensations.append(entry)
             return

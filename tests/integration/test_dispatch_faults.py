@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import threading
 
+import psycopg
 import pytest
 
+from dispatch.engine import loop as loop_module
 from dispatch.engine.booking import EXIT_STATUS_FRAME_CLEARED, BatchResult, write_batch
 from dispatch.engine.completion import EXIT_STATUS_DOWN_HOST, release_lost_hosts
 from dispatch.engine.loop import Unresolved
@@ -183,3 +185,34 @@ def test_an_unknown_commit_outcome_is_settled_from_the_transactions_fate() -> No
         assert store_cores(service, farm) == db_cores(conn, farm)
         assert violations(conn) == []
         assert scalar(conn, "SELECT count(*) FROM frame WHERE str_state = 'RUNNING'") == 4
+
+
+def test_a_settlement_cut_short_by_a_database_error_settles_nothing_twice(monkeypatch) -> None:
+    # Two batches with unknown outcomes; the database fails while the second is looked up. The
+    # first used to be settled again at the next cycle (its entry stayed listed until every one
+    # was done): confirmed twice, its in-flight amount went negative and the counter read LOW.
+    farm = seed("amb2", jobs=2, frames_per_layer=2, **ONE_CORE)
+    with running_scheduler() as proc, autocommit() as conn:
+        service = proc.service
+        with make_loop(service, fast_launcher(**LONG)) as loop:
+            _jobs, bookings = plan(conn, {0: 2, 1: 2}, managed=True, book=service.apply_booking)
+            first = write_batch(conn, bookings[:2], mem_used=256_000)
+            second = write_batch(conn, bookings[2:], mem_used=256_000)
+            loop._unresolved.append(Unresolved(bookings[:2], first, first.xid, None))
+            loop._unresolved.append(Unresolved(bookings[2:], second, second.xid, None))
+            calls = []
+            real = loop_module.find_written
+
+            def failing_once(c, written):
+                calls.append(len(written))
+                if len(calls) == 2:
+                    raise psycopg.OperationalError("the database went away")
+                return real(c, written)
+
+            monkeypatch.setattr(loop_module, "find_written", failing_once)
+            with pytest.raises(psycopg.OperationalError):
+                loop.run_once()
+            loop.run_once()
+        assert _inflight_is_zero(service)
+        assert store_cores(service, farm) == db_cores(conn, farm)
+        assert violations(conn) == []
