@@ -1613,6 +1613,10 @@ class _OutsideWriters:
                     outcome = f"refused ({exc.diag.constraint_name})"
                 except psycopg.errors.SerializationFailure:
                     outcome = "serialization failure"
+                except psycopg.errors.UniqueViolation:
+                    # The frame this writer read as WAITING was booked by the scheduler meanwhile
+                    # (one proc per frame): the database refused the second one, as it should.
+                    outcome = "frame booked meanwhile"
                 except psycopg.errors.DeadlockDetected:
                     outcome = "deadlock"
                 except psycopg.OperationalError as exc:
