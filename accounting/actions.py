@@ -21,11 +21,11 @@ from typing import Any
 
 import pghistory
 from django.core.exceptions import ValidationError
-from django.db import DatabaseError, connection, transaction
+from django.db import connection, transaction
 from django.utils import timezone
 
+from accounting import db
 from accounting.models import SETTINGS_ROW_ID, AccountingSettings
-from accounting.triggers import LOCK_KEYS_TRY_EXCLUSIVE_SQL
 from accounting.units import CENTICORES_PER_CORE, UNLIMITED, centicores_to_cores
 from dispatch.models import FolderResource, JobResource, Show, Subscription
 
@@ -169,7 +169,8 @@ def flip_show(show_id: str, managed: bool, *, actor: Any) -> ActionResult:
         # The accounting-keys lock before the show row: a booking in flight for the show needs
         # FOR KEY SHARE on that row at its COMMIT, which a row lock taken first would block,
         # while the flip's trigger waited for that booking (a 10 s stall, then a failed flip).
-        take_keys_lock()
+        with connection.cursor() as cursor:
+            db.take_keys_lock(cursor, timeout=10.0, what="the accounting-keys lock for the flip")
         show = Show.objects.select_for_update().only("b_scheduler_managed").get(pk=show_id)
         result.changes = _write(
             Show, show_id, {"b_scheduler_managed": show.b_scheduler_managed}, {"b_scheduler_managed": managed}
@@ -180,25 +181,6 @@ def flip_show(show_id: str, managed: bool, *, actor: Any) -> ActionResult:
                 "recompute (~15 s) and of cap changes only from its limit reseed (~5 min)."
             )
     return _finish(result)
-
-
-def take_keys_lock(timeout: float = 10.0) -> None:
-    """Take the exclusive accounting-keys lock in the current transaction, polling (never queueing).
-
-    For an action that locks rows procs reference and then moves keys or flips: taken first, the
-    statement's own trigger finds it held. Raises OperationalError-like DatabaseError on timeout.
-    """
-    deadline = time.monotonic() + timeout
-    with connection.cursor() as cursor:
-        while True:
-            cursor.execute(LOCK_KEYS_TRY_EXCLUSIVE_SQL)
-            if cursor.fetchone()[0]:
-                return
-            if time.monotonic() > deadline:
-                raise DatabaseError(
-                    f"could not take the accounting-keys lock within {timeout:.0f} s: proc writes kept it busy; retry"
-                )
-            time.sleep(0.005)
 
 
 def set_subscription(

@@ -8,12 +8,15 @@ connection borrowed mid-transaction could not guarantee.
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 import psycopg
-from django.db import connections
+from django.db import DatabaseError, connections
 
 from accounting.notify import conninfo_from_settings
+from accounting.triggers import LOCK_KEYS_TRY_EXCLUSIVE_SQL
 from cuesched_project import conf
 from cuesched_project.dburl import database_from_url
 
@@ -42,3 +45,33 @@ def connect(*, autocommit: bool = True, application_name: str = "cuesched", **ex
     return psycopg.connect(
         conninfo(), autocommit=autocommit, application_name=application_name, connect_timeout=10, **params
     )
+
+
+logger = logging.getLogger(__name__)
+
+
+class KeysLockTimeout(DatabaseError):
+    """The exclusive accounting-keys lock stayed busy for the whole timeout."""
+
+
+def take_keys_lock(cursor: Any, *, timeout: float | None = None, what: str = "the accounting-keys lock") -> None:
+    """Take the exclusive accounting-keys lock in the cursor's open transaction, polling.
+
+    Never queued for: PostgreSQL would hold every later proc write of the farm behind a waiting
+    exclusive request. For a caller that must hold it before it locks any row a proc references
+    (the lease takeover, a console flip); the statement triggers of a move find it held then.
+    `cursor` is a psycopg or Django cursor. `timeout=None` waits as long as it takes, logging
+    every 5 s; otherwise KeysLockTimeout is raised.
+    """
+    started = logged = time.monotonic()
+    while True:
+        cursor.execute(LOCK_KEYS_TRY_EXCLUSIVE_SQL)
+        if cursor.fetchone()[0]:
+            return
+        now = time.monotonic()
+        if timeout is not None and now - started > timeout:
+            raise KeysLockTimeout(f"could not take {what} within {timeout:.0f} s: proc writes kept it busy; retry")
+        if now - logged > 5:
+            logged = now
+            logger.warning("%s: still waiting for in-flight proc writes to commit (%.0fs)", what, now - started)
+        time.sleep(0.005)

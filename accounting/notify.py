@@ -78,7 +78,6 @@ _LIBPQ_OPTIONS = frozenset(
 )
 
 STORE_ACCOUNTED_SQL = f"SELECT set_config('{STORE_ACCOUNTED_SETTING}', 'on', true)"
-STORE_ACCOUNTED_CHECK_SQL = f"SELECT COALESCE(current_setting('{STORE_ACCOUNTED_SETTING}', true), '') = 'on'"
 
 
 class NotInTransactionError(RuntimeError):

@@ -120,9 +120,9 @@ class AccountingService:
         """The flip generation the show was seeded at, or None if it is not published."""
         return self._managed.get(show)
 
-    def publish_managed(self, shows: Managed | frozenset[str]) -> None:
-        """Replace the managed set atomically; callers seed a show before publishing it."""
-        new = dict(shows) if isinstance(shows, dict) else dict.fromkeys(shows, 0)
+    def publish_managed(self, shows: Managed) -> None:
+        """Replace the managed set (show -> seed generation) atomically; callers seed a show first."""
+        new = dict(shows)
         with self._managed_lock:
             now = time.time()
             for show in new.keys() - self._managed.keys():

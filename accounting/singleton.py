@@ -18,17 +18,12 @@ holds every booking the old one committed.
 
 from __future__ import annotations
 
-import logging
 import socket
 import threading
-import time
 
 import psycopg
 
 from accounting import db
-from accounting.triggers import LOCK_KEYS_TRY_EXCLUSIVE_SQL
-
-logger = logging.getLogger(__name__)
 
 # An arbitrary, fixed 64-bit key ("cuesched" in ASCII).
 SCHEDULER_LOCK_KEY = 0x6375657363686564
@@ -70,18 +65,10 @@ def take_lease(conn: psycopg.Connection, holder: str | None = None) -> int:
     The exclusive accounting-keys lock is polled, never queued for: a queued exclusive request
     would hold every later proc write of the farm behind it.
     """
-    waited_since = time.monotonic()
-    logged = waited_since
-    with conn.transaction():
-        conn.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
-        while not conn.execute(LOCK_KEYS_TRY_EXCLUSIVE_SQL).fetchone()[0]:  # type: ignore[index]
-            if time.monotonic() - logged > 5:
-                logged = time.monotonic()
-                logger.warning(
-                    "lease: still waiting for in-flight proc writes to commit (%.0fs)", logged - waited_since
-                )
-            time.sleep(0.005)
-        row = conn.execute(TAKE_LEASE_SQL, {"holder": (holder or holder_name())[:255]}).fetchone()
+    with conn.transaction(), conn.cursor() as cur:
+        cur.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
+        db.take_keys_lock(cur, what="lease")
+        row = cur.execute(TAKE_LEASE_SQL, {"holder": (holder or holder_name())[:255]}).fetchone()
     assert row is not None
     return int(row[0])
 
