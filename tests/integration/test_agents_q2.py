@@ -14,6 +14,7 @@ import pytest
 from dispatch.engine.completion import EXIT_STATUS_DOWN_HOST, EXIT_STATUS_KILLED, kill_frames
 from dispatch.engine.launcher import get_launcher
 from dispatch.hosts.agent import EXIT_COMMAND_NOT_FOUND, HostSpec, register_host, release_previous_runs, run_frame
+from dispatch.hosts.launchers.q2 import TASK_FUNC
 from tests.integration.agent_support import agent_farm, agent_process
 from tests.integration.dispatch_support import autocommit, drain, make_loop, scalar, violations, wait_for
 from tests.integration.runtime_support import running_scheduler
@@ -215,7 +216,7 @@ def test_a_task_on_a_host_with_the_longest_name_is_saved_by_django_q2(tmp_path: 
 
         # The cluster's monitor saves the result after the frame's end: wait for its row.
         def saved() -> bool:
-            return bool(scalar(conn, "SELECT count(*) FROM django_q_task WHERE func = 'dispatch.hosts.agent.run_frame'"))
+            return bool(scalar(conn, "SELECT count(*) FROM django_q_task WHERE func = %s", (TASK_FUNC,)))
 
         wait_for(saved, 15, "django-q2 to save the task result")
         name, success = conn.execute("SELECT name, success FROM django_q_task").fetchone()
