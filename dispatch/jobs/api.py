@@ -162,6 +162,7 @@ def _api(*methods: str) -> Callable[[Callable[..., JsonResponse]], Callable[...,
 
         wrapped.__name__ = view.__name__
         wrapped.__doc__ = view.__doc__
+        wrapped.methods = methods  # type: ignore[attr-defined]  # read by the docs test (docs/api.md)
         return wrapped
 
     return deco
