@@ -22,7 +22,9 @@ list that is not written meanwhile sees every row once.
 Every error is `{"errors": ["...", ...]}`, on every path under /api/: 400 bad body, spec or
 query (all reasons), 401 no valid token (`Authorization: Bearer <token>`, made by `manage.py
 api_token USER`), 403 not allowed, 404 no such job, action or route, 405 wrong method, 500 a
-bug (logged with its traceback), 503 the database is unreachable. Nothing is written on any error.
+bug (logged with its traceback), 503 the database is unreachable. A 4xx answer writes nothing.
+Each write is one durable transaction, so after a 500 or 503 it happened whole or not at all:
+read the job to know which.
 
 Who may do what: any active user with a token may submit (as themselves; as another user
 only with the rights below) and read jobs; a user controls their own jobs
