@@ -43,7 +43,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 from django.contrib.auth.models import AbstractBaseUser
-from django.core.exceptions import ValidationError
+from django.core.exceptions import SuspiciousOperation, ValidationError
 from django.db import OperationalError
 from django.db.models import QuerySet
 from django.http import HttpRequest, JsonResponse
@@ -139,6 +139,9 @@ def unexpected_error(request: HttpRequest, exc: BaseException) -> JsonResponse:
     """A bug or a lost database, as JSON: a client of the API never has to parse an HTML page.
 
     The traceback goes to the log, not to the client (it may show SQL or settings)."""
+    if isinstance(exc, SuspiciousOperation):  # e.g. a body over DATA_UPLOAD_MAX_MEMORY_SIZE: the client's fault
+        logger.warning("api: %s %s: refused: %s", request.method, request.path, exc)
+        return error_response(ApiError(400, f"the request was refused: {exc}"))
     if isinstance(exc, OperationalError):
         logger.warning("api: %s %s: the database is unavailable: %s", request.method, request.path, exc)
         return error_response(ApiError(503, "the database is unavailable: try again shortly"))

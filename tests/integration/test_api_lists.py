@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from django.contrib.auth import get_user_model
 from django.db import OperationalError, connection
-from django.test import Client, RequestFactory
+from django.test import Client, RequestFactory, override_settings
 
 from cuesched_project.urls import server_error
 from dispatch.jobs import api
@@ -214,6 +214,13 @@ def test_a_bug_or_a_lost_database_answers_json_without_a_traceback(
                            HTTP_AUTHORIZATION=f"Bearer {token}")  # fmt: skip
     assert response.status_code == 503
     assert response.json() == {"errors": ["the database is unavailable: try again shortly"]}
+    assert table_counts() == before
+
+    with override_settings(DATA_UPLOAD_MAX_MEMORY_SIZE=100):  # too big a body: the client's error, not a bug
+        response = client.post("/api/jobs", data=json.dumps(simple_spec("big" * 50)), content_type="application/json",
+                               HTTP_AUTHORIZATION=f"Bearer {token}")  # fmt: skip
+    assert response.status_code == 400
+    assert response.json()["errors"][0].startswith("the request was refused: Request body exceeded")
     assert table_counts() == before
 
     # An error outside the API's views (Django's own 500 handler, DEBUG off) is JSON under /api/ too.
