@@ -23,12 +23,49 @@ from django.urls import reverse
 from django.utils.html import format_html, format_html_join
 
 from accounting import actions
+from accounting.units import CENTICORES_PER_CORE
 from ops import admin_views, permissions, status
 from ops.forms import cap_formfield, db_to_cores
 
 _VIEW: ContextVar[dict[str, Any] | None] = ContextVar("ops_live_view", default=None)
 _FULL: ContextVar[bool] = ContextVar("ops_full_status", default=False)
 _CAP_NAMES = {"int_burst": "burst", "int_size": "size", "int_max_cores": "max cores", "int_max_gpus": "max GPUs"}
+# The other columns of these rows that hold cores or memory, in the database's units (centicores,
+# KB). Next to a cap shown in whole cores, a bare "Int min cores: 100" reads as 100 cores: each
+# is named with its unit, and shown read-only in both units.
+UNIT_COLUMNS: dict[str, tuple[str, str]] = {
+    "int_cores": ("booked cores", "centicores"),
+    "int_min_cores": ("min cores", "centicores"),
+    "int_local_cores": ("local cores", "centicores"),
+    "int_max_rss": ("max RSS", "KB"),
+    "int_max_vss": ("max VSS", "KB"),
+}
+_KB_UNITS = (("TB", 1024**3), ("GB", 1024**2), ("MB", 1024))
+
+
+def shown_with_unit(value: int | None, unit: str) -> str:
+    """'1 core (100 centicores)', '2.5 cores (250 centicores)', '4 GB (4194304 KB)': both units."""
+    if value is None:
+        return "-"
+    if unit == "centicores":
+        whole, part = divmod(abs(value), CENTICORES_PER_CORE)
+        number = f"{'-' if value < 0 else ''}{whole}" + (f".{part:02d}".rstrip("0") if part else "")
+        return f"{number} {'core' if abs(value) == CENTICORES_PER_CORE else 'cores'} ({value} centicores)"
+    for name, size in _KB_UNITS:
+        if abs(value) >= size:
+            return f"{value / size:.3g} {name} ({value} KB)"
+    return f"{value} KB"
+
+
+def _unit_display(column: str) -> Callable[[Any], str]:
+    label, unit = UNIT_COLUMNS[column]
+
+    def display(obj: Any) -> str:
+        return shown_with_unit(getattr(obj, column), unit)
+
+    display.short_description = f"{label} ({unit})"  # type: ignore[attr-defined]
+    display.__name__ = f"{column}_with_unit"
+    return display
 
 
 class CapsAdminMixin:
@@ -49,18 +86,39 @@ class CapsAdminMixin:
         raise NotImplementedError
 
     # -- fields -----------------------------------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        # The read-only "<column>_with_unit" displays (see UNIT_COLUMNS), found by name as the
+        # admin finds any method it lists in readonly_fields.
+        if name.endswith("_with_unit") and name[: -len("_with_unit")] in UNIT_COLUMNS:
+            return _unit_display(name[: -len("_with_unit")])
+        raise AttributeError(name)
+
     def formfield_for_dbfield(self, db_field: Any, request: HttpRequest, **kwargs: Any) -> Any:
         field = cap_formfield(self.cap_model, db_field.name)
         if field is not None:
             return field
-        return super().formfield_for_dbfield(db_field, request, **kwargs)  # type: ignore[misc]
+        field = super().formfield_for_dbfield(db_field, request, **kwargs)  # type: ignore[misc]
+        if field is not None and db_field.name in UNIT_COLUMNS:  # editable (superusers): the unit in the label
+            label, unit = UNIT_COLUMNS[db_field.name]
+            field.label = f"{label} ({unit})"
+            field.help_text = "100 centicores = 1 core." if unit == "centicores" else "In KB (1 GB = 1048576 KB)."
+        return field
 
-    def get_readonly_fields(self, request: HttpRequest, obj: Model | None = None) -> list[str]:
+    def _raw_readonly_fields(self, request: HttpRequest, obj: Model | None) -> list[str]:
         fields = list(super().get_readonly_fields(request, obj))  # type: ignore[misc]
         if obj is not None and not request.user.is_superuser:
             editable = set(self.cap_columns)
             fields += [f.name for f in obj._meta.concrete_fields if f.name not in editable and f.name not in fields]
+        return fields
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Model | None = None) -> list[str]:
+        fields = [f"{f}_with_unit" if f in UNIT_COLUMNS else f for f in self._raw_readonly_fields(request, obj)]
         return [*fields, "scheduler"] if obj is not None else fields
+
+    def get_exclude(self, request: HttpRequest, obj: Model | None = None) -> list[str]:
+        # A column shown read-only through its "_with_unit" display must not also be a form field.
+        exclude = list(super().get_exclude(request, obj) or ())  # type: ignore[misc]
+        return [*exclude, *(f for f in self._raw_readonly_fields(request, obj) if f in UNIT_COLUMNS)]
 
     def has_change_permission(self, request: HttpRequest, obj: Model | None = None) -> bool:
         return super().has_change_permission(request, obj) and permissions.can_edit_caps(request.user)  # type: ignore[misc]

@@ -1,19 +1,30 @@
-"""The JSON API: submit jobs and control them with a per-user bearer token (plain Django views).
+"""The JSON API: submit, list and control jobs with a per-user bearer token (plain Django views).
 
-Routes (under /api/, see dispatch/jobs/urls.py):
+Routes (under /api/, see dispatch/jobs/urls.py; each with or without a trailing slash; the
+full contract with examples is docs/api.md):
 
-| method | path | body | answer |
+| method | path | body or query | answer |
 |---|---|---|---|
+| GET | /api/jobs | ?show, state, user, name, limit, offset | 200 a page of jobs |
 | POST | /api/jobs | a job spec (dispatch.jobs.spec) | 201 {"job": id, "name": ..., "frames": n} |
 | GET | /api/jobs/<id or name> | | 200 the job: state, counts, caps, layers |
+| GET | /api/jobs/<id or name>/layers | ?limit, offset | 200 a page of its layers |
+| GET | /api/jobs/<id or name>/frames | ?layer, state, limit, offset | 200 a page of its frames |
 | POST | /api/jobs/<id or name>/pause, resume, kill | none or {} | 200 {"job", "action", "changed", ...} |
 | POST | /api/jobs/<id or name>/retry, eat | none, or {"frames": [names or ids], "layer": name} | 200 |
 | POST | /api/jobs/<id or name>/priority | {"priority": n} | 200 |
 | POST | /api/jobs/<id or name>/max-cores | {"max_cores": whole cores, -1 unlimited} | 200 |
 
-Every error is `{"errors": ["...", ...]}`: 400 bad body or spec (all reasons), 401 no valid
-token (`Authorization: Bearer <token>`, made by `manage.py api_token USER`), 403 not allowed,
-404 no such job or action, 405 wrong method. Nothing is written on any error.
+A page is `{"count", "limit", "offset", "next", "previous", "results"}` (`next` and `previous`
+are the URLs of the neighbouring pages, or null), in a stable order so that paging through a
+list that is not written meanwhile sees every row once.
+
+Every error is `{"errors": ["...", ...]}`, on every path under /api/: 400 bad body, spec or
+query (all reasons), 401 no valid token (`Authorization: Bearer <token>`, made by `manage.py
+api_token USER`), 403 not allowed, 404 no such job, action or route, 405 wrong method, 500 a
+bug (logged with its traceback), 503 the database is unreachable. A 4xx answer writes nothing.
+Each write is one durable transaction, so after a 500 or 503 it happened whole or not at all:
+read the job to know which.
 
 Who may do what: any active user with a token may submit (as themselves; as another user
 only with the rights below) and read jobs; a user controls their own jobs
@@ -25,21 +36,50 @@ CSRF-exempt: a bearer token is never sent by a browser on its own.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any
+from urllib.parse import urlencode
 
 from django.contrib.auth.models import AbstractBaseUser
-from django.core.exceptions import ValidationError
+from django.core.exceptions import SuspiciousOperation, ValidationError
+from django.db import OperationalError
+from django.db.models import QuerySet
 from django.http import HttpRequest, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from dispatch.jobs import actions
 from dispatch.jobs.spec import SpecError, load_spec
 from dispatch.jobs.tokens import user_for_token
-from dispatch.models import Job, JobResource, JobStat, Layer, LayerStat
+from dispatch.models import Frame, Job, JobResource, JobStat, Layer, LayerStat
+from dispatch.models.jobs import FRAME_STATES, JOB_STATES
+
+logger = logging.getLogger(__name__)
 
 CONTROL_PERMISSION = "dispatch.change_job"
 COUNTS = ("waiting", "running", "dead", "depend", "eaten", "succeeded", "total")
+# A page of a list: `limit` rows from `offset`. The cap keeps one answer (a frame row is ~300
+# bytes of JSON) well under a megabyte, and one COUNT plus one indexed page query per request.
+DEFAULT_LIMIT = 100
+MAX_LIMIT = 1000
+JOB_FILTERS = ("show", "state", "user", "name")
+FRAME_FILTERS = ("layer", "state")
+# Every route, for the 404 of an unknown path (and docs/api.md, which tests/unit/test_docs.py checks).
+ROUTES = (
+    "GET /api/jobs",
+    "POST /api/jobs",
+    "GET /api/jobs/<job>",
+    "GET /api/jobs/<job>/layers",
+    "GET /api/jobs/<job>/frames",
+    "POST /api/jobs/<job>/pause",
+    "POST /api/jobs/<job>/resume",
+    "POST /api/jobs/<job>/kill",
+    "POST /api/jobs/<job>/retry",
+    "POST /api/jobs/<job>/eat",
+    "POST /api/jobs/<job>/priority",
+    "POST /api/jobs/<job>/max-cores",
+)
 
 
 class ApiError(Exception):
@@ -58,10 +98,17 @@ def may_control(user: AbstractBaseUser, job: Job) -> bool:
 
 
 def _authenticate(request: HttpRequest) -> AbstractBaseUser:
-    header = request.headers.get("Authorization", "")
+    header = request.headers.get("Authorization", "").strip()
     scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
+    if not header:
         raise ApiError(401, "an API token is required: send 'Authorization: Bearer <token>'")
+    if scheme.lower() != "bearer":
+        # A token was sent, in another scheme (`Token cst_...`, or no scheme at all): say so,
+        # rather than that no token came.
+        what = f"the {scheme[:20]!r} scheme" if token.strip() else "no scheme"
+        raise ApiError(401, f"the Authorization header uses {what}: send 'Authorization: Bearer <token>'")
+    if not token.strip():
+        raise ApiError(401, "the Authorization header has no token after 'Bearer'")
     user = user_for_token(token.strip())
     if user is None:
         raise ApiError(401, "the API token is not valid")
@@ -79,6 +126,29 @@ def _body(request: HttpRequest, *, required: bool) -> dict[str, Any]:
         raise ApiError(400, *exc.errors) from None
 
 
+def error_response(exc: ApiError, methods: tuple[str, ...] = ()) -> JsonResponse:
+    response = JsonResponse({"errors": exc.errors}, status=exc.status)
+    if exc.status == 401:
+        response["WWW-Authenticate"] = 'Bearer realm="cuesched"'
+    if exc.status == 405:
+        response["Allow"] = ", ".join(methods)
+    return response
+
+
+def unexpected_error(request: HttpRequest, exc: BaseException) -> JsonResponse:
+    """A bug or a lost database, as JSON: a client of the API never has to parse an HTML page.
+
+    The traceback goes to the log, not to the client (it may show SQL or settings)."""
+    if isinstance(exc, SuspiciousOperation):  # e.g. a body over DATA_UPLOAD_MAX_MEMORY_SIZE: the client's fault
+        logger.warning("api: %s %s: refused: %s", request.method, request.path, exc)
+        return error_response(ApiError(400, f"the request was refused: {exc}"))
+    if isinstance(exc, OperationalError):
+        logger.warning("api: %s %s: the database is unavailable: %s", request.method, request.path, exc)
+        return error_response(ApiError(503, "the database is unavailable: try again shortly"))
+    logger.error("api: %s %s failed", request.method, request.path, exc_info=exc)
+    return error_response(ApiError(500, f"internal error ({type(exc).__name__}); the server log has the details"))
+
+
 def _api(*methods: str) -> Callable[[Callable[..., JsonResponse]], Callable[..., JsonResponse]]:
     """Method check, token authentication and the error format, around one view."""
 
@@ -91,15 +161,13 @@ def _api(*methods: str) -> Callable[[Callable[..., JsonResponse]], Callable[...,
                 user = _authenticate(request)
                 return view(request, user, *args, **kwargs)
             except ApiError as exc:
-                response = JsonResponse({"errors": exc.errors}, status=exc.status)
-                if exc.status == 401:
-                    response["WWW-Authenticate"] = 'Bearer realm="cuesched"'
-                if exc.status == 405:
-                    response["Allow"] = ", ".join(methods)
-                return response
+                return error_response(exc, methods)
+            except Exception as exc:  # every failure answers JSON; the log has the traceback
+                return unexpected_error(request, exc)
 
         wrapped.__name__ = view.__name__
         wrapped.__doc__ = view.__doc__
+        wrapped.methods = methods  # type: ignore[attr-defined]  # read by the docs test (docs/api.md)
         return wrapped
 
     return deco
@@ -112,7 +180,20 @@ def _job(ref: str) -> Job:
         raise ApiError(404, str(exc)) from None
 
 
-@_api("POST")
+@csrf_exempt
+def not_found(request: HttpRequest, *args: Any, **kwargs: Any) -> JsonResponse:
+    """Any other path under /api/: a JSON 404 naming the routes (no token needed to learn them)."""
+    return error_response(ApiError(404, f"no API route {request.path!r}; routes: {', '.join(ROUTES)}"))
+
+
+@_api("GET", "POST")
+def jobs(request: HttpRequest, user: AbstractBaseUser) -> JsonResponse:
+    """/api/jobs: GET lists jobs, POST submits one."""
+    if request.method == "POST":
+        return submit(request, user)
+    return list_jobs(request)
+
+
 def submit(request: HttpRequest, user: AbstractBaseUser) -> JsonResponse:
     """POST /api/jobs: validate and write a job spec."""
     spec = _body(request, required=True)
@@ -134,25 +215,191 @@ def job_detail(request: HttpRequest, user: AbstractBaseUser, ref: str) -> JsonRe
     return JsonResponse(describe_job(job))
 
 
+# --- lists ----------------------------------------------------------------------------------
+
+
+def _query(request: HttpRequest, filters: tuple[str, ...]) -> tuple[dict[str, str], int, int]:
+    """The filters given, and the page (limit, offset); a 400 lists every bad parameter at once."""
+    errors: list[str] = []
+    known = (*filters, "limit", "offset")
+    for key in sorted(set(request.GET) - set(known)):
+        errors.append(f"unknown query parameter {key!r} (known: {', '.join(known)})")
+    given = {key: request.GET[key] for key in filters if request.GET.get(key, "") != ""}
+
+    def number(key: str, default: int, low: int, high: int) -> int:
+        raw = request.GET.get(key, "")
+        if raw == "":
+            return default
+        try:
+            value = int(raw)
+        except ValueError:
+            value = None
+        if value is None or not low <= value <= high:
+            errors.append(f"{key} must be a whole number from {low} to {high}, not {raw!r}")
+            return default
+        return value
+
+    limit = number("limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
+    offset = number("offset", 0, 0, 10**9)
+    if errors:
+        raise ApiError(400, *errors)
+    return given, limit, offset
+
+
+def _states(raw: str | None, known: tuple[str, ...], errors: list[str]) -> list[str] | None:
+    """`state=RUNNING` or `state=WAITING,DEAD` (any case); None when not filtered."""
+    if raw is None:
+        return None
+    states = [s.strip().upper() for s in raw.split(",") if s.strip()]
+    bad = [s for s in states if s not in known]
+    if bad or not states:
+        errors.append(f"state: {', '.join(map(repr, bad)) or repr(raw)} is not a state (states: {', '.join(known)})")
+    return states
+
+
+def _page(
+    request: HttpRequest, rows: QuerySet[Any], limit: int, offset: int, render: Callable[[Any], Any]
+) -> JsonResponse:
+    count = rows.count()
+    results = [render(row) for row in rows[offset : offset + limit]]
+
+    def link(to: int) -> str:
+        params = request.GET.copy()
+        params["limit"] = str(limit)
+        params["offset"] = str(to)
+        return f"{request.path}?{urlencode(sorted(params.items()))}"
+
+    return JsonResponse(
+        {
+            "count": count,
+            "limit": limit,
+            "offset": offset,
+            "next": link(offset + limit) if offset + limit < count else None,
+            "previous": link(max(0, offset - limit)) if offset > 0 else None,
+            "results": results,
+        }
+    )
+
+
+def _time(value: datetime | None) -> str | None:
+    return value.isoformat() if value is not None else None
+
+
+def _cores(centicores: int | None) -> int | None:
+    """Whole cores for the answer; -1 (unlimited) for any cap <= 0, as the columns mean it."""
+    if centicores is None:
+        return None
+    return centicores // 100 if centicores > 0 else -1
+
+
+def list_jobs(request: HttpRequest) -> JsonResponse:
+    """GET /api/jobs: jobs, newest first, filtered by show, state, user (exact) and name (part of it)."""
+    given, limit, offset = _query(request, JOB_FILTERS)
+    errors: list[str] = []
+    states = _states(given.get("state"), JOB_STATES, errors)
+    if errors:
+        raise ApiError(400, *errors)
+    rows = Job.objects.select_related("resource", "stat").order_by("-ts_started", "pk_job")
+    if "show" in given:
+        rows = rows.filter(str_show=given["show"])
+    if "user" in given:
+        rows = rows.filter(str_user=given["user"])
+    if "name" in given:
+        rows = rows.filter(str_name__icontains=given["name"])
+    if states is not None:
+        rows = rows.filter(str_state__in=states)
+    return _page(request, rows, limit, offset, summarize_job)
+
+
+def summarize_job(job: Job) -> dict[str, Any]:
+    resource: JobResource | None = getattr(job, "resource", None)
+    stat: JobStat | None = getattr(job, "stat", None)
+    return {
+        "job": job.pk_job,
+        "name": job.str_name,
+        "show": job.str_show,
+        "user": job.str_user,
+        "state": job.str_state,
+        "paused": job.b_paused,
+        "priority": resource.int_priority if resource else None,
+        "max_cores": _cores(resource.int_max_cores) if resource else None,
+        "max_gpus": resource.int_max_gpus if resource else None,
+        "frames": _counts(stat),
+        "started": _time(job.ts_started),
+        "stopped": _time(job.ts_stopped),
+    }
+
+
+@_api("GET")
+def job_layers(request: HttpRequest, user: AbstractBaseUser, ref: str) -> JsonResponse:
+    """GET /api/jobs/<id or name>/layers: the job's layers in dispatch order, with frame counts."""
+    job = _job(ref)
+    _, limit, offset = _query(request, ())
+    stats = {s.layer_id: s for s in LayerStat.objects.filter(job=job)}
+    rows = Layer.objects.filter(job=job).order_by("int_dispatch_order", "str_name", "pk_layer")
+    return _page(request, rows, limit, offset, lambda layer: describe_layer(layer, stats.get(layer.pk_layer)))
+
+
+@_api("GET")
+def job_frames(request: HttpRequest, user: AbstractBaseUser, ref: str) -> JsonResponse:
+    """GET /api/jobs/<id or name>/frames: the job's frames by layer then number, by layer and state."""
+    job = _job(ref)
+    given, limit, offset = _query(request, FRAME_FILTERS)
+    errors: list[str] = []
+    states = _states(given.get("state"), FRAME_STATES, errors)
+    layer = None
+    if "layer" in given:
+        layer = Layer.objects.filter(job=job, str_name=given["layer"]).first()
+        if layer is None:
+            errors.append(f"layer: the job has no layer {given['layer']!r}")
+    if errors:
+        raise ApiError(400, *errors)
+    rows = Frame.objects.filter(job=job).select_related("layer").order_by("int_layer_order", "int_number", "pk_frame")
+    if layer is not None:
+        rows = rows.filter(layer=layer)
+    if states is not None:
+        rows = rows.filter(str_state__in=states)
+    return _page(request, rows, limit, offset, describe_frame)
+
+
+def describe_frame(frame: Frame) -> dict[str, Any]:
+    return {
+        "frame": frame.pk_frame,
+        "name": frame.str_name,
+        "layer": frame.layer.str_name,
+        "number": frame.int_number,
+        "state": frame.str_state,
+        "exit_status": frame.int_exit_status,
+        "retries": frame.int_retries,
+        "host": frame.str_host,
+        "started": _time(frame.ts_started),
+        "stopped": _time(frame.ts_stopped),
+    }
+
+
 def _counts(stat: JobStat | LayerStat | None) -> dict[str, int]:
     if stat is None:
         return dict.fromkeys(COUNTS, 0)
     return {name: getattr(stat, f"int_{name}_count") for name in COUNTS}
 
 
+def describe_layer(layer: Layer, stat: LayerStat | None) -> dict[str, Any]:
+    return {
+        "id": layer.pk_layer,
+        "name": layer.str_name,
+        "range": layer.str_range,
+        "chunk_size": layer.int_chunk_size,
+        "cores": layer.int_cores_min // 100 if layer.int_cores_min > 0 else layer.int_cores_min,
+        "tags": layer.str_tags,
+        "frames": _counts(stat),
+    }
+
+
 def describe_job(job: Job) -> dict[str, Any]:
     resource = JobResource.objects.filter(job=job).first()
     stats = {s.layer_id: s for s in LayerStat.objects.filter(job=job)}
     layers = [
-        {
-            "id": layer.pk_layer,
-            "name": layer.str_name,
-            "range": layer.str_range,
-            "chunk_size": layer.int_chunk_size,
-            "cores": layer.int_cores_min // 100 if layer.int_cores_min > 0 else layer.int_cores_min,
-            "tags": layer.str_tags,
-            "frames": _counts(stats.get(layer.pk_layer)),
-        }
+        describe_layer(layer, stats.get(layer.pk_layer))
         for layer in Layer.objects.filter(job=job).order_by("int_dispatch_order", "str_name")
     ]
     max_cores = resource.int_max_cores if resource else None

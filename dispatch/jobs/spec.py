@@ -280,10 +280,20 @@ def _cap(reader: _Reader, key: str, *, centi: bool) -> int | None:
 # --- the layers -----------------------------------------------------------------------------
 
 
-def _plan_layer(data: Any, index: int, errors: list[str]) -> LayerPlan | None:
+@dataclass
+class _LayerDraft:
+    """What the dependency check needs of a layer, whether or not its other fields are valid:
+    the graph is checked in the same pass as the fields, so one submission lists every error."""
+
+    name: str | None
+    referenced: list[str]  # every layer its depends name, valid entry or not
+    plan: LayerPlan | None  # None when the layer has errors of its own
+
+
+def _plan_layer(data: Any, index: int, errors: list[str]) -> _LayerDraft:
     if not isinstance(data, dict):
         errors.append(f"layers[{index}]: must be an object, not {data!r}")
-        return None
+        return _LayerDraft(name=None, referenced=[], plan=None)
     name = data.get("name")
     where = f"layer {name!r}" if isinstance(name, str) and name.strip() else f"layers[{index}]"
     r = _Reader(data, where, errors)
@@ -299,7 +309,7 @@ def _plan_layer(data: Any, index: int, errors: list[str]) -> LayerPlan | None:
     memory = _memory(r, "memory", DEFAULT_MEMORY_KB, allow_zero=False)
     gpu_memory = _memory(r, "gpu_memory", 0, allow_zero=True)
     tags = _tags(r)
-    depends = _depends(r)
+    depends, referenced = _depends(r)
     chunks: list[Chunk] = []
     if range_spec is not None:
         try:
@@ -310,10 +320,13 @@ def _plan_layer(data: Any, index: int, errors: list[str]) -> LayerPlan | None:
             if chunk_size is not None:
                 chunks = chunk_frames(frames, chunk_size)
     if len(errors) > before:
-        return None
+        # A name with errors of its own is still the name its dependents use: not "unknown" too.
+        raw_name = data.get("name")
+        draft_name = raw_name if isinstance(raw_name, str) and raw_name.strip() else None
+        return _LayerDraft(name=draft_name, referenced=referenced, plan=None)
     assert name and command and range_spec and chunk_size and cores and memory is not None
     assert gpus is not None and gpu_memory is not None and tags is not None and depends is not None
-    return LayerPlan(
+    plan = LayerPlan(
         name=name,
         command=command,
         range=range_spec.strip(),
@@ -328,6 +341,7 @@ def _plan_layer(data: Any, index: int, errors: list[str]) -> LayerPlan | None:
         chunks=chunks,
         order=index + 1,
     )
+    return _LayerDraft(name=name, referenced=referenced, plan=plan)
 
 
 def _memory(r: _Reader, key: str, default: int, *, allow_zero: bool) -> int | None:
@@ -366,14 +380,17 @@ def _tags(r: _Reader) -> list[str] | None:
     return tags
 
 
-def _depends(r: _Reader) -> list[DependPlan] | None:
+def _depends(r: _Reader) -> tuple[list[DependPlan] | None, list[str]]:
+    """The valid dependencies (None if any entry is bad), and every layer name the entries give,
+    bad entries included, so an unknown layer is reported together with the entry's other errors."""
     value = r.data.get("depends")
     if value is None:
-        return []
+        return [], []
     if not isinstance(value, list):
         r.error("depends", f'must be a list of {{"layer": NAME, "type": "frame" | "layer"}}, not {value!r}')
-        return None
+        return None, []
     out: list[DependPlan] = []
+    referenced: list[str] = []
     ok = True
     for i, item in enumerate(value):
         d = _Reader(item if isinstance(item, dict) else {}, f"{r.where}.depends[{i}]", r.errors)
@@ -383,6 +400,8 @@ def _depends(r: _Reader) -> list[DependPlan] | None:
             continue
         d.unknown_keys(DEPEND_KEYS)
         on = d.text("layer", required=True, max_len=200)
+        if on is not None and on not in referenced:
+            referenced.append(on)
         kind = item.get("type")
         if kind not in DEPEND_KINDS:
             d.error("type", f"must be 'frame' (frame by frame) or 'layer' (the whole layer), not {kind!r}")
@@ -397,21 +416,24 @@ def _depends(r: _Reader) -> list[DependPlan] | None:
             ok = False
             continue
         out.append(plan)
-    return out if ok else None
+    return (out if ok else None), referenced
 
 
-def _check_graph(layers: list[LayerPlan], errors: list[str]) -> None:
-    names = {layer.name for layer in layers}
+def _check_graph(layers: list[_LayerDraft], names: set[str], errors: list[str]) -> None:
+    """Unknown layers, self-dependencies and cycles, over every layer that has a name (`names`:
+    the spec's layer names as written, a layer with errors of its own still counting as one)."""
     graph: dict[str, list[str]] = {}
     for layer in layers:
-        for dep in layer.depends:
-            if dep.on not in names:
+        if layer.name is None:
+            continue
+        for on in layer.referenced:
+            if on not in names:
                 known = ", ".join(sorted(names))
-                errors.append(f"layer {layer.name!r}.depends: unknown layer {dep.on!r} (layers: {known})")
-            elif dep.on == layer.name:
+                errors.append(f"layer {layer.name!r}.depends: unknown layer {on!r} (layers: {known})")
+            elif on == layer.name:
                 errors.append(f"layer {layer.name!r}.depends: a layer cannot depend on itself")
             else:
-                graph.setdefault(layer.name, []).append(dep.on)
+                graph.setdefault(layer.name, []).append(on)
     for cycle in _cycles(graph):
         errors.append(f"dependency cycle: {' -> '.join(cycle)}")
 
@@ -545,21 +567,23 @@ def plan_job(spec: Any, *, user: str | None) -> JobPlan:
         r.error("layers", f"has more than {MAX_LAYERS} layers")
     else:
         names: dict[str, int] = {}
+        drafts: list[_LayerDraft] = []
         for i, raw in enumerate(raw_layers):
-            layer = _plan_layer(raw, i, errors)
+            draft = _plan_layer(raw, i, errors)
+            drafts.append(draft)
             raw_name = raw.get("name") if isinstance(raw, dict) else None
             if isinstance(raw_name, str):
                 if raw_name in names:
                     errors.append(f"layers[{i}]: duplicate layer name {raw_name!r} (also layers[{names[raw_name]}])")
                 else:
                     names[raw_name] = i
-            if layer is not None:
-                layers.append(layer)
-        if len(layers) == len(raw_layers):
-            _check_graph(layers, errors)
-            total = sum(len(layer.chunks) for layer in layers)
-            if total > MAX_FRAMES_PER_JOB:
-                r.error("layers", f"make {total} frames; one job may have at most {MAX_FRAMES_PER_JOB}")
+            if draft.plan is not None:
+                layers.append(draft.plan)
+        _check_graph(drafts, {d.name for d in drafts if d.name is not None}, errors)
+        # Over the valid layers only: a lower bound when some are not, so still a true error.
+        total = sum(len(layer.chunks) for layer in layers)
+        if total > MAX_FRAMES_PER_JOB:
+            r.error("layers", f"make {total} frames; one job may have at most {MAX_FRAMES_PER_JOB}")
 
     # The database: show, folder, facility, dept, name, default tags.
     show = folder = facility = dept = None

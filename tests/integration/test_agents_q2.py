@@ -14,6 +14,7 @@ import pytest
 from dispatch.engine.completion import EXIT_STATUS_DOWN_HOST, EXIT_STATUS_KILLED, kill_frames
 from dispatch.engine.launcher import get_launcher
 from dispatch.hosts.agent import EXIT_COMMAND_NOT_FOUND, HostSpec, register_host, release_previous_runs, run_frame
+from dispatch.hosts.launchers.q2 import TASK_FUNC
 from tests.integration.agent_support import agent_farm, agent_process
 from tests.integration.dispatch_support import autocommit, drain, make_loop, scalar, violations, wait_for
 from tests.integration.runtime_support import running_scheduler
@@ -194,3 +195,31 @@ def test_a_frame_sees_the_cue_environment_and_not_the_agents_secrets(
         assert env["CUE_FRAME"] == f"0001-{layer}" and env["CUE_JOB"] == job and env["CUE_IFRAME"] == "1"
         assert env["CUE_THREADS"] == "1" and env["CUE_RESOURCE_ID"] == out["pk_proc"] and "PATH" in env
         assert "DATABASE_URL" not in env and "DJANGO_SECRET_KEY_PROBE" not in env
+
+
+def test_a_task_on_a_host_with_the_longest_name_is_saved_by_django_q2(tmp_path: Path) -> None:
+    """django-q2's task name column is varchar(100); a 45-character host name (the longest
+    `host.str_name` allows) used to push the launcher's task name over it, and the cluster then
+    failed to save the frame's task result (DataError) although the frame itself succeeded."""
+    farm = agent_farm("along", "echo long host name", frames=1, max_retries=0)
+    host = "along-render-node-0123456789-abcdefghijklmnop"
+    assert len(host) == 45
+    with agent_process(host, farm, tmp_path), running_scheduler() as proc, autocommit() as conn:
+        launcher = get_launcher("q2")
+        loop = make_loop(proc.service, launcher, host_refresh_interval=0.2)
+        try:
+            totals = drain(loop, 30)
+        finally:
+            launcher.close()
+        assert totals.booked == 1 and totals.launch_failures == 0
+        assert scalar(conn, "SELECT str_state FROM frame") == "SUCCEEDED"
+
+        # The cluster's monitor saves the result after the frame's end: wait for its row.
+        def saved() -> bool:
+            return bool(scalar(conn, "SELECT count(*) FROM django_q_task WHERE func = %s", (TASK_FUNC,)))
+
+        wait_for(saved, 15, "django-q2 to save the task result")
+        name, success = conn.execute("SELECT name, success FROM django_q_task").fetchone()
+        assert success is True and len(name) <= 100
+        assert host in name  # the task still names its host
+        assert violations(conn) == []

@@ -191,7 +191,7 @@ def test_bad_control_requests_change_nothing(client: Client, tokens) -> None:
     response = post(client, f"{url}/pause", token=token, raw=b"{oops")
     assert response.status_code == 400
     assert post(client, "/api/jobs/no-such-job/pause", token=token).status_code == 404
-    assert client.get("/api/jobs", HTTP_AUTHORIZATION=f"Bearer {token}").status_code == 405
+    assert client.put("/api/jobs", HTTP_AUTHORIZATION=f"Bearer {token}").status_code == 405  # GET lists now
     assert client.delete(url, HTTP_AUTHORIZATION=f"Bearer {token}").status_code == 405
     row = Job.objects.get(pk=job)
     assert (row.b_paused, row.str_state) == (False, "PENDING")

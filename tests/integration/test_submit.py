@@ -187,10 +187,35 @@ def test_all_errors_are_reported_at_once(farm) -> None:
         ],
     }
     errors = _errors(spec)
-    assert len(errors) == 6, errors
+    # Seven: the unknown dependency layer 'zz' is one of them (it used to wait for a second pass).
+    assert len(errors) == 7, errors
     for part in ("step cannot be 0", "cores", "'12' has no unit", "duplicate layer name 'a'", "unknown show 'nope'",
-                 "job.name"):  # fmt: skip
+                 "job.name", "unknown layer 'zz'"):  # fmt: skip
         assert any(part in e for e in errors), (part, errors)
+
+
+def test_dependency_errors_come_in_the_same_pass_as_field_errors(farm) -> None:
+    """An unknown layer, a self-dependency and a cycle are found even when layers (the ones
+    depending, and the ones depended on) have field errors of their own, and a dependency with a
+    bad type still has its layer checked."""
+    spec = make_spec(
+        layers=[
+            _layer(name="a", memory="12", depends=[{"layer": "ghost", "type": "frame"}]),
+            _layer(name="b", cores=0, depends=[{"layer": "c", "type": "layer"}, {"layer": "b", "type": "layer"}]),
+            _layer(name="c", range="x", depends=[{"layer": "b", "type": "frame"}, {"layer": "spook", "type": "?"}]),
+        ]
+    )
+    errors = _errors(spec)
+    assert errors == [
+        "layer 'a'.memory: '12' has no unit: write e.g. '4GB' or '512MB'",
+        "layer 'b'.cores: must be a whole number of cores from 1 to 100000",
+        "layer 'c'.depends[1].type: must be 'frame' (frame by frame) or 'layer' (the whole layer), not '?'",
+        "layer 'c'.range: 'x' is not a frame range: use N, A-B, A-BxSTEP, A-BySTEP or A-B:STEP (e.g. '1-100x5')",
+        "layer 'a'.depends: unknown layer 'ghost' (layers: a, b, c)",
+        "layer 'b'.depends: a layer cannot depend on itself",
+        "layer 'c'.depends: unknown layer 'spook' (layers: a, b, c)",
+        "dependency cycle: b -> c -> b",
+    ], errors
 
 
 def test_a_layer_without_tags_needs_a_subscription_to_take_them_from(farm) -> None:

@@ -173,3 +173,133 @@ def test_every_relative_link_and_anchor_in_the_docs_resolves() -> None:
                 if fragment not in anchors:
                     broken.append(f"{path.name}: {target}")
     assert broken == []
+
+
+# --- docs/jobs.md and docs/api.md against the code ---------------------------------------------
+
+JOBS_DOC = ROOT / "docs" / "jobs.md"
+API_DOC = ROOT / "docs" / "api.md"
+FIELD_ROW = re.compile(r"^\|\s*`([a-z_]+)`\s*\|", re.M)
+
+
+def section(text: str, heading: str) -> str:
+    """The text under `## heading`, up to the next heading of the same or a higher level."""
+    match = re.search(rf"^## {re.escape(heading)}\n(.*?)(?=^## |\Z)", text, re.S | re.M)
+    assert match, f"no '## {heading}' section"
+    return match.group(1)
+
+
+def test_jobs_doc_documents_exactly_the_spec_fields() -> None:
+    from dispatch.jobs import spec
+
+    text = JOBS_DOC.read_text()
+    for heading, keys in (
+        ("Job fields", spec.JOB_KEYS),
+        ("Layer fields", spec.LAYER_KEYS),
+        ("Dependencies", spec.DEPEND_KEYS),
+    ):
+        documented = set(FIELD_ROW.findall(section(text, heading)))
+        assert documented == set(keys), (heading, sorted(set(keys) - documented), sorted(documented - set(keys)))
+    assert set(re.findall(r"`#([A-Z_]+)#`", section(text, "Command tokens"))) == set(spec_tokens())
+
+
+def spec_tokens() -> tuple[str, ...]:
+    from dispatch.jobs.frameset import TOKENS
+
+    return TOKENS
+
+
+def test_jobs_doc_states_the_limits_the_code_enforces() -> None:
+    from dispatch.jobs import frameset, spec
+
+    text = JOBS_DOC.read_text()
+    for value in (spec.MAX_LAYERS, spec.MAX_FRAMES_PER_JOB, spec.MAX_CORES, frameset.DEFAULT_MAX_FRAMES):
+        assert f"{value:,}" in text, value
+    assert f'"{spec.DEFAULT_MEMORY_KB // 1024**2}GB"' in section(text, "Layer fields")
+    assert f"| {spec.DEFAULT_MAX_RETRIES} |" in section(text, "Job fields")
+
+
+def test_jobs_doc_examples_are_specs_with_only_known_fields() -> None:
+    from dispatch.jobs import spec
+
+    blocks = re.findall(r"^```json\n(.*?)^```", JOBS_DOC.read_text(), re.S | re.M)
+    assert len(blocks) >= 2
+    for block in blocks:
+        doc = spec.load_spec(block)
+        assert set(doc) <= set(spec.JOB_KEYS) and {"show", "name", "layers"} <= set(doc)
+        for layer in doc["layers"]:
+            assert set(layer) <= spec.LAYER_KEYS
+            for dep in layer.get("depends", []):
+                assert set(dep) == spec.DEPEND_KEYS
+
+
+ROUTE_HEADING = re.compile(r"^### `([A-Z]+) (/api/[^`]*)`", re.M)
+CURL = re.compile(r"^curl\b.*$", re.M)
+
+
+def route_regex(route: str) -> re.Pattern[str]:
+    return re.compile("^" + re.escape(route).replace(re.escape("<job>"), "[^/]+") + "/?$")
+
+
+def curl_calls(text: str) -> list[tuple[str, str, list[str]]]:
+    """(method, path, query parameter names) of every curl line in the fenced blocks."""
+    from urllib.parse import parse_qs, urlsplit
+
+    calls = []
+    for block in FENCED.findall(text):
+        for line in CURL.findall(block):
+            method = re.search(r"-X\s+([A-Z]+)", line)
+            url = re.search(r"https?://[^\s\"']+", line)
+            assert url, line
+            parts = urlsplit(url.group(0))
+            verb = method.group(1) if method else ("POST" if "--data" in line else "GET")
+            calls.append((verb, parts.path, sorted(parse_qs(parts.query))))
+    return calls
+
+
+def test_api_doc_has_a_section_for_every_route_and_no_other() -> None:
+    from dispatch.jobs import api
+
+    headings = {f"{method} {path}" for method, path in ROUTE_HEADING.findall(API_DOC.read_text())}
+    assert headings == set(api.ROUTES)
+
+
+def test_every_route_the_api_lists_is_served_with_its_method() -> None:
+    from django.urls import resolve
+
+    from dispatch.jobs import api
+
+    actions = set()
+    for route in api.ROUTES:
+        method, path = route.split(" ", 1)
+        match = resolve(path.replace("<job>", "some-job"))
+        assert method in getattr(match.func, "methods", ()), route
+        if "action" in match.kwargs:
+            actions.add(match.kwargs["action"])
+    assert actions == set(api.ACTIONS)  # every action has its route, and no route names a non-action
+
+
+def test_every_curl_example_calls_a_documented_route_with_known_parameters() -> None:
+    from dispatch.jobs import api
+
+    text = API_DOC.read_text()
+    calls = curl_calls(text)
+    params = {"GET /api/jobs": api.JOB_FILTERS, "GET /api/jobs/<job>/frames": api.FRAME_FILTERS}
+    called = set()
+    for method, path, query in calls:
+        routes = [r for r in api.ROUTES if r.startswith(method + " ") and route_regex(r.split(" ", 1)[1]).match(path)]
+        # The most specific route (a literal segment beats <job>): /api/jobs/x/frames is frames.
+        routes.sort(key=lambda r: r.count("<job>") - len(r))
+        assert routes, (method, path)
+        called.add(routes[0])
+        allowed = {*params.get(routes[0], ()), "limit", "offset"} if routes[0].startswith("GET") else set()
+        assert set(query) <= allowed, (method, path, query)
+    assert called == set(api.ROUTES), sorted(set(api.ROUTES) - called)  # an example for every route
+    for name in (*api.JOB_FILTERS, *api.FRAME_FILTERS):
+        assert f"`{name}`" in text, name
+    assert f"1 to {api.MAX_LIMIT}" in text and f"default {api.DEFAULT_LIMIT}" in text
+
+
+def test_the_readme_links_the_job_and_api_docs() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert "(docs/jobs.md)" in readme and "(docs/api.md)" in readme

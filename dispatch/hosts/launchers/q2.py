@@ -36,6 +36,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 TASK_FUNC = "dispatch.hosts.agent.run_frame"
+# django-q2 saves a task's result with its name in a varchar(100) (django_q_task.name): a longer
+# name makes that save fail with a DataError and the result is lost, though the frame ran.
+TASK_NAME_MAX = 100
+
+
+def task_name(pk_proc: str, host: str) -> str:
+    """What django-q2's admin lists the task as: the proc and its host, never over its column.
+
+    No humanhash: the proc id already names the task uniquely, and the hash's four words (up to
+    55 characters) are what used to push a 45-character host name over the column's 100."""
+    return f"proc {pk_proc} on {host}"[:TASK_NAME_MAX]
 
 
 @register("q2")
@@ -66,10 +77,10 @@ def task_package(pk_proc: str, host: str) -> str:
     from django_q.humanhash import uuid as q_uuid
     from django_q.signing import SignedPackage
 
-    name, task_id = q_uuid()
+    _, task_id = q_uuid()
     task = {
         "id": task_id,
-        "name": f"{name} frame proc {pk_proc} on {host}",
+        "name": task_name(pk_proc, host),
         "func": TASK_FUNC,
         "args": (pk_proc, host),
         "kwargs": {},

@@ -1,7 +1,7 @@
 """`manage.py submit_job SPEC.json` (or `-` for standard input): submit a job spec.
 
 Prints the new job's id, name and frame count. A refused spec prints every reason on stderr,
-one per line, and exits non-zero. The spec format is in dispatch.jobs.spec.
+one per line, and exits non-zero. The spec format is docs/jobs.md (validated by dispatch.jobs.spec).
 """
 
 from __future__ import annotations
@@ -18,10 +18,13 @@ from dispatch.jobs.spec import SpecError, load_spec
 
 
 class Command(BaseCommand):
-    help = "Submit a job from a JSON spec file (or - for standard input); prints the job id and frame count."
+    help = (
+        "Submit a job from a JSON spec file (or - for standard input); prints the job id and frame count."
+        " The spec format, field by field: docs/jobs.md."
+    )
 
     def add_arguments(self, parser: ArgumentParser) -> None:
-        parser.add_argument("spec", help="the JSON spec file, or - to read standard input")
+        parser.add_argument("spec", help="the JSON job spec file (docs/jobs.md), or - to read standard input")
         parser.add_argument("--user", help="owner of the job when the spec names no user (default: your login name)")
 
     def handle(self, *args: Any, spec: str, user: str | None, **options: Any) -> None:
