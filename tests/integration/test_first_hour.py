@@ -57,9 +57,14 @@ def test_a_taken_port_stops_the_demo_before_it_starts_anything(which: str, tmp_p
     web, metrics = (taken, free_port()) if which == "web" else (free_port(), taken)
     marker = new_marker()
     password_file = tmp_path / "admin-password"
-    env = command_env(marker, CUESCHED_DEMO_PASSWORD_FILE=str(password_file), CUESCHED_AGENT_LOG_ROOT=str(tmp_path))
+    env = command_env(
+        marker,
+        CUESCHED_DEMO_PASSWORD_FILE=str(password_file),
+        CUESCHED_AGENT_LOG_ROOT=str(tmp_path),
+        CUESCHED_METRICS_PORT=str(metrics),
+    )
     out = tmp_path / "demo.out"
-    demo = manage(["demo", "--addr", f"127.0.0.1:{web}", "--metrics-port", str(metrics)], env, out)
+    demo = manage(["demo", "--addr", f"127.0.0.1:{web}"], env, out)
     seen: dict[int, str] = {}
     try:
         deadline = time.monotonic() + 60
@@ -106,9 +111,10 @@ def test_ctrl_c_stops_the_whole_demo_and_leaves_no_frame_running(tmp_path: Path)
         marker,
         CUESCHED_DEMO_PASSWORD_FILE=str(tmp_path / "admin-password"),
         CUESCHED_AGENT_LOG_ROOT=str(tmp_path / "logs"),
+        CUESCHED_METRICS_PORT=str(free_port()),
     )
     out = tmp_path / "demo.out"
-    demo = manage(["demo", "--addr", f"127.0.0.1:{web}", "--metrics-port", str(free_port())], env, out)
+    demo = manage(["demo", "--addr", f"127.0.0.1:{web}"], env, out)
     seen: dict[int, str] = {}
     try:
         with autocommit() as conn:
@@ -126,7 +132,7 @@ def test_ctrl_c_stops_the_whole_demo_and_leaves_no_frame_running(tmp_path: Path)
             with urllib.request.urlopen(f"http://127.0.0.1:{web}/admin/login/", timeout=10) as resp:
                 assert resp.status == 200
             seen.update(descendants(demo.pid))
-            assert {"run_scheduler", "run_agent", "runserver"} <= {
+            assert {"run_scheduler", "run_agent"} <= {
                 word for cmd in marked_processes(marker).values() for word in cmd.split()
             }
             import os
