@@ -179,6 +179,10 @@ def _this_database_slug() -> str:
     return database_slug(settings.DATABASES["default"], bool(getattr(settings, "EMBEDDED_DATABASE", False)))
 
 
+def _password_name() -> str:
+    return f"admin-password-{_this_database_slug()}"
+
+
 def agent_log_root() -> str:
     """Frame logs go to <root>/<show>/<job>/<layer>.<frame>.log. The default root,
     `.cuesched/logs/<database>/` (see `database_slug`), is one per database: frames of two
@@ -186,8 +190,7 @@ def agent_log_root() -> str:
     gather the runs of another database's frame."""
     from django.conf import settings
 
-    default = settings.BASE_DIR / ".cuesched" / "logs" / _this_database_slug()
-    return env_str("CUESCHED_AGENT_LOG_ROOT", str(default))
+    return env_str("CUESCHED_AGENT_LOG_ROOT", str(settings.BASE_DIR / ".cuesched" / "logs" / _this_database_slug()))
 
 
 def demo_password_file() -> str:
@@ -196,8 +199,7 @@ def demo_password_file() -> str:
     (one per database, see `database_slug`; mode 0600)."""
     from django.conf import settings
 
-    default = settings.BASE_DIR / ".cuesched" / f"admin-password-{_this_database_slug()}"
-    return env_str("CUESCHED_DEMO_PASSWORD_FILE", str(default))
+    return env_str("CUESCHED_DEMO_PASSWORD_FILE", str(settings.BASE_DIR / ".cuesched" / _password_name()))
 
 
 def agent_kill_poll() -> float:
