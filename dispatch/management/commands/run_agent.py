@@ -95,9 +95,12 @@ class Command(BaseCommand):
             heartbeat.stop()
             if self._stopped is None:  # the transport ended on its own (or failed): same cleanup
                 self._stopped = stop_host_work(pk_host, spec.name)
-            # Whatever the scheduler booked here while the transport was stopping ran nothing.
-            late = release_previous_runs(pk_host)
-            self._stopped.requeued_queued += late
+            # What the scheduler booked here before it saw the host DOWN: the transport may have
+            # started some of those runs while it stopped; they are ended the same way.
+            late = stop_host_work(pk_host, spec.name)
+            self._stopped.requeued_queued += late.requeued_queued
+            self._stopped.requeued_running += late.requeued_running
+            self._stopped.still_running += late.still_running
             self.stdout.write(f"agent for host {spec.name} stopped: {self._stopped.summary()}")
             self.stdout.flush()
 
