@@ -291,3 +291,35 @@ def test_store_status_exits_1_on_a_stale_view_and_0_on_a_live_one() -> None:
         assert stale.returncode == 1, (stale.stdout, stale.stderr)
         assert "STALE" in stale.stderr and "Traceback" not in stale.stderr
         assert stale.stdout.strip()  # the view is still printed
+
+
+def test_a_demo_killed_outright_takes_its_children_with_it(tmp_path: Path) -> None:
+    """SIGKILL runs no cleanup at all: the children hear of it from the kernel (PR_SET_PDEATHSIG)
+    and stop as for a SIGTERM, the agent requeueing its frames."""
+    marker = new_marker()
+    env = command_env(
+        marker,
+        CUESCHED_DEMO_PASSWORD_FILE=str(tmp_path / "admin-password"),
+        CUESCHED_AGENT_LOG_ROOT=str(tmp_path / "logs"),
+        CUESCHED_METRICS_PORT=str(free_port()),
+    )
+    out = tmp_path / "demo.out"
+    demo = manage(["demo", "--addr", f"127.0.0.1:{free_port()}"], env, out)
+    try:
+        with autocommit() as conn:
+
+            def booked() -> bool:
+                assert demo.poll() is None, out.read_text()
+                return bool(scalar(conn, "SELECT count(*) FROM frame WHERE str_state <> 'WAITING'"))
+
+            wait_for(booked, 120, "the demo to book frames")
+            children = marked_processes(marker)
+            assert {"run_scheduler", "run_agent", "runserver"} <= {w for c in children.values() for w in c.split()}
+            demo.kill()
+            demo.wait(10)
+            wait_for(lambda: marked_processes(marker) == {}, 60, "every child of the killed demo to stop")
+            assert "agent for host demo_agent stopped:" in out.read_text()
+            assert scalar(conn, "SELECT count(*) FROM proc") == 0
+            assert violations(conn) == []
+    finally:
+        kill_marked(marker)

@@ -140,9 +140,11 @@ class Command(BaseCommand):
             pass
         # Before the cluster stops: its workers wait for the frames they run, and those end
         # only once their procs are released (a frame may run for hours).
-        self._end_work(heartbeat, pk_host, host)
-        if cluster.sentinel is not None and cluster.sentinel.is_alive():
-            cluster.stop()  # workers finish the (now ended) frames they run, then exit
+        try:
+            self._end_work(heartbeat, pk_host, host)
+        finally:  # the database may be gone: the cluster stops all the same (procs stay counted)
+            if cluster.sentinel is not None and cluster.sentinel.is_alive():
+                cluster.stop()  # workers finish the (now ended) frames they run, then exit
 
     def _run_celery(self, queue: str, slots: int, host: str, heartbeat: Heartbeat, pk_host: str) -> None:
         from dispatch.hosts.celery_app import app
