@@ -22,7 +22,7 @@ from django.core.management import call_command
 from dispatch import conf
 from dispatch.hosts.agent import LOG_HEADER, previous_runs
 from tests.integration.agent_support import agent_farm, database_url_for_agents
-from tests.integration.dispatch_support import autocommit, scalar, violations, wait_for
+from tests.integration.dispatch_support import autocommit, scalar, seed, violations, wait_for
 from tests.integration.first_hour_support import (
     ROOT,
     command_env,
@@ -207,6 +207,36 @@ def test_sigterm_to_scheduler_and_agent_ends_or_requeues_every_frame_and_says_so
             for log in (tmp_path / "logs").rglob("*.log"):
                 if "sleep 30" in log.read_text():
                     assert "=== killed" in log.read_text()
+            assert violations(conn) == []
+        assert marked_processes(marker) == {}
+    finally:
+        kill_marked(marker)
+
+
+def test_sigterm_to_a_scheduler_running_frames_in_process_requeues_them_and_says_so(tmp_path: Path) -> None:
+    """The simulated launcher's frames live in the scheduler process: when it stops, nobody else
+    will ever complete them, so it must requeue them itself (the lost-host way: no retry charged)
+    rather than leave them RUNNING with their procs booked."""
+    seed("ssigterm", hosts=2, jobs=1, layers=1, frames_per_layer=3, layer_cores_choices=(1,))
+    marker = new_marker()
+    env = command_env(marker, CUESCHED_SIM_RUNTIME_MIN="300", CUESCHED_SIM_RUNTIME_MAX="300")
+    out = tmp_path / "scheduler.out"
+    scheduler = manage(["run_scheduler", "--launcher", "simulated", "--metrics-port", "0"], env, out)
+    try:
+        with autocommit() as conn:
+
+            def all_running() -> bool:
+                assert scheduler.poll() is None, out.read_text()
+                return scalar(conn, "SELECT count(*) FROM frame WHERE str_state = 'RUNNING'") == 3
+
+            wait_for(all_running, 60, "the scheduler to start the three frames")
+            scheduler.send_signal(signal.SIGTERM)
+            assert _wait_exit(scheduler, 30, out) == 0, out.read_text()
+            text = out.read_text()
+            assert "received SIGTERM, stopping" in text, text
+            assert "3 in-process frame(s) requeued" in text, text
+            assert scalar(conn, "SELECT count(*) FROM proc") == 0
+            assert conn.execute("SELECT str_state, int_retries FROM frame GROUP BY 1, 2").fetchall() == [("WAITING", 0)]
             assert violations(conn) == []
         assert marked_processes(marker) == {}
     finally:
