@@ -24,6 +24,15 @@ def dispatch_workers() -> int:
     return max(1, env_int("CUESCHED_DISPATCH_WORKERS", 1))
 
 
+def fair_share() -> bool:
+    """Order pending work by subscription share (OpenCue's float_tier: booked cores / size on the
+    allocation, lowest first), then jobs below their min cores, then priority. Off, the feed
+    orders by priority then age across all shows, as before issue 19; a show's size is then
+    read by nothing. The head-of-line filters (work that cannot book this cycle takes no place
+    in the read) hold either way."""
+    return env_bool("CUESCHED_FAIR_SHARE", True)
+
+
 # --- batching -----------------------------------------------------------------------------
 def batch_size() -> int:
     """Bookings written per database transaction (one set-based statement per table)."""

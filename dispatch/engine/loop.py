@@ -69,7 +69,7 @@ from dispatch.engine.booking import (
     write_batch,
 )
 from dispatch.engine.completion import Completion, complete, release_lost_hosts
-from dispatch.engine.feed import JobWork, Skips, fetch_pending, has_waiting_or_running
+from dispatch.engine.feed import FreeHosts, JobWork, LiveUsage, Skips, fetch_pending, has_waiting_or_running
 from dispatch.engine.launcher import Launcher, get_launcher
 from dispatch.engine.placement import ALL, CENTI, HostRec, HostView, Shard
 
@@ -229,6 +229,8 @@ class DispatchLoop:
         self.idle_sleep = conf.idle_sleep() if idle_sleep is None else idle_sleep
         self.cap_retry = min(conf.cap_retry(), self.saturated_sleep)
         self.mem_used_start = conf.proc_mem_used_start()
+        self.fair_share = conf.fair_share()
+        self._last_managed_jobs: list[str] = []
         self._connect = connect or (lambda: acct_db.connect(autocommit=True, application_name="cuesched-dispatch"))
         self._conn: psycopg.Connection | None = None
         self.view = HostView(conf.host_fit_policy(), stale_after=self.lost_host_timeout, shard=shard)
@@ -569,6 +571,16 @@ class DispatchLoop:
         folders = list(self._blocked_folders)
         return Skips(jobs=jobs, shows=shows, folders=folders, layers=layers)
 
+    def _live_usage(self) -> LiveUsage:
+        """The Store's booked cores of managed shows' subscriptions and of the managed jobs the
+        last cycle read, for the feed's fair-share order and room test (the database's lag)."""
+        is_managed = self.service.is_managed
+        keys = [(show, alloc) for show, subs in self._subs.items() if is_managed(show) for alloc, *_ in subs]
+        store = self.store
+        subs = [(show, alloc, used * CENTI, cap * CENTI) for show, alloc, used, cap in store.sub_counters_many(keys)]
+        jobs = [(job, cores * CENTI) for job, cores in store.jobs_cores_in_use(self._last_managed_jobs)]
+        return LiveUsage(subs=subs, jobs=jobs)
+
     def _dispatch(self, conn: psycopg.Connection, stats: CycleStats) -> None:
         now = time.monotonic()
         t0 = time.perf_counter()
@@ -580,8 +592,12 @@ class DispatchLoop:
             max_frames=self._feed_frames,
             skips=self._skips(now),
             shard=self.shard,
+            live=self._live_usage(),
+            free=FreeHosts.of(self.view.hosts.values()),
+            fair_share=self.fair_share,
         )
         stats.seconds["feed"] += time.perf_counter() - t0
+        self._last_managed_jobs = [j.pk for j in jobs if j.managed_in_db]
         if not jobs:
             self._feed_frames = self.max_frames
             return
