@@ -300,17 +300,21 @@ class StressConfig:
     fr_trips: int = 10
     fr_ttl: float = 5.0
     fr_recompute: float = 0.1
-    # fairshare (issue 19): 8-core hosts, one-core frames of the integrity runtime; three shows
+    # fairshare (issue 19): 8-core hosts, one-core frames of fs_runtime_min-max s; three shows
     # sized 50/30/20% of the farm, each with a burst of fs_burst_share of it, the smallest one at
-    # the highest priority; how long the load runs, by when every show's share of the booked
-    # cores must stay within fs_tolerance (fraction of the farm) of its size, s
+    # the highest priority; how long the load runs, and from when each show's share of the
+    # booked cores, averaged over fs_window, must stay within fs_tolerance (absolute) of its
+    # share of the sizes, s
     fs_hosts: int = 100
     fs_jobs_per_show: int = 4
     fs_frames_per_layer: int = 2000
+    fs_runtime_min: float = 1.0
+    fs_runtime_max: float = 3.0
     fs_burst_share: float = 0.7
     fs_seconds: float = 20.0
-    fs_converge_by: float = 3.0
+    fs_converge_by: float = 6.0
     fs_tolerance: float = 0.1
+    fs_window: float = 1.0
 
     def drain_spec(self) -> FarmSpec:
         return FarmSpec(
@@ -2213,9 +2217,11 @@ def phase_fairshare(cfg: StressConfig) -> PhaseReport:
     Three shows on one allocation, sized 50/30/20% of the farm, the smallest at the highest
     priority, each allowed to borrow up to fs_burst_share of the farm; the first two are
     managed (ordered by the Store's live counters), the third is not (by the trigger-kept
-    ones). Frames run 0.3-1 s, so every core changes hands many times. Sampled every 50 ms:
-    from fs_converge_by on, each show's booked cores stay within fs_tolerance of the farm of
-    its size.
+    ones). Frames run fs_runtime_min-max s, so every core changes hands many times. Sampled
+    every 50 ms: from fs_converge_by on, each show's share of the booked cores, averaged over
+    the last fs_window seconds, stays within fs_tolerance of its share of the sizes. Shares of
+    what is booked, not of the farm: cores between a completion and the next booking are idle
+    for every show alike.
     """
     capacity = cfg.fs_hosts * 8 * 100  # centicores
     spec = FarmSpec(
@@ -2264,7 +2270,13 @@ def phase_fairshare(cfg: StressConfig) -> PhaseReport:
         cfg,
         "fairshare",
         spec,
-        launcher=_int_launcher(cfg),
+        launcher=SimulatedLauncher(
+            runtime_min=cfg.fs_runtime_min,
+            runtime_max=cfg.fs_runtime_max,
+            failure_rate=0.0,
+            launch_failure_rate=0.0,
+            seed=cfg.seed,
+        ),
         perturb=sample,
         duration=0.001,
         prepare=prepare,
@@ -2274,24 +2286,40 @@ def phase_fairshare(cfg: StressConfig) -> PhaseReport:
     if not samples:
         report.failed.append("no share was sampled")
         return report
-    shows = [s for s in next(iter(samples))[1]]
+    shows = list(samples[0][1])
     sizes = {s: FS_SIZES[i] for i, s in enumerate(shows)}
-    late = [(t, b) for t, b in samples if t >= cfg.fs_converge_by]
-    worst = {s: max((abs(b[s] / capacity - sizes[s]) for _t, b in late), default=1.0) for s in shows}
+
+    def share(booked: dict[str, int], show: str) -> float:
+        total = sum(booked.values())
+        return booked[show] / total if total else 0.0
+
+    # Each sample's shares averaged over the fs_window seconds up to it: one frame is a big
+    # part of a small farm, and the cores that free up between two cycles go to one show.
+    smooth: list[tuple[float, dict[str, float]]] = []
+    for t, _b in samples:
+        recent = [b for u, b in samples if t - cfg.fs_window < u <= t]
+        smooth.append((t, {s: statistics.fmean(share(b, s) for b in recent) for s in shows}))
+    late = [(t, sh) for t, sh in smooth if t >= cfg.fs_converge_by]
+    late_raw = [(t, b) for t, b in samples if t >= cfg.fs_converge_by]
+    worst = {s: max((abs(sh[s] - sizes[s]) for _t, sh in late), default=1.0) for s in shows}
+    worst_raw = {s: max((abs(share(b, s) - sizes[s]) for _t, b in late_raw), default=1.0) for s in shows}
     converged_at = None
-    for i in range(len(samples)):
-        if all(abs(b[s] / capacity - sizes[s]) <= cfg.fs_tolerance for _t, b in samples[i:] for s in shows):
-            converged_at = samples[i][0]
+    for i in range(len(smooth)):
+        if all(abs(sh[s] - sizes[s]) <= cfg.fs_tolerance for _t, sh in smooth[i:] for s in shows):
+            converged_at = smooth[i][0]
             break
-    mean = {s: statistics.fmean(b[s] for _t, b in late) / capacity if late else 0.0 for s in shows}
+    mean = {s: statistics.fmean(share(b, s) for _t, b in late_raw) if late_raw else 0.0 for s in shows}
+    used = statistics.fmean(sum(b.values()) / capacity for _t, b in late_raw) if late_raw else 0.0
     report.notes.append(
         f"fair share: sizes {'/'.join(f'{x:.0%}' for x in FS_SIZES)} of {capacity // 100} cores, priorities "
-        f"{'/'.join(map(str, FS_PRIORITIES))}; mean share after {cfg.fs_converge_by:.1f}s "
+        f"{'/'.join(map(str, FS_PRIORITIES))}; mean share of the booked cores after {cfg.fs_converge_by:.1f}s "
         + "/".join(f"{mean[s]:.1%}" for s in shows)
-        + "; worst deviation "
+        + f"; worst deviation over {cfg.fs_window:.1f}s windows "
         + "/".join(f"{worst[s]:.1%}" for s in shows)
+        + ", of one sample "
+        + "/".join(f"{worst_raw[s]:.1%}" for s in shows)
         + f"; within {cfg.fs_tolerance:.0%} from {'never' if converged_at is None else f'{converged_at:.2f}s'}"
-        + f" ({len(samples)} samples)"
+        + f" ({len(samples)} samples); farm {used:.0%} booked on average"
     )
     if not late:
         report.failed.append(f"the load ended before {cfg.fs_converge_by:.1f}s")
@@ -2371,7 +2399,10 @@ def small(cfg: StressConfig | None = None, **overrides: Any) -> StressConfig:
         "fs_hosts": 8,
         "fs_jobs_per_show": 2,
         "fs_frames_per_layer": 400,
+        "fs_runtime_min": 0.3,
+        "fs_runtime_max": 1.0,
         "fs_seconds": 6.0,
+        "fs_converge_by": 3.0,
     }
     sizes.update(overrides)
     return replace(base, **sizes)
