@@ -99,6 +99,31 @@ def test_every_free_core_goes_to_the_show_below_its_size(managed: bool) -> None:
                 loop.close()
 
 
+@pytest.mark.parametrize("managed", [True, False], ids=["managed", "unmanaged"])
+def test_in_one_cycle_each_show_below_its_size_reaches_it_before_any_borrows(managed: bool) -> None:
+    """A (size 4) runs nothing, C (size 8) runs 2: A comes first in the feed (tier 0 against
+    0.25). 14 cores free up at once: A books up to its size, then C up to its own, and only then
+    does A borrow the rest. Ordering alone would have let A take all 14 in that cycle."""
+    farm = _farm(f"fsc{int(managed)}", managed=managed, hosts=8, host_cores_choices=(2,))
+    a, c = farm.show_ids
+    with autocommit() as conn:
+        conn.execute("UPDATE subscription SET int_size = 400 WHERE pk_show = %s", (a,))
+        conn.execute("UPDATE subscription SET int_size = 800 WHERE pk_show = %s", (c,))
+        conn.execute("UPDATE job SET b_paused = true WHERE pk_job = ANY(%s)", (_jobs_of(farm, 0),))
+        conn.execute("UPDATE host SET str_lock_state = 'LOCKED' WHERE pk_host = ANY(%s)", (list(farm.host_ids[1:]),))
+        with running_scheduler() as proc:
+            loop = _loop(proc.service)
+            try:
+                loop.run_once()
+                assert _booked_by_show(conn, farm) == {a: 0, c: 2}
+                conn.execute("UPDATE job SET b_paused = false WHERE pk_job = ANY(%s)", (_jobs_of(farm, 0),))
+                conn.execute("UPDATE host SET str_lock_state = 'OPEN' WHERE pk_host = ANY(%s)", (list(farm.host_ids),))
+                loop.run_once()
+                assert _booked_by_show(conn, farm) == {a: 8, c: 8}
+            finally:
+                loop.close()
+
+
 def test_fair_share_off_orders_by_priority_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     """The same farm with CUESCHED_FAIR_SHARE off: the higher-priority show B takes the cores."""
     monkeypatch.setenv("CUESCHED_FAIR_SHARE", "0")
