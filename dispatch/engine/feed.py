@@ -1,9 +1,13 @@
 """Pending work: the WAITING frames worth trying this cycle, in dispatch order.
 
-Two set-based queries per cycle, whatever the farm size: the layers of the highest-priority
-pending jobs (job_resource.int_priority DESC, then oldest job first, then layer dispatch
-order), then up to N WAITING frames per layer in frame dispatch order (int_dispatch_order,
-int_layer_order), at most M in all, as the reference's layer/frame query (§3.3, §3.4).
+Two set-based queries per cycle, whatever the farm size: the layers of the first pending
+jobs in dispatch order, then up to N WAITING frames per layer in frame dispatch order
+(int_dispatch_order, int_layer_order), at most M in all, as the reference's layer/frame query
+(§3.3, §3.4). Dispatch order (issue 19): the job's fair-share tier (booked cores / subscription
+size, lowest first), then jobs below their int_min_cores, then job_resource.int_priority DESC,
+then the oldest job, then layer dispatch order; with CUESCHED_FAIR_SHARE off, priority and age
+alone. A job that cannot book this cycle (no subscription room where a free host fits one of
+its layers) takes no place in the read, so it cannot starve the work below it.
 
 Work a cap already blocks is left out before it costs anything:
 - for shows the Store manages, the caller passes what the Store says is full (jobs at max
@@ -36,8 +40,8 @@ FRAME_READY = "f.int_depend_count = 0"
 #
 # Head-of-line (issue 19): a job takes a place in the limit only if it could book this cycle,
 # as far as one set-based test can tell: some subscription of its show has a core of room
-# (the Store's live value for managed shows, passed in as live_sub; the trigger-kept int_cores
-# for the others) on an allocation where a free host of the job's facility and OS carries one
+# (the Store's live values for managed shows, passed in; the trigger-kept int_cores for the
+# others) on an allocation where a free host of the job's facility and OS carries one
 # of a layer's tags and covers that layer's least cores, memory, GPUs and GPU memory, and the
 # layer has a dispatchable WAITING frame. free_host is a summary of the caller's host view (per
 # allocation, facility, OS and tag, the largest free value of each resource): it can only say
@@ -52,6 +56,11 @@ _JOB_ORDER = (
     "{priority} DESC, {started}, {job}"
 )
 _BELOW_MIN = "COALESCE(lj.cores, jr.int_cores) < jr.int_min_cores"
+# A show the database says is managed but the caller's Store values do not cover (a flip in
+# progress, a subscription newer than the loop's last read): its database counters lag, so
+# its room is not judged here. The loop meets its jobs and handles the flip (skips them and
+# asks for the seed); the Store decides the rest.
+_ROOM_UNKNOWN = 1 << 40
 # The least whole cores a frame of the layer books, in centicores (Demand.index_floor).
 _LAYER_FLOOR = (
     "CASE WHEN l.b_threadable AND l.int_cores_min > 0 THEN GREATEST(100, l.int_cores_min / 100 * 100) ELSE 100 END"
@@ -64,9 +73,12 @@ _OUTER_ORDER = _JOB_ORDER.format(
 )
 PENDING_LAYERS_SQL = f"""
 WITH live_sub AS (
-  SELECT sub.pk_show, sub.pk_alloc, sub.int_size,
-         COALESCE(m.cores, sub.int_cores) AS cores, COALESCE(m.burst, sub.int_burst) AS burst
+  SELECT sub.pk_show, sub.pk_alloc, sub.int_size, COALESCE(m.cores, sub.int_cores) AS cores,
+         CASE WHEN m.pk_show IS NOT NULL THEN m.burst - m.cores
+              WHEN sh.b_scheduler_managed THEN {_ROOM_UNKNOWN}
+              ELSE sub.int_burst - sub.int_cores END AS room
   FROM subscription sub
+  JOIN show sh ON sh.pk_show = sub.pk_show
   LEFT JOIN unnest(%(live_shows)s::text[], %(live_allocs)s::text[], %(live_cores)s::bigint[],
                    %(live_bursts)s::bigint[]) AS m(pk_show, pk_alloc, cores, burst)
     ON m.pk_show = sub.pk_show AND m.pk_alloc = sub.pk_alloc
@@ -91,7 +103,7 @@ WITH live_sub AS (
   CROSS JOIN LATERAL (
     SELECT min(CASE WHEN su.int_size > 0 THEN su.cores::float8 / su.int_size ELSE 'Infinity'::float8 END) AS tier
     FROM live_sub su
-    WHERE su.pk_show = j.pk_show AND su.burst - su.cores >= 100
+    WHERE su.pk_show = j.pk_show AND su.room >= 100
       AND (NOT %(check_hosts)s OR EXISTS (
             SELECT 1 FROM layer l JOIN free_host h ON h.pk_alloc = su.pk_alloc
             WHERE l.pk_job = j.pk_job
@@ -99,7 +111,7 @@ WITH live_sub AS (
               AND NOT (l.pk_layer = ANY(%(skip_layers)s::text[]))
               AND h.pk_facility = j.pk_facility AND (j.str_os IS NULL OR h.str_os = j.str_os)
               AND h.str_tag = ANY(string_to_array(replace(l.str_tags, ' ', ''), '|'))
-              AND {_LAYER_FLOOR} <= LEAST(h.cores, su.burst - su.cores)
+              AND {_LAYER_FLOOR} <= LEAST(h.cores, su.room)
               AND l.int_mem_min <= h.mem AND l.int_gpus_min <= h.gpus AND l.int_gpu_mem_min <= h.gpu_mem
               AND EXISTS (SELECT 1 FROM frame f
                           WHERE f.pk_layer = l.pk_layer AND f.str_state = 'WAITING' AND {FRAME_READY})))
