@@ -849,6 +849,21 @@ class Store:
             counter = self._sub.get(key)
             return (0 if counter is None else counter[0], self._burst.get(key, 0))
 
+    def sub_counters_many(self, keys: Iterable[tuple[str, str]]) -> list[tuple[str, str, int, int]]:
+        """(show, alloc, booked_cores, burst) of each subscription under one lock acquisition: the
+        feed orders managed shows by these (their database counters lag). Missing values read 0."""
+        with self._lock:
+            out = []
+            for key in keys:
+                counter = self._sub.get(key)
+                out.append((key[0], key[1], 0 if counter is None else counter[0], self._burst.get(key, 0)))
+            return out
+
+    def jobs_cores_in_use(self, jobs: Iterable[str]) -> list[tuple[str, int]]:
+        """(job, live cores) of the jobs the Store counts, under one lock acquisition."""
+        with self._lock:
+            return [(job, c[0]) for job in jobs if (c := self._job.get(job)) is not None]
+
     def job_cap(self, job: str) -> tuple[int, int] | None:
         """(max_cores, max_gpus) of a job, or None when unseeded (which `book` reads as unlimited)."""
         with self._lock:

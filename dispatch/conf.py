@@ -28,6 +28,16 @@ def dispatch_workers() -> int:
     return max(1, env_int("CUESCHED_DISPATCH_WORKERS", 1))
 
 
+def fair_share() -> bool:
+    """Order pending work by subscription share (OpenCue's float_tier: booked cores / size on the
+    allocation, lowest first), then jobs below their min cores, then priority, and book every
+    show up to its size before any show borrows up to its burst. Off, the feed orders by
+    priority then age across all shows, as before issue 19; a show's size is then read by
+    nothing. The head-of-line filters (work that cannot book this cycle takes no place in the
+    read) hold either way."""
+    return env_bool("CUESCHED_FAIR_SHARE", True)
+
+
 # --- batching -----------------------------------------------------------------------------
 def batch_size() -> int:
     """Bookings written per database transaction (one set-based statement per table)."""
@@ -35,7 +45,7 @@ def batch_size() -> int:
 
 
 def feed_max_jobs() -> int:
-    """Pending jobs read per cycle, highest priority first."""
+    """Pending jobs read per cycle, first in dispatch order (fair share, then priority)."""
     return max(1, env_int("CUESCHED_DISPATCH_MAX_JOBS", 300))
 
 

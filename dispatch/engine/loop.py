@@ -69,13 +69,14 @@ from dispatch.engine.booking import (
     write_batch,
 )
 from dispatch.engine.completion import EXIT_STATUS_DOWN_HOST, Completion, complete, release_lost_hosts
-from dispatch.engine.feed import JobWork, Skips, fetch_pending, has_waiting_or_running
+from dispatch.engine.feed import FreeHosts, JobWork, LiveUsage, Skips, fetch_pending, has_waiting_or_running
 from dispatch.engine.launcher import Launcher, get_launcher
 from dispatch.engine.placement import ALL, CENTI, HostRec, HostView, Shard
 
 logger = logging.getLogger(__name__)
 
 SUBSCRIPTIONS_SQL = "SELECT pk_show, pk_alloc, int_burst, int_cores FROM subscription"
+SIZES_SQL = "SELECT pk_show, pk_alloc, int_size FROM subscription WHERE int_size > 0"
 
 _UNLIMITED_ROOM = 1 << 40
 _JOB_FOLDER_MAX = 100_000
@@ -229,6 +230,8 @@ class DispatchLoop:
         self.idle_sleep = conf.idle_sleep() if idle_sleep is None else idle_sleep
         self.cap_retry = min(conf.cap_retry(), self.saturated_sleep)
         self.mem_used_start = conf.proc_mem_used_start()
+        self.fair_share = conf.fair_share()
+        self._last_managed_jobs: list[str] = []
         self._connect = connect or (lambda: acct_db.connect(autocommit=True, application_name="cuesched-dispatch"))
         self._conn: psycopg.Connection | None = None
         self.view = HostView(conf.host_fit_policy(), stale_after=self.lost_host_timeout, shard=shard)
@@ -237,6 +240,8 @@ class DispatchLoop:
         self.host_changes_interval = conf.host_changes_interval()
         self._lost_swept_at = float("-inf")
         self._subs: dict[str, list[tuple[str, int, int]]] = {}  # show -> [(alloc, burst, cores)] centicores
+        self._sizes: dict[tuple[str, str], int] = {}  # (show, alloc) -> subscription size, whole cores
+        self._share: dict[tuple[str, str], int] = {}  # this cycle: how far below its size, whole cores
         # Back-off and cap state.
         self._sleeping: dict[Cluster, float] = {}
         self._cluster_layers: dict[Cluster, set[str]] = {}
@@ -557,6 +562,9 @@ class DispatchLoop:
             for show, alloc, burst, cores in cur.fetchall():
                 subs.setdefault(show, []).append((alloc, burst, cores))
         self._subs = subs
+        with conn.cursor() as cur:
+            cur.execute(SIZES_SQL)
+            self._sizes = {(show, alloc): int(size / CENTI) for show, alloc, size in cur.fetchall()}
         self._hosts_loaded_at = time.monotonic()
         self._wake_all()
 
@@ -588,6 +596,16 @@ class DispatchLoop:
         folders = list(self._blocked_folders)
         return Skips(jobs=jobs, shows=shows, folders=folders, layers=layers)
 
+    def _live_usage(self) -> LiveUsage:
+        """The Store's booked cores of managed shows' subscriptions and of the managed jobs the
+        last cycle read, for the feed's fair-share order and room test (the database's lag)."""
+        is_managed = self.service.is_managed
+        keys = [(show, alloc) for show, subs in self._subs.items() if is_managed(show) for alloc, *_ in subs]
+        store = self.store
+        subs = [(show, alloc, used * CENTI, cap * CENTI) for show, alloc, used, cap in store.sub_counters_many(keys)]
+        jobs = [(job, cores * CENTI) for job, cores in store.jobs_cores_in_use(self._last_managed_jobs)]
+        return LiveUsage(subs=subs, jobs=jobs)
+
     def _dispatch(self, conn: psycopg.Connection, stats: CycleStats) -> None:
         now = time.monotonic()
         t0 = time.perf_counter()
@@ -599,8 +617,12 @@ class DispatchLoop:
             max_frames=self._feed_frames,
             skips=self._skips(now),
             shard=self.shard,
+            live=self._live_usage(),
+            free=FreeHosts.of(self.view.hosts.values()),
+            fair_share=self.fair_share,
         )
         stats.seconds["feed"] += time.perf_counter() - t0
+        self._last_managed_jobs = [j.pk for j in jobs if j.managed_in_db]
         if not jobs:
             self._feed_frames = self.max_frames
             return
@@ -650,9 +672,8 @@ class DispatchLoop:
     ) -> None:
         full_folders: set[str] = set()
         paused = None if self.service.can_enforce() else self.service.pause_reason()
+        eligible: list[tuple[JobWork, bool]] = []
         for job in jobs:
-            if job.folder in full_folders:
-                continue
             managed = self.service.is_managed(job.show)
             if managed != job.managed_in_db or (self.managed_only and not managed):
                 # A flip in progress (the Store has not published it yet, or has already
@@ -667,7 +688,23 @@ class DispatchLoop:
                 continue
             if managed:
                 self._managed_seen.add(job.show)
-            self._book_job(conn, job, managed, room, full_folders, batch, stats, placed, no_host)
+            eligible.append((job, managed))
+        # Fair share inside the cycle: the feed's order is the tiers at the cycle's start, so a
+        # show at the head would book past its size while shows behind it are still below
+        # theirs. First every show books only up to its size (the share pass), then, in the
+        # same order, up to its burst (borrowing). Without a show below its size, one pass.
+        share = self._share if self.fair_share else {}
+        booked_frames: set[str] = set()
+        for share_only in (True, False) if share else (False,):
+            for job, managed in eligible:
+                if job.folder in full_folders:
+                    continue
+                if share_only and not any(v > 0 for (s, _a), v in share.items() if s == job.show):
+                    continue
+                self._book_job(
+                    conn, job, managed, room, full_folders, batch, stats, placed, no_host,
+                    share=share, share_only=share_only, booked_frames=booked_frames,
+                )  # fmt: skip
 
     def _fill_caps(self, conn: psycopg.Connection, jobs: list[JobWork]) -> None:
         """Load the caps the Store lacks for managed jobs and folders of this cycle (it refuses them)."""
@@ -685,6 +722,8 @@ class DispatchLoop:
         database-enforced triggers keep exact, read fresh (the trigger has the last word).
         """
         room: dict[Any, int] = {}
+        # (show, alloc) -> whole cores the show is below its size there, for the share pass.
+        self._share: dict[tuple[str, str], int] = {}
         store = self.store
         unmanaged = []
         for show in {j.show for j in jobs}:
@@ -694,11 +733,17 @@ class DispatchLoop:
             for alloc, _burst, _cores in self._subs.get(show, ()):
                 booked, cap = store.sub_counters(show, alloc)
                 room[(show, alloc)] = cap - booked
+                size = self._sizes.get((show, alloc), 0)
+                if size > booked:
+                    self._share[(show, alloc)] = size - booked
         if unmanaged:
             with conn.cursor() as cur:
                 cur.execute(SUBSCRIPTIONS_SQL + " WHERE pk_show = ANY(%s::text[])", (unmanaged,))
                 for show, alloc, burst, cores in cur.fetchall():
                     room[(show, alloc)] = int((burst - cores) / CENTI)
+                    size = self._sizes.get((show, alloc), 0)
+                    if size and size * CENTI > cores:
+                        self._share[(show, alloc)] = size - int(cores / CENTI)
         return room
 
     def _book_job(
@@ -712,8 +757,17 @@ class DispatchLoop:
         stats: CycleStats,
         placed: set[Cluster],
         no_host: set[Cluster],
+        *,
+        share: dict[tuple[str, str], int] | None = None,
+        share_only: bool = False,
+        booked_frames: set[str] | None = None,
     ) -> None:
+        """Book what fits of one job's frames. `share` holds how far each (show, alloc) is below
+        its size (decremented as this books); with `share_only` the show books only there, up to
+        its size. `booked_frames` are frames an earlier pass of this cycle booked: skipped."""
         show = job.show
+        share = {} if share is None else share
+        booked_frames = set() if booked_frames is None else booked_frames
         # Job budget for this cycle, whole cores: the Store's for managed shows, the
         # trigger-kept total for the others (the authority is still book / the trigger).
         if managed:
@@ -737,8 +791,15 @@ class DispatchLoop:
         view = self.view
         tightest = view.fit == "tightest"
 
-        def room_of(alloc: str) -> int:
-            return room.get((show, alloc), 0)
+        if share_only:
+
+            def room_of(alloc: str) -> int:
+                return min(room.get((show, alloc), 0), share.get((show, alloc), 0))
+
+        else:
+
+            def room_of(alloc: str) -> int:
+                return room.get((show, alloc), 0)
 
         for layer in job.layers:
             cluster = layer.cluster
@@ -749,6 +810,8 @@ class DispatchLoop:
             hint: HostRec | None = None
             hint_generation = -1
             for frame in layer.frames:
+                if frame.pk in booked_frames:
+                    continue
                 stats.frames_considered += 1
                 outcome = _NO_HOST
                 booking = None
@@ -839,7 +902,9 @@ class DispatchLoop:
                     view.take(host, centi, demand.mem, demand.gpus, demand.gpu_mem)
                     if tightest:
                         hint, hint_generation = host, view.generation
-                    room[(show, host.alloc)] = room_of(host.alloc) - cores
+                    room[(show, host.alloc)] = room.get((show, host.alloc), 0) - cores
+                    if (show, host.alloc) in share:
+                        share[(show, host.alloc)] -= cores
                     if folder_key is not None:
                         room[folder_key] -= cores
                     job_used += cores
@@ -865,6 +930,7 @@ class DispatchLoop:
                             self._cluster_layers.setdefault(cluster, set()).add(layer.pk)
                     break  # the layer's other frames ask for the same: next layer
                 booked_any = True
+                booked_frames.add(frame.pk)
                 self.why.pop(job.pk, None)
                 placed.add(cluster)
                 batch.append(booking)
