@@ -1,0 +1,255 @@
+"""Real OpenCue RQD daemons as render hosts: the rqd launcher and the gateway, end to end.
+
+Every daemon is a real `python -m rqd` (opencue-rqd 1.37.0) in a subprocess with its own config
+file and gRPC port, reporting to the test's gateway (`dispatch.hosts.rqd_gateway`, in this
+process, on the test database); the scheduler side is the real dispatch loop with the rqd
+launcher and a real scheduler process (Store, listener). Frames are real commands run by RQD.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from dispatch.engine.completion import EXIT_STATUS_DOWN_HOST
+from dispatch.engine.launcher import get_launcher
+from dispatch.jobs.actions import kill_job, submit_job
+from dispatch.lab.seeding import FarmSpec, seed_farm, show_name
+from tests.integration.dispatch_support import Sampler, autocommit, drain, make_loop, scalar, violations, wait_for
+from tests.integration.rqd_support import Rqd, gateway, pids_of, rqd_daemons, wait_registered
+from tests.integration.runtime_support import running_scheduler
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def _farm(prefix: str, monkeypatch: pytest.MonkeyPatch) -> tuple[str, list[str]]:
+    """A managed show subscribed to one allocation, no host: the RQDs join it at startup.
+    Returns the show name and the tags the RQDs advertise (the allocation's)."""
+    seed_farm(FarmSpec(prefix=prefix, managed=True, jobs=0, hosts=0, allocs=1, manual_tags=0))
+    with autocommit() as conn:
+        alloc, tag = conn.execute("SELECT str_name, str_tag FROM alloc").fetchone()
+    monkeypatch.setenv("CUESCHED_RQD_DEFAULT_ALLOC", alloc)
+    monkeypatch.setenv("CUESCHED_RQD_LOG_DIR", "")  # set per test below
+    return show_name(prefix, 0), [tag]
+
+
+def _layer(name: str, command: str, frames: str, **kw: Any) -> dict[str, Any]:
+    return {"name": name, "command": command, "range": frames, "cores": 1, "memory": "256MB", **kw}
+
+
+def _store_matches_procs(conn: psycopg.Connection, service: Any) -> bool:
+    snap = service.store.audit_snapshot()
+    want: dict[str, int] = {}
+    for job, cc in conn.execute("SELECT pk_job, SUM(int_cores_reserved) FROM proc GROUP BY 1").fetchall():
+        want[job] = int(cc) // 100
+    got = {job: cores for job, (cores, _g) in snap.job.items() if cores}
+    return got == want
+
+
+def _host_ledger_exact(conn: psycopg.Connection) -> bool:
+    """Every host's idle is its total minus exactly what its procs reserve."""
+    return not conn.execute(
+        "SELECT h.str_name FROM host h LEFT JOIN (SELECT pk_host, SUM(int_cores_reserved) c, SUM(int_mem_reserved) m"
+        " FROM proc GROUP BY 1) p ON p.pk_host = h.pk_host"
+        " WHERE h.int_cores_idle <> h.int_cores - COALESCE(p.c, 0) OR h.int_mem_idle <> h.int_mem - COALESCE(p.m, 0)"
+    ).fetchall()
+
+
+def test_jobs_with_ranges_a_dependency_and_a_failing_frame_run_on_two_rqd_hosts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    show, tags = _farm("rqe", monkeypatch)
+    monkeypatch.setenv("CUESCHED_RQD_LOG_DIR", str(tmp_path / "logs" / "{show}" / "{job}"))
+    good = {
+        "show": show,
+        "name": "rqe-shot-v1",
+        "user": "alice",
+        "layers": [
+            _layer("sim", "echo sim #FRAMESPEC# on $CUE_SHOW; sleep 0.2", "1-4", chunk_size=2),
+            _layer("render", "echo render #IFRAME#", "1-4", depends=[{"layer": "sim", "type": "frame"}]),
+        ],
+    }
+    bad = {
+        "show": show,
+        "name": "rqe-broken-v1",
+        "user": "alice",
+        "max_retries": 1,
+        "layers": [_layer("main", "echo failing; exit 3", "1")],
+    }
+    with autocommit() as conn, gateway() as gw, rqd_daemons(conn, gw, tmp_path, ["rqe-a", "rqe-b"], tags=tags, cores=2):
+        with running_scheduler() as proc:
+            ok = submit_job(good, user="alice").job_id
+            broken = submit_job(bad, user="alice").job_id
+            launcher = get_launcher("rqd")
+            loop = make_loop(proc.service, launcher, host_refresh_interval=0.2, lost_host_sweep_interval=1.0)
+            sampler = Sampler().start()
+            try:
+                totals = drain(loop, 90)
+            finally:
+                sampler.stop()
+                launcher.close()
+            assert sampler.samples > 0 and sampler.breaches == []
+            states = dict(conn.execute("SELECT str_state, count(*) FROM frame WHERE pk_job = %s GROUP BY 1", (ok,)))
+            assert states == {"SUCCEEDED": 6}
+            # The failing frame: its try and one retry, then DEAD with RQD's exit status.
+            assert conn.execute(
+                "SELECT str_state, int_exit_status, int_retries FROM frame WHERE pk_job = %s", (broken,)
+            ).fetchone() == (
+                "DEAD",
+                3,
+                1,
+            )
+            assert dict(conn.execute("SELECT pk_job, str_state FROM job").fetchall()) == {
+                ok: "FINISHED",
+                broken: "FINISHED",
+            }
+            assert totals.booked == 8 and totals.launch_failures == 0
+            # Both hosts ran frames (2 cores each: the first cycle's 3 frames need both).
+            ran_on = {r[0] for r in conn.execute("SELECT DISTINCT str_host FROM frame WHERE str_host IS NOT NULL")}
+            assert ran_on == {"rqe-a", "rqe-b"}
+            assert scalar(conn, "SELECT count(*) FROM proc") == 0
+            assert _host_ledger_exact(conn)
+            assert violations(conn) == []
+            wait_for(lambda: _store_matches_procs(conn, proc.service), 10, "Store = SUM(proc)")
+            # RQD wrote its own logs where the RunFrame said; the sim chunk got its #FRAMESPEC#.
+            logs = sorted(p.name for p in (tmp_path / "logs").rglob("*.rqlog"))
+            assert "rqe-shot-v1.0001-sim.rqlog" in logs and len(logs) == 7
+            sim = next((tmp_path / "logs").rglob("rqe-shot-v1.0001-sim.rqlog")).read_text()
+            assert f"sim 1-2 on {show}" in sim
+            assert gw.servicer.counts["completion"] >= 8 and gw.servicer.counts["errors"] == 0
+
+
+def test_a_killed_job_stops_its_frames_on_rqd_and_its_memory_is_recorded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    show, tags = _farm("rqk", monkeypatch)
+    monkeypatch.setenv("CUESCHED_RQD_LOG_DIR", str(tmp_path / "logs"))
+    marker = f"rqk-{os.getpid()}"
+    # A frame that holds ~40 MB resident until killed (python, so RQD's RSS sampling sees it).
+    command = f'python3 -c "import time; b = bytearray(40 << 20); time.sleep(120)" {marker} #IFRAME#'
+    spec = {"show": show, "name": "rqk-v1", "user": "alice", "layers": [_layer("main", command, "1-2")]}
+    with autocommit() as conn, gateway() as gw, rqd_daemons(conn, gw, tmp_path, ["rqk-a"], tags=tags):
+        with running_scheduler() as proc:
+            job = submit_job(spec, user="alice").job_id
+            launcher = get_launcher("rqd")
+            try:
+                with make_loop(proc.service, launcher, host_refresh_interval=0.2) as loop:
+                    assert loop.run_once().booked == 2
+                wait_for(lambda: len(pids_of(marker)) >= 2, 20, "RQD to start both frames")
+                # RQD samples RSS every 10 s; the launcher's status poll brings it to the proc and frame.
+                wait_for(
+                    lambda: (
+                        (launcher.heartbeat(conn), scalar(conn, "SELECT min(int_mem_max_used) FROM proc"))[1] > 30_000
+                    ),
+                    30,
+                    "RQD's RSS of both frames on their procs",
+                )
+                assert scalar(conn, "SELECT min(int_mem_max_used) FROM frame WHERE pk_job = %s", (job,)) > 30_000
+                result = kill_job(job, launcher=launcher)
+                assert result.detail["released"] == 2
+                wait_for(lambda: pids_of(marker) == [], 15, "the frames' processes to be gone")
+            finally:
+                launcher.close()
+            assert scalar(conn, "SELECT count(*) FROM proc") == 0
+            assert scalar(conn, "SELECT str_state FROM job") == "FINISHED"
+            assert _host_ledger_exact(conn)
+            assert violations(conn) == []
+            wait_for(lambda: _store_matches_procs(conn, proc.service), 10, "Store = SUM(proc)")
+            # The killed runs' own completion reports came later and were no-ops (their procs were gone).
+            wait_for(lambda: gw.servicer.counts["completion"] >= 2, 15, "RQD's completion reports of the kills")
+            assert gw.servicer.counts["errors"] == 0
+
+
+def test_an_rqd_killed_under_load_has_its_frames_requeued_by_the_lost_host_sweep(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    show, tags = _farm("rql", monkeypatch)
+    monkeypatch.setenv("CUESCHED_RQD_LOG_DIR", str(tmp_path / "logs"))
+    marker = f"rql-{os.getpid()}"
+    spec = {
+        "show": show,
+        "name": "rql-v1",
+        "user": "alice",
+        "layers": [_layer("main", f"sleep 2 # {marker}-#IFRAME#", "1-6")],
+    }
+    with (
+        autocommit() as conn,
+        gateway() as gw,
+        rqd_daemons(conn, gw, tmp_path, ["rql-a", "rql-b"], tags=tags, cores=2) as d,
+    ):
+        with running_scheduler() as proc:
+            job = submit_job(spec, user="alice").job_id
+            launcher = get_launcher("rqd")
+            loop = make_loop(
+                proc.service, launcher, host_refresh_interval=0.2, lost_host_timeout=3.0, lost_host_sweep_interval=0.5
+            )
+            with loop:
+                assert loop.run_once().booked == 4  # 2 cores on each host
+            victim = d["rql-a"]
+            on_victim = scalar(
+                conn, "SELECT count(*) FROM proc p JOIN host h ON h.pk_host = p.pk_host WHERE h.str_name = 'rql-a'"
+            )
+            assert on_victim == 2
+            victim.kill(signal.SIGKILL)
+            try:
+                totals = drain(loop, 60)
+            finally:
+                launcher.close()
+                for pid in pids_of(marker):  # the dead daemon's frames were its own sessions
+                    os.killpg(pid, signal.SIGKILL) if pid == os.getpgid(pid) else os.kill(pid, signal.SIGKILL)
+            assert totals.lost_released == 2
+            assert dict(conn.execute("SELECT str_state, count(*) FROM frame GROUP BY 1")) == {"SUCCEEDED": 6}
+            assert scalar(conn, "SELECT count(*) FROM frame WHERE int_retries > 0") == 0  # a lost host counts no retry
+            assert (
+                scalar(
+                    conn, "SELECT str_state FROM host_stat hs JOIN host h USING (pk_host) WHERE h.str_name = 'rql-a'"
+                )
+                == "DOWN"
+            )
+            assert scalar(conn, "SELECT str_state FROM job WHERE pk_job = %s", (job,)) == "FINISHED"
+            assert scalar(conn, "SELECT count(*) FROM proc") == 0
+            assert _host_ledger_exact(conn)
+            assert violations(conn) == []
+            wait_for(lambda: _store_matches_procs(conn, proc.service), 10, "Store = SUM(proc)")
+            assert gw.servicer.counts["errors"] == 0
+
+
+def test_a_restarted_rqd_has_its_stale_procs_released_at_its_startup_report(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    show, tags = _farm("rqr", monkeypatch)
+    monkeypatch.setenv("CUESCHED_RQD_LOG_DIR", str(tmp_path / "logs"))
+    marker = f"rqr-{os.getpid()}"
+    spec = {"show": show, "name": "rqr-v1", "user": "alice", "layers": [_layer("main", f"sleep 60 # {marker}", "1")]}
+    with autocommit() as conn, gateway() as gw, rqd_daemons(conn, gw, tmp_path, ["rqr-a"], tags=tags) as d:
+        with running_scheduler() as proc:
+            submit_job(spec, user="alice")
+            launcher = get_launcher("rqd")
+            try:
+                with make_loop(proc.service, launcher, host_refresh_interval=0.2) as loop:
+                    assert loop.run_once().booked == 1
+                wait_for(lambda: len(pids_of(marker)) >= 1, 20, "RQD to start the frame")
+                rqd: Rqd = d["rqr-a"]
+                rqd.kill(signal.SIGKILL)
+                for pid in pids_of(marker):
+                    os.kill(pid, signal.SIGKILL)
+                assert scalar(conn, "SELECT count(*) FROM proc") == 1  # nothing noticed yet (timeout 300 s)
+                rqd.start()
+                wait_registered(conn, rqd, 30)
+                wait_for(lambda: scalar(conn, "SELECT count(*) FROM proc") == 0, 10, "the startup report's release")
+            finally:
+                launcher.close()
+            assert conn.execute("SELECT str_state, int_exit_status, int_retries FROM frame").fetchone() == (
+                "WAITING",
+                EXIT_STATUS_DOWN_HOST,
+                0,
+            )
+            assert _host_ledger_exact(conn)
+            assert violations(conn) == []
+            wait_for(lambda: _store_matches_procs(conn, proc.service), 10, "Store = SUM(proc)")
+            assert gw.servicer.counts["startup"] == 2
