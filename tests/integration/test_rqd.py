@@ -20,6 +20,7 @@ from dispatch.engine.completion import EXIT_STATUS_DOWN_HOST
 from dispatch.engine.launcher import get_launcher
 from dispatch.jobs.actions import kill_job, submit_job
 from dispatch.lab.seeding import FarmSpec, seed_farm, show_name
+from ops.why import explain_job
 from tests.integration.dispatch_support import Sampler, autocommit, drain, make_loop, scalar, violations, wait_for
 from tests.integration.rqd_support import Rqd, gateway, pids_of, rqd_daemons, wait_registered
 from tests.integration.runtime_support import running_scheduler
@@ -150,6 +151,10 @@ def test_a_killed_job_stops_its_frames_on_rqd_and_its_memory_is_recorded(
                     "RQD's RSS of both frames on their procs",
                 )
                 assert scalar(conn, "SELECT min(int_mem_max_used) FROM frame WHERE pk_job = %s", (job,)) > 30_000
+                # The "why not booking" page and the job page show it per layer.
+                (memory,) = explain_job(job, None).memory
+                assert memory.layer == "main" and memory.running_max_rss > 30_000
+                assert "max RSS" in memory.text and "running now" in memory.text
                 result = kill_job(job, launcher=launcher)
                 assert result.detail["released"] == 2
                 wait_for(lambda: pids_of(marker) == [], 15, "the frames' processes to be gone")
