@@ -260,3 +260,29 @@ def test_a_restarted_rqd_has_its_stale_procs_released_at_its_startup_report(
             assert violations(conn) == []
             wait_for(lambda: _store_matches_procs(conn, proc.service), 10, "Store = SUM(proc)")
             assert gw.servicer.counts["startup"] == 2
+
+
+def test_a_launch_to_an_rqd_that_does_not_answer_fails_is_compensated_and_marks_the_host_down(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    show, tags = _farm("rqu", monkeypatch)
+    monkeypatch.setenv("CUESCHED_RQD_LOG_DIR", str(tmp_path / "logs"))
+    spec = {"show": show, "name": "rqu-v1", "user": "alice", "layers": [_layer("main", "true", "1")]}
+    with autocommit() as conn, gateway() as gw, rqd_daemons(conn, gw, tmp_path, ["rqu-a"], tags=tags) as d:
+        d["rqu-a"].stop()  # registered and freshly pinged, but nothing answers at its address now
+        with running_scheduler() as proc:
+            submit_job(spec, user="alice")
+            launcher = get_launcher("rqd", timeout=2.0)
+            try:
+                with make_loop(proc.service, launcher, host_refresh_interval=0.2) as loop:
+                    first = loop.run_once()
+                    assert (first.booked, first.launch_failures, first.compensated) == (0, 1, 1)
+                    assert scalar(conn, "SELECT str_state FROM host_stat") == "DOWN"
+                    assert loop.run_once().launch_failures == 0  # the DOWN host is not booked again
+            finally:
+                launcher.close()
+            assert conn.execute("SELECT str_state, int_retries FROM frame").fetchone() == ("WAITING", 0)
+            assert scalar(conn, "SELECT count(*) FROM proc") == 0
+            assert _host_ledger_exact(conn)
+            assert violations(conn) == []
+            wait_for(lambda: _store_matches_procs(conn, proc.service), 10, "Store = SUM(proc)")
