@@ -222,6 +222,12 @@ def rqd_timeout() -> float:
     return env_float("CUESCHED_RQD_TIMEOUT", 5.0)
 
 
+def rqd_poll_hosts() -> bool:
+    """The scheduler's rqd launcher asks every UP RQD host for its status before each lost-host
+    sweep (RQD's own pushes come only every 5-30 s, not configurable)."""
+    return env_bool("CUESCHED_RQD_POLL", True)
+
+
 def rqd_orphan_grace() -> float:
     """A proc its RQD no longer reports is released after it has been booked this long: a
     launch that is still on its way is not yet in RQD's report."""

@@ -170,7 +170,12 @@ SELECT pk_proc FROM proc
 WHERE pk_host = %(host)s AND NOT b_local AND NOT (pk_proc = ANY(%(reported)s::text[]))
   AND ts_dispatched < now() - make_interval(secs => %(grace)s)
 """
-KNOWN_PROCS_SQL = "SELECT pk_proc FROM proc WHERE pk_proc = ANY(%s::text[]) AND pk_host = %s"
+# The host's procs of the reported runs, or of the reported frames: RQD kills by frame id, so a
+# stale report's run must not be killed when the frame has a newer run booked on the host.
+KNOWN_PROCS_SQL = """
+SELECT pk_proc, pk_frame FROM proc
+WHERE pk_host = %(host)s AND (pk_proc = ANY(%(procs)s::text[]) OR pk_frame = ANY(%(frames)s::text[]))
+"""
 
 # The completion's memory, recorded on the frame before the release (the proc goes away).
 COMPLETION_MEMORY_SQL = """
@@ -319,8 +324,17 @@ def report_status(
                         "max_gpu": [r[3] for r in rows],
                     },
                 )
-        known = {r[0] for r in conn.execute(KNOWN_PROCS_SQL, (reported, pk_host)).fetchall()}
-        out.to_kill = [(f.frame_id, f.resource_id) for f in frames if f.resource_id not in known]
+        rows = conn.execute(
+            KNOWN_PROCS_SQL, {"host": pk_host, "procs": reported, "frames": [f.frame_id for f in frames]}
+        ).fetchall()
+        known_procs, known_frames = {r[0] for r in rows}, {r[1] for r in rows}
+        # A report is a snapshot: a run that ended after RQD took it (its completion already
+        # released the proc) is listed too; killing it is a no-op on RQD (it is gone there).
+        out.to_kill = [
+            (f.frame_id, f.resource_id)
+            for f in frames
+            if f.resource_id not in known_procs and f.frame_id not in known_frames
+        ]
     grace = conf.rqd_orphan_grace() if grace is None else grace
     orphans = [
         r[0] for r in conn.execute(ORPHAN_PROCS_SQL, {"host": pk_host, "reported": reported, "grace": grace}).fetchall()

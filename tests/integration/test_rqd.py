@@ -272,7 +272,8 @@ def test_a_launch_to_an_rqd_that_does_not_answer_fails_is_compensated_and_marks_
         d["rqu-a"].stop()  # registered and freshly pinged, but nothing answers at its address now
         with running_scheduler() as proc:
             submit_job(spec, user="alice")
-            launcher = get_launcher("rqd", timeout=2.0)
+            # No status poll: it would find the daemon gone and mark the host DOWN before the launch.
+            launcher = get_launcher("rqd", timeout=2.0, poll_hosts=False)
             try:
                 with make_loop(proc.service, launcher, host_refresh_interval=0.2) as loop:
                     first = loop.run_once()

@@ -17,10 +17,13 @@ Completions come back through the gateway (RQD's ReportRunningFrameCompletion), 
 comes back here: `poll_completions` is empty and `running` is 0. `kill` sends
 KillRunningFrame to the RQD the proc was launched on (the kill path released the proc first).
 
-`heartbeat`, called before each lost-host sweep, asks every RQD host for its status
+`heartbeat`, called before each lost-host sweep, asks every UP RQD host for its status
 (`RqdInterface.ReportStatus`) and applies the answer as a pushed report: RQD pushes only every
 5 to 30 seconds (not configurable), so this is what lets a silent RQD be found DOWN and its
-procs swept at `CUESCHED_LOST_HOST_TIMEOUT` without a false loss between two pushes.
+procs swept at `CUESCHED_LOST_HOST_TIMEOUT` without a false loss between two pushes. It runs
+on the loop's thread (a poll answers in a few ms; an unreachable host costs at most the poll
+timeout, once, as it is then DOWN and no longer polled); `CUESCHED_RQD_POLL=0` turns it off,
+leaving RQD's own pushes, which then need a lost-host timeout well above their 30 s.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from accounting import db as acct_db
 from dispatch import conf
 from dispatch.engine.launcher import register
 from dispatch.hosts.agent import CENTI, RUN_CONTEXT_SQL, RunContext, _chunk_of, frame_env
-from dispatch.hosts.rqd_gateway import RqdClients, _rpc_reason, report_status
+from dispatch.hosts.rqd_gateway import ReportError, RqdClients, _rpc_reason, report_status
 from dispatch.jobs.frameset import substitute_tokens
 
 if TYPE_CHECKING:
@@ -56,7 +59,7 @@ RUN_CONTEXTS_SQL = RUN_CONTEXT_SQL.replace("WHERE p.pk_proc = %s", "WHERE p.pk_p
 MARK_DOWN_SQL = "UPDATE host_stat SET str_state = 'DOWN' WHERE pk_host = ANY(%s::text[]) AND str_state = 'UP'"
 RQD_HOSTS_SQL = """
 SELECT h.pk_host, h.str_name, h.str_rqd_address FROM host h JOIN host_stat hs ON hs.pk_host = h.pk_host
-WHERE h.str_rqd_address IS NOT NULL AND hs.str_state IN ('UP', 'DOWN')
+WHERE h.str_rqd_address IS NOT NULL AND hs.str_state = 'UP'
 """
 LIVE_PROCS_SQL = "SELECT pk_proc FROM proc WHERE pk_proc = ANY(%s::text[])"
 
@@ -98,15 +101,24 @@ def run_frame_message(ctx: RunContext, log_dir: str, user: str) -> rqd_pb2.RunFr
 class RqdLauncher:
     name = "rqd"
 
-    def __init__(self, *, timeout: float | None = None, threads: int = 16, poll_hosts: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        timeout: float | None = None,
+        threads: int = 16,
+        poll_hosts: bool | None = None,
+        poll_timeout: float | None = None,
+    ) -> None:
         self.timeout = conf.rqd_timeout() if timeout is None else timeout
+        # The poll runs on the loop's thread: a black-holed host must not hold it for long.
+        self.poll_timeout = min(1.0, self.timeout) if poll_timeout is None else poll_timeout
         self.clients = RqdClients()
         self._pool = futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rqd-launch")
         self._conn: psycopg.Connection | None = None
         self._lock = threading.Lock()
         self._launched: dict[str, tuple[str, str]] = {}  # pk_proc -> (address, pk_frame), for kill
         self._user = getpass.getuser()
-        self.poll_hosts = poll_hosts
+        self.poll_hosts = conf.rqd_poll_hosts() if poll_hosts is None else poll_hosts
         self.launched = 0
         self.launch_failures = 0
 
@@ -213,7 +225,11 @@ class RqdLauncher:
                 if exc.code() in UNREACHABLE:
                     silent.append(pk)
                 continue
-            result = report_status(conn, report, address)
+            try:
+                result = report_status(conn, report, address)
+            except ReportError as exc:
+                logger.warning("rqd host %s (%s): status not applied: %s", name, address, exc)
+                continue
             for frame_id, resource_id in result.to_kill:
                 logger.warning("rqd host %s runs frame %s with no proc (%s): killing it", name, frame_id, resource_id)
                 self.clients.kill(address, frame_id, "cuesched: this run has no proc", self.timeout)
@@ -224,7 +240,7 @@ class RqdLauncher:
     def _status(self, address: str) -> rqd_pb2.RqdStaticReportStatusResponse:
         return (
             self.clients.stub(address)
-            .ReportStatus(rqd_pb2.RqdStaticReportStatusRequest(), timeout=self.timeout)
+            .ReportStatus(rqd_pb2.RqdStaticReportStatusRequest(), timeout=self.poll_timeout)
             .host_report
         )
 

@@ -101,7 +101,7 @@ class Command(BaseCommand):
         finally:
             gateway.stop()
         results = {
-            "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "cpus": os.cpu_count(),
             "load_average": os.getloadavg(),
             "options": {k: v for k, v in opts.items() if isinstance(v, (int, float, str))},
