@@ -110,7 +110,8 @@ def proc_mem_used_start() -> int:
 
 # --- launchers ----------------------------------------------------------------------------
 def launcher_name() -> str:
-    """`q2` (real frames on host agents, django-q2 on the database), `celery` or `simulated`."""
+    """`q2` (real frames on host agents, django-q2 on the database), `celery`, `rqd` (OpenCue RQD
+    hosts) or `simulated`."""
     return env_str("CUESCHED_LAUNCHER", "q2")
 
 
