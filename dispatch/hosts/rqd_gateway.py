@@ -13,12 +13,14 @@ paths our own agents use, on the gateway's own psycopg connections:
   back to WAITING, no retry counted), so each release is the proc delete's trigger, in the
   same transaction as the delete.
 * **ReportStatus** is the heartbeat: host_stat ping and free memory, each reported frame's
-  memory (RSS, max RSS) on its proc and frame. Then it reconciles: a frame RQD runs whose proc
-  is gone (killed, compensated, lost-host swept) is killed on RQD; a proc of this host RQD no
+  memory (RSS, max RSS) on its proc (never on the RUNNING frame row: see PROC_MEMORY_SQL).
+  Then it reconciles: a frame RQD runs whose proc is gone (killed, compensated, lost-host
+  swept) is killed on RQD; a proc of this host RQD no
   longer reports, booked more than `CUESCHED_RQD_ORPHAN_GRACE` seconds ago, is released the
   lost-host way (the grace covers a launch still on its way, not yet in the report).
-* **ReportRunningFrameCompletion** records the frame's max RSS, then writes the end through
-  `completion.complete`, keyed by proc (RQD's resource_id): a late report of a killed run is a
+* **ReportRunningFrameCompletion** writes the end through the completion statements
+  (`completion.complete_in_transaction`) and the run's max RSS on its frame, in one transaction,
+  keyed by proc (RQD's resource_id): a late report of a killed run is a
   no-op. A signal death reads as 128 + signal, as our agents report it.
 
 RQD keys its frames by `frame_id` (our pk_frame) and reports `resource_id` (our pk_proc), as
@@ -46,7 +48,13 @@ from opencue_proto import host_pb2, report_pb2, report_pb2_grpc, rqd_pb2, rqd_pb
 
 from accounting import db as acct_db
 from dispatch import conf
-from dispatch.engine.completion import EXIT_STATUS_DOWN_HOST, Completion, CompletionResult, complete
+from dispatch.engine.completion import (
+    EXIT_STATUS_DOWN_HOST,
+    Completion,
+    CompletionResult,
+    complete,
+    complete_in_transaction,
+)
 from dispatch.hosts.agent import CENTI, HostSpec, register_host
 
 logger = logging.getLogger(__name__)
@@ -145,7 +153,10 @@ UPDATE host_stat SET ts_ping = now(), int_mem_free = %(free)s, int_gpu_mem_free 
 WHERE pk_host = %(host)s
 """
 
-# Memory per running frame, KB. Only the procs of this host; max never goes down.
+# Memory per running frame, KB, on its proc only (the procs of this host; max never goes down).
+# Never on the RUNNING frame row: the completion path finds that row by its version (ctid), so a
+# concurrent UPDATE of it would make a completion delete the proc and leave the frame RUNNING.
+# The frame gets its max RSS in the completion's own transaction (`report_completion`).
 PROC_MEMORY_SQL = """
 UPDATE proc p SET int_mem_used = m.rss, int_mem_max_used = GREATEST(p.int_mem_max_used, m.max_rss),
   int_virt_used = m.vsize, int_virt_max_used = GREATEST(p.int_virt_max_used, m.max_vsize),
@@ -154,16 +165,8 @@ FROM unnest(%(proc)s::text[], %(rss)s::bigint[], %(max_rss)s::bigint[], %(vsize)
             %(max_vsize)s::bigint[], %(gpu)s::bigint[], %(max_gpu)s::bigint[])
      AS m(pk_proc, rss, max_rss, vsize, max_vsize, gpu, max_gpu)
 WHERE p.pk_proc = m.pk_proc AND p.pk_host = %(host)s
-RETURNING p.pk_frame, p.int_mem_used, p.int_mem_max_used, p.int_gpu_mem_max_used
+RETURNING p.pk_proc
 """
-FRAME_MEMORY_SQL = """
-UPDATE frame f SET int_mem_used = m.rss, int_mem_max_used = GREATEST(f.int_mem_max_used, m.max_rss),
-  int_gpu_mem_max_used = GREATEST(f.int_gpu_mem_max_used, m.max_gpu)
-FROM unnest(%(frame)s::text[], %(rss)s::bigint[], %(max_rss)s::bigint[], %(max_gpu)s::bigint[])
-     AS m(pk_frame, rss, max_rss, max_gpu)
-WHERE f.pk_frame = m.pk_frame AND f.str_state = 'RUNNING'
-"""
-
 # Procs of the host that RQD did not report, booked long enough ago that their launch has landed.
 ORPHAN_PROCS_SQL = """
 SELECT pk_proc FROM proc
@@ -177,11 +180,13 @@ SELECT pk_proc, pk_frame FROM proc
 WHERE pk_host = %(host)s AND (pk_proc = ANY(%(procs)s::text[]) OR pk_frame = ANY(%(frames)s::text[]))
 """
 
-# The completion's memory, recorded on the frame before the release (the proc goes away).
+# The run's max RSS on the frame, after the release ended it, in the same transaction (the frame
+# row is already this transaction's: no version race with another completion).
+FRAME_OF_PROC_SQL = "SELECT pk_frame FROM proc WHERE pk_proc = %s"
 COMPLETION_MEMORY_SQL = """
-UPDATE frame f SET int_mem_max_used = GREATEST(f.int_mem_max_used, %(max_rss)s),
-  int_gpu_mem_max_used = GREATEST(f.int_gpu_mem_max_used, %(max_gpu)s)
-FROM proc p WHERE p.pk_proc = %(proc)s AND f.pk_frame = p.pk_frame AND f.str_state = 'RUNNING'
+UPDATE frame SET int_mem_max_used = GREATEST(int_mem_max_used, %(max_rss)s),
+  int_gpu_mem_max_used = GREATEST(int_gpu_mem_max_used, %(max_gpu)s)
+WHERE pk_frame = %(frame)s
 """
 
 
@@ -312,18 +317,7 @@ def report_status(
                     "max_gpu": [max(0, f.max_used_gpu_memory) for f in frames],
                 },
             )
-            rows = cur.fetchall()
-            out.memory_rows = len(rows)
-            if rows:
-                cur.execute(
-                    FRAME_MEMORY_SQL,
-                    {
-                        "frame": [r[0] for r in rows],
-                        "rss": [r[1] for r in rows],
-                        "max_rss": [r[2] for r in rows],
-                        "max_gpu": [r[3] for r in rows],
-                    },
-                )
+            out.memory_rows = len(cur.fetchall())
         rows = conn.execute(
             KNOWN_PROCS_SQL, {"host": pk_host, "procs": reported, "frames": [f.frame_id for f in frames]}
         ).fetchall()
@@ -356,15 +350,19 @@ def exit_status_of(report: report_pb2.FrameCompleteReport) -> int:
 
 
 def report_completion(conn: psycopg.Connection, report: report_pb2.FrameCompleteReport) -> CompletionResult:
-    """ReportRunningFrameCompletion: the frame's memory, then the release path, keyed by proc."""
+    """ReportRunningFrameCompletion: the release path, keyed by proc, and the run's max RSS on
+    its frame, in one transaction."""
     frame = report.frame
     if not frame.resource_id:
         raise ReportError("the completion report has no resource_id (the proc it ends)")
-    conn.execute(
-        COMPLETION_MEMORY_SQL,
-        {"proc": frame.resource_id, "max_rss": max(0, frame.max_rss), "max_gpu": max(0, frame.max_used_gpu_memory)},
-    )
-    result = complete(conn, [Completion(frame.resource_id, exit_status_of(report))])
+    with conn.transaction(), conn.cursor() as cur:
+        row = cur.execute(FRAME_OF_PROC_SQL, (frame.resource_id,)).fetchone()
+        result = complete_in_transaction(cur, [Completion(frame.resource_id, exit_status_of(report))])
+        if row is not None and result.released:
+            cur.execute(
+                COMPLETION_MEMORY_SQL,
+                {"frame": row[0], "max_rss": max(0, frame.max_rss), "max_gpu": max(0, frame.max_used_gpu_memory)},
+            )
     logger.info(
         "rqd host %s: frame %s exit %d signal %d after %ds -> %s",
         report.host.name,

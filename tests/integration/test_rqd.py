@@ -131,8 +131,10 @@ def test_a_killed_job_stops_its_frames_on_rqd_and_its_memory_is_recorded(
     show, tags = _farm("rqk", monkeypatch)
     monkeypatch.setenv("CUESCHED_RQD_LOG_DIR", str(tmp_path / "logs"))
     marker = f"rqk-{os.getpid()}"
-    # A frame that holds ~40 MB resident until killed (python, so RQD's RSS sampling sees it).
-    command = f'python3 -c "import time; b = bytearray(40 << 20); time.sleep(120)" {marker} #IFRAME#'
+    # Frames that hold ~40 MB resident (python, so RQD's RSS sampling, every 10 s, sees it):
+    # frame 1 ends by itself after 13 s, frame 2 runs until it is killed.
+    script = "import sys, time; b = bytearray(40 << 20); time.sleep(13 if sys.argv[1] == '1' else 120)"
+    command = f'python3 -c "{script}" #IFRAME# {marker}'
     spec = {"show": show, "name": "rqk-v1", "user": "alice", "layers": [_layer("main", command, "1-2")]}
     with autocommit() as conn, gateway() as gw, rqd_daemons(conn, gw, tmp_path, ["rqk-a"], tags=tags):
         with running_scheduler() as proc:
@@ -141,8 +143,8 @@ def test_a_killed_job_stops_its_frames_on_rqd_and_its_memory_is_recorded(
             try:
                 with make_loop(proc.service, launcher, host_refresh_interval=0.2) as loop:
                     assert loop.run_once().booked == 2
-                wait_for(lambda: len(pids_of(marker)) >= 2, 20, "RQD to start both frames")
-                # RQD samples RSS every 10 s; the launcher's status poll brings it to the proc and frame.
+                wait_for(lambda: len(pids_of(marker)) == 2, 20, "RQD to start both frames")
+                # RQD samples RSS every 10 s; the launcher's status poll brings it to the procs.
                 wait_for(
                     lambda: (
                         (launcher.heartbeat(conn), scalar(conn, "SELECT min(int_mem_max_used) FROM proc"))[1] > 30_000
@@ -150,13 +152,26 @@ def test_a_killed_job_stops_its_frames_on_rqd_and_its_memory_is_recorded(
                     30,
                     "RQD's RSS of both frames on their procs",
                 )
-                assert scalar(conn, "SELECT min(int_mem_max_used) FROM frame WHERE pk_job = %s", (job,)) > 30_000
                 # The "why not booking" page and the job page show it per layer.
                 (memory,) = explain_job(job, None).memory
                 assert memory.layer == "main" and memory.running_max_rss > 30_000
                 assert "max RSS" in memory.text and "running now" in memory.text
+                # Frame 1's completion report brings its max RSS to the frame, in the release's transaction.
+                wait_for(
+                    lambda: (
+                        scalar(conn, "SELECT str_state FROM frame WHERE pk_job = %s AND int_number = 1", (job,))
+                        == "SUCCEEDED"
+                    ),
+                    30,
+                    "frame 1 to end by itself",
+                )
+                assert (
+                    scalar(conn, "SELECT int_mem_max_used FROM frame WHERE pk_job = %s AND int_number = 1", (job,))
+                    > 30_000
+                )
+                wait_for(lambda: len(pids_of(marker)) == 1, 10, "frame 1's process to be gone")
                 result = kill_job(job, launcher=launcher)
-                assert result.detail["released"] == 2
+                assert result.detail["released"] == 1
                 wait_for(lambda: pids_of(marker) == [], 15, "the frames' processes to be gone")
             finally:
                 launcher.close()
@@ -166,7 +181,7 @@ def test_a_killed_job_stops_its_frames_on_rqd_and_its_memory_is_recorded(
             assert violations(conn) == []
             wait_for(lambda: _store_matches_procs(conn, proc.service), 10, "Store = SUM(proc)")
             # The killed runs' own completion reports came later and were no-ops (their procs were gone).
-            wait_for(lambda: gw.servicer.counts["completion"] >= 2, 15, "RQD's completion reports of the kills")
+            wait_for(lambda: gw.servicer.counts["completion"] >= 2, 15, "RQD's completion reports (frame 1, the kill)")
             assert gw.servicer.counts["errors"] == 0
 
 
@@ -287,3 +302,73 @@ def test_a_launch_to_an_rqd_that_does_not_answer_fails_is_compensated_and_marks_
             assert _host_ledger_exact(conn)
             assert violations(conn) == []
             wait_for(lambda: _store_matches_procs(conn, proc.service), 10, "Store = SUM(proc)")
+
+
+def test_a_status_report_racing_a_completion_never_leaves_a_running_frame_without_its_proc() -> None:
+    """The completion path updates the frame row by the version it read (ctid): a status report
+    that wrote the RUNNING frame row between that read and the update made the completion delete
+    the proc and skip the frame, RUNNING with no proc (seen once in the stress drain on RQD). The
+    interleaving is forced with a lock on the frame row: the report writes procs only now, so it
+    does not wait on it, and the completion ends the frame."""
+    import threading
+
+    from opencue_proto import report_pb2
+
+    from dispatch.engine.completion import Completion, complete
+    from dispatch.hosts.rqd_gateway import report_status
+    from tests.integration.dispatch_support import fast_launcher, seed
+
+    seed("rqrace", hosts=1, jobs=1, layers=1, frames_per_layer=1)
+    with running_scheduler() as proc, autocommit() as conn, autocommit() as holder:
+        launcher = fast_launcher(runtime_min=600, runtime_max=600)
+        with make_loop(proc.service, launcher) as loop:
+            assert loop.run_once().booked == 1
+        pk_proc, pk_frame, host = conn.execute(
+            "SELECT p.pk_proc, p.pk_frame, h.str_name FROM proc p JOIN host h ON h.pk_host = p.pk_host"
+        ).fetchone()
+        report = report_pb2.HostReport(
+            host=report_pb2.RenderHost(name=host, total_mem=1 << 24, free_mem=1 << 23),
+            frames=[report_pb2.RunningFrameInfo(resource_id=pk_proc, frame_id=pk_frame, rss=50_000, max_rss=60_000)],
+        )
+
+        def blocked_or_done(thread: threading.Thread, app: str) -> bool:
+            waiting = scalar(
+                conn,
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s AND wait_event_type = 'Lock'",
+                (app,),
+            )
+            return not thread.is_alive() or waiting > 0
+
+        errors: list[BaseException] = []
+
+        def run(app: str, fn: Any) -> threading.Thread:
+            def target() -> None:
+                try:
+                    with psycopg.connect(_conninfo(), autocommit=True, application_name=app) as c:
+                        fn(c)
+                except BaseException as exc:  # reported below
+                    errors.append(exc)
+
+            thread = threading.Thread(target=target, daemon=True)
+            thread.start()
+            wait_for(lambda: blocked_or_done(thread, app), 10, f"{app} to block or finish")
+            return thread
+
+        holder.execute("BEGIN")
+        holder.execute("SELECT 1 FROM frame WHERE pk_frame = %s FOR NO KEY UPDATE", (pk_frame,))
+        status = run("rqrace-status", lambda c: report_status(c, report, None, grace=3600))
+        completion = run("rqrace-complete", lambda c: complete(c, [Completion(pk_proc, 0)]))
+        holder.execute("ROLLBACK")
+        status.join(10)
+        completion.join(10)
+        launcher.close()
+        assert errors == []
+        assert scalar(conn, "SELECT count(*) FROM proc") == 0
+        assert conn.execute("SELECT str_state, int_exit_status FROM frame").fetchone() == ("SUCCEEDED", 0)
+        assert violations(conn) == []
+
+
+def _conninfo() -> str:
+    from accounting import db
+
+    return db.conninfo()
