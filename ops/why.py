@@ -76,9 +76,50 @@ FROM host h JOIN host_stat hs ON hs.pk_host = h.pk_host JOIN alloc a ON a.pk_all
 WHERE EXISTS (SELECT 1 FROM host_tag t WHERE t.pk_host = h.pk_host AND t.str_tag = ANY(%(tags)s::text[]))
 """
 FRAME_SQL = """
-SELECT f.pk_frame, f.str_name, f.str_state, f.int_depend_count, f.pk_job, f.pk_layer, f.str_host
+SELECT f.pk_frame, f.str_name, f.str_state, f.int_depend_count, f.pk_job, f.pk_layer, f.str_host,
+       f.int_mem_reserved, f.int_mem_max_used
 FROM frame f WHERE f.pk_frame = %(frame)s
 """
+# Memory per layer, KB: what a frame reserves, the largest RSS a run reported (RQD's reports, the
+# completion's max RSS), and what the running frames use now. A layer whose frames use more
+# than they reserve crowds its hosts; one that reserves far more than it uses books too few.
+MEMORY_SQL = """
+SELECT l.str_name, l.int_mem_min,
+       COALESCE(MAX(f.int_mem_max_used), 0)::bigint, COUNT(*) FILTER (WHERE f.int_mem_max_used > 0),
+       COALESCE((SELECT SUM(p.int_mem_used) FROM proc p WHERE p.pk_layer = l.pk_layer), 0)::bigint,
+       COALESCE((SELECT MAX(p.int_mem_max_used) FROM proc p WHERE p.pk_layer = l.pk_layer), 0)::bigint
+FROM layer l LEFT JOIN frame f ON f.pk_layer = l.pk_layer
+WHERE l.pk_job = %(job)s
+GROUP BY l.pk_layer
+ORDER BY MIN(l.int_dispatch_order), l.str_name
+"""
+
+
+@dataclass(frozen=True)
+class LayerMemory:
+    """One layer's memory, KB; `measured` frames have a reported max RSS."""
+
+    layer: str
+    reserved: int
+    max_rss: int
+    measured: int
+    running_rss: int
+    running_max_rss: int
+
+    @property
+    def text(self) -> str:
+        peak = max(self.max_rss, self.running_max_rss)
+        if not peak:
+            return f"{self.layer}: reserves {_gb(self.reserved)}; no memory reported yet"
+        over = " - above its reservation" if peak > self.reserved else ""
+        return (
+            f"{self.layer}: reserves {_gb(self.reserved)}, max RSS {_gb(peak)} over {self.measured} frame(s){over}; "
+            f"running now {_gb(self.running_rss)}"
+        )
+
+
+def layer_memory(job: str) -> list[LayerMemory]:
+    return [LayerMemory(*row) for row in _all(MEMORY_SQL, {"job": job})]
 
 
 @dataclass(frozen=True)
@@ -109,6 +150,7 @@ class Why:
     reasons: list[Reason] = field(default_factory=list)
     recorded: Reason | None = None
     frame: dict[str, Any] | None = None
+    memory: list[LayerMemory] = field(default_factory=list)
 
     @property
     def primary(self) -> Reason | None:
@@ -167,6 +209,7 @@ def explain_job(job: str, view: dict[str, Any] | None, *, layer: str | None = No
      waiting, running, depend) = row  # fmt: skip
     why = Why(pk_job, name, show, show_name, managed, state, int(running), int(waiting))
     why.recorded = recorded_reason(view, job)
+    why.memory = layer_memory(pk_job)
     add = why.reasons.append
 
     if state != "PENDING":
@@ -383,8 +426,16 @@ def explain_frame(frame: str, view: dict[str, Any] | None) -> Why:
     row = _one(FRAME_SQL, {"frame": frame})
     if row is None:
         raise LookupError(frame)
-    pk, name, state, depend_count, job, layer, host = row
-    info = {"pk": pk, "name": name, "state": state, "depend": depend_count, "layer": layer, "host": host}
+    pk, name, state, depend_count, job, layer, host, mem_reserved, mem_max_used = row
+    info = {
+        "pk": pk,
+        "name": name,
+        "state": state,
+        "depend": depend_count,
+        "layer": layer,
+        "host": host,
+        "memory": f"max RSS {_gb(mem_max_used)} (reserved {_gb(mem_reserved)})" if mem_max_used else "",
+    }
     if state != "WAITING":
         why = explain_job(job, view)
         where = f" on {host}" if host else ""

@@ -62,6 +62,7 @@ from accounting.scheduler import SchedulerOptions, SchedulerProcess
 from accounting.service import AccountingService
 from accounting.units import centicores_to_cores
 from dispatch.engine.completion import Completion, complete, kill_frames
+from dispatch.engine.launcher import Launcher, get_launcher
 from dispatch.engine.loop import DispatchLoop
 from dispatch.hosts.launchers.simulated import SimulatedLauncher
 from dispatch.lab.netfreeze import FreezableProxy
@@ -315,6 +316,11 @@ class StressConfig:
     fs_converge_by: float = 6.0
     fs_tolerance: float = 0.1
     fs_window: float = 1.0
+    # drain on real frames: `simulated` (default), or `rqd` - the drain farm's first
+    # `rqd_daemons` hosts are real OpenCue RQD daemons (one per host, on this machine), its
+    # layers run `true`, and the rqd launcher and the gateway carry every frame
+    launcher: str = "simulated"
+    rqd_daemons: int = 4
 
     def drain_spec(self) -> FarmSpec:
         return FarmSpec(
@@ -791,21 +797,21 @@ def run_inprocess(
     name: str,
     spec: FarmSpec,
     *,
-    launcher: SimulatedLauncher,
+    launcher: Launcher,
     perturb: Callable[[Run], None] | None = None,
     duration: float | None = None,
     loop_env: dict[str, str] | None = None,
     heal: Callable[[Run], None] | None = None,
     listener_connect: Callable[[], psycopg.Connection] | None = None,
-    prepare: Callable[[FarmSeed], None] | None = None,
+    prepare: Callable[[FarmSeed], Callable[[], None] | None] | None = None,
 ) -> PhaseReport:
     """Seed, run the service and the loop (to idle, or for `duration`), perturb, audit, purge.
 
-    `prepare` shapes the seeded farm before the service bootstraps from it."""
+    `prepare` runs once the farm is seeded, before anything books (hosts to start); what it
+    returns runs after the audit, before the purge."""
     report = PhaseReport(name=name, frames=cfg.frames(spec))
     seed = _seed(spec)
-    if prepare is not None:
-        prepare(seed)
+    cleanup = prepare(seed) if prepare is not None else None
     stop_service = threading.Event()
     stop_loop = threading.Event()
     with env(**{**QUIET_LOOPS, **(loop_env or {})}):
@@ -852,6 +858,8 @@ def run_inprocess(
         stop_service.set()
         service.join()
         launcher.close()
+        if cleanup is not None:
+            cleanup()
     report.booked = loop.totals.booked
     report.window = loop.booking_window()
     report.rejected = dict(loop.totals.rejected)
@@ -891,10 +899,63 @@ def _launcher(cfg: StressConfig, *, runtime: bool) -> SimulatedLauncher:
 # --- phases --------------------------------------------------------------------------------
 def phase_drain(cfg: StressConfig) -> PhaseReport:
     spec = cfg.drain_spec()
-    report = run_inprocess(cfg, "drain", spec, launcher=_launcher(cfg, runtime=False))
+    if cfg.launcher == "rqd":
+        # Every layer must fit one of the few hosts: one allocation, no manual tag, hosts big
+        # enough for the largest layer, but not so big that a 2-core machine forks hundreds of frames.
+        spec = replace(spec, hosts=cfg.rqd_daemons, allocs=1, manual_tags=0, host_cores_choices=(8, 16))
+        report = run_inprocess(cfg, "drain", spec, launcher=get_launcher("rqd"), prepare=_rqd_hosts)
+    elif cfg.launcher == "simulated":
+        report = run_inprocess(cfg, "drain", spec, launcher=_launcher(cfg, runtime=False))
+    else:
+        raise ValueError(f"the drain phase runs on the simulated or the rqd launcher, not {cfg.launcher!r}")
     if report.booked < 0.9 * report.frames:
         report.failed.append(f"only {report.booked} of {report.frames} frames booked (< 90%)")
     return report
+
+
+HOSTS_OF_FARM_SQL = """
+SELECT h.str_name, h.int_cores, h.int_mem,
+       (SELECT array_agg(t.str_tag ORDER BY t.str_tag) FROM host_tag t
+        WHERE t.pk_host = h.pk_host AND t.str_tag_type NOT IN ('ALLOC', 'HOSTNAME'))
+FROM host h WHERE h.pk_host = ANY(%s::text[]) ORDER BY h.str_name
+"""
+
+
+def _rqd_hosts(seed: FarmSeed) -> Callable[[], None]:
+    """Real RQD daemons as the seeded hosts (same names, cores, memory and tags, so each startup
+    report updates its host in place), a gateway for their reports, and `true` as every layer's
+    command. Returns what stops them."""
+    import tempfile
+
+    from dispatch.hosts.rqd_gateway import start_gateway
+    from dispatch.lab.rqdfarm import start_daemons, wait_registered
+
+    tmp = Path(tempfile.mkdtemp(prefix="stress-rqd-"))
+    gateway = start_gateway("127.0.0.1", 0, workers=16)
+    daemons: dict[str, Any] = {}
+    try:
+        with db.connect(autocommit=True, application_name="cuesched-stress-rqd") as conn:
+            conn.execute("UPDATE layer SET str_cmd = 'true' WHERE pk_job = ANY(%s::text[])", (list(seed.job_ids),))
+            for name, cores, mem, tags in conn.execute(HOSTS_OF_FARM_SQL, (list(seed.host_ids),)).fetchall():
+                daemons.update(
+                    start_daemons(
+                        [name], gateway.port, tmp, tags=list(tags or []), cores=int(cores) // 100, memory_kb=int(mem)
+                    )
+                )
+            for d in daemons.values():
+                wait_registered(conn, d, 60)
+    except BaseException:
+        for d in daemons.values():
+            d.stop()
+        gateway.stop()
+        raise
+
+    def stop() -> None:
+        for d in daemons.values():
+            d.stop()
+        gateway.stop()
+
+    return stop
 
 
 def phase_saturation(cfg: StressConfig) -> PhaseReport:
