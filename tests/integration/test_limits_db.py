@@ -200,13 +200,15 @@ def test_concurrent_outside_writers_never_overshoot(conn: psycopg.Connection) ->
                     frame = frames.pop()
                 try:
                     mine.append(
-                        _insert_proc(c, hosts[i % 4].pk, frame, isolation="REPEATABLE READ" if i % 2 else "READ COMMITTED")
+                        _insert_proc(
+                            c, hosts[i % 4].pk, frame, isolation="REPEATABLE READ" if i % 2 else "READ COMMITTED"
+                        )
                     )
                 except (pg_errors.CheckViolation, pg_errors.SerializationFailure):
                     refused[0] += 1
                 if len(mine) >= 2:
                     c.execute("DELETE FROM proc WHERE pk_proc = %s", (mine.pop(0),))
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             errors.append(exc)
         finally:
             c.close()
