@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import pgtrigger
 
-from accounting.notify import RESYNC_CHANNEL
+from accounting.notify import LICENCE_CHANNEL, RESYNC_CHANNEL
 from accounting.triggers import (
     CURRENT_XID,
     EPOCH_BUMP,
@@ -56,7 +56,6 @@ from accounting.triggers import (
     json_id,
 )
 
-LICENCE_CHANNEL = "acct_licence"
 LIMIT_MAX_CONSTRAINT = "acct_limit_max"
 LIMIT_TABLE = "limit_record"
 LAYER_LIMIT_TABLE = "layer_limit"
