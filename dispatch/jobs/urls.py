@@ -10,4 +10,6 @@ urlpatterns = [
     path("jobs", api.submit, name="jobs"),
     path("jobs/<str:ref>", api.job_detail, name="job"),
     path("jobs/<str:ref>/<str:action>", api.job_action, name="job-action"),
+    path("limits", api.limits, name="limits"),
+    path("limits/<str:ref>", api.limit_detail, name="limit"),
 ]
