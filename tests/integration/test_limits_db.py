@@ -245,3 +245,13 @@ def test_concurrent_outside_writers_never_overshoot(conn: psycopg.Connection) ->
         (limit.pk,),
     ).fetchone()
     assert truth is not None and running == frames_count == truth[0]
+
+
+def test_why_not_booking_names_the_full_limit_with_its_numbers(conn: psycopg.Connection) -> None:
+    from ops.why import explain_job
+
+    farm, limit, (host,) = _limited_farm(max_value=1)
+    _insert_proc(conn, host.pk, farm.frames[0])
+    why = explain_job(farm.job.pk, None)
+    assert why.primary is not None and why.primary.code == "limit_full", why.reasons
+    assert f"{limit.str_name} 1/1 frames" in why.primary.message
