@@ -94,3 +94,26 @@ def test_api_lists_creates_and_changes_limits_for_cap_editors_only(client: Clien
     assert _post(client, "/api/limits/arnold", {"max": 1}, alice_token).status_code == 403
     assert LimitRecord.objects.get(str_name="arnold").int_max_value == 7
     assert LimitRecordEvent.objects.filter(str_name="arnold").count() == 2
+
+
+def test_console_creates_changes_and_shows_limits_audited(client: Client) -> None:
+    admin_user = User.objects.create_superuser("root", "root@example.com", "pw")
+    client.force_login(admin_user)
+    add = client.post(
+        "/admin/dispatch/limitrecord/add/", {"str_name": "houdini", "int_max_value": "4", "b_host_limit": ""}
+    )
+    assert add.status_code == 302, add.content[:2000]
+    row = LimitRecord.objects.get(str_name="houdini")
+    assert (row.int_max_value, row.b_host_limit, row.int_running) == (4, False, 0)
+    change = client.post(
+        f"/admin/dispatch/limitrecord/{row.pk}/change/", {"int_max_value": "2", "b_host_limit": "on"}
+    )
+    assert change.status_code == 302, change.content[:2000]
+    row.refresh_from_db()
+    assert (row.int_max_value, row.b_host_limit) == (2, True)
+    listing = client.get("/admin/dispatch/limitrecord/")
+    assert listing.status_code == 200 and b"houdini" in listing.content
+    events = client.get("/admin/accounting/limitrecordevent/")
+    assert events.status_code == 200 and b"root" in events.content
+    labels = list(LimitRecordEvent.objects.filter(str_name="houdini").values_list("pgh_label", flat=True))
+    assert sorted(labels) == ["limit_change", "limit_create"]
