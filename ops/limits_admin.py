@@ -17,7 +17,7 @@ from django.http import HttpRequest, HttpResponse
 
 from accounting import actions
 from accounting.models import LimitRecordEvent
-from dispatch.models import LimitRecord
+from dispatch.models import LayerLimit, LimitRecord
 from ops import permissions
 
 
@@ -101,6 +101,27 @@ class LimitRecordEventAdmin(admin.ModelAdmin):
     def who(self, obj: Any) -> str:
         meta = obj.pgh_context.metadata if obj.pgh_context_id else {}
         return meta.get("username") or "—"
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return permissions.can_view(request.user)
+
+
+@admin.register(LayerLimit)
+class LayerLimitAdmin(admin.ModelAdmin):
+    """Which layers hold which limit: set by the job spec's layer `limits`, read here."""
+
+    list_display = ("pk_layer_limit", "layer", "limit")
+    search_fields = ("limit__str_name", "layer__str_name", "pk_layer_limit")
+    list_select_related = ("layer", "limit")
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
