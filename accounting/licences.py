@@ -111,13 +111,27 @@ def _recount(grow: bool) -> str:
     {check}"""
 
 
-def _proc_func(layers: str, *, grow: bool, changed: str = "") -> str:
+# A proc whose layer this statement cannot see (written before its layer, foreign keys being
+# deferred) would be counted by no limit the layer gets with it: refused, as a proc written
+# before its host, job or show is.
+_PROC_LAYER_VISIBLE = """
+    IF EXISTS (SELECT 1 FROM new_procs n WHERE NOT EXISTS (SELECT 1 FROM layer l WHERE l.pk_layer = n.pk_layer)) THEN
+        RAISE EXCEPTION USING
+            MESSAGE = 'cuesched: a proc was written before its layer',
+            HINT = 'Write the layer (and its layer_limit rows) first: a licence limit counts the procs of its layers.',
+            ERRCODE = 'foreign_key_violation';
+    END IF;"""
+
+
+def _proc_func(layers: str, *, grow: bool, changed: str = "", check_layers: bool = False) -> str:
     early = ""
     if changed:
         early = f"""
     IF NOT EXISTS ({changed}) THEN
         RETURN NULL;
     END IF;"""
+    if check_layers:
+        early += _PROC_LAYER_VISIBLE
     return f"""
     {early}
     {LOCK_KEYS_SHARED}
@@ -148,7 +162,7 @@ def proc_licence_triggers() -> list[pgtrigger.Trigger]:
             level=pgtrigger.Statement,
             referencing=pgtrigger.Referencing(new="new_procs"),
             declare=_DECLARE,
-            func=_proc_func("SELECT DISTINCT pk_layer FROM new_procs", grow=True),
+            func=_proc_func("SELECT DISTINCT pk_layer FROM new_procs", grow=True, check_layers=True),
         ),
         pgtrigger.Trigger(
             name="acct_licence_delete",
@@ -167,7 +181,10 @@ def proc_licence_triggers() -> list[pgtrigger.Trigger]:
             referencing=pgtrigger.Referencing(old="old_procs", new="new_procs"),
             declare=_DECLARE,
             func=_proc_func(
-                "SELECT pk_layer FROM new_procs UNION SELECT pk_layer FROM old_procs", grow=True, changed=_PROC_MOVED
+                "SELECT pk_layer FROM new_procs UNION SELECT pk_layer FROM old_procs",
+                grow=True,
+                changed=_PROC_MOVED,
+                check_layers=True,
             ),
         ),
         pgtrigger.Trigger(
@@ -189,9 +206,11 @@ def proc_licence_triggers() -> list[pgtrigger.Trigger]:
 
 
 # A layer created by this very transaction cannot have a proc anywhere (a proc's layer must be
-# visible to its writer): a submission tagging its new layers skips the exclusive lock.
+# visible to its writer, see _PROC_LAYER_VISIBLE): a submission tagging its new layers skips
+# the exclusive lock. A row whose layer is missing (deferred foreign key) takes it.
 _NEEDS_KEYS_LOCK = (
-    "SELECT 1 FROM new_rows n JOIN layer l ON l.pk_layer = n.pk_layer WHERE l.xmin <> pg_current_xact_id()::xid"
+    "SELECT 1 FROM new_rows n WHERE NOT EXISTS ("
+    "SELECT 1 FROM layer l WHERE l.pk_layer = n.pk_layer AND l.xmin = pg_current_xact_id()::xid)"
 )
 
 

@@ -10,6 +10,7 @@ limit spans shows, and the check is the same for both.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import psycopg
@@ -255,3 +256,48 @@ def test_why_not_booking_names_the_full_limit_with_its_numbers(conn: psycopg.Con
     why = explain_job(farm.job.pk, None)
     assert why.primary is not None and why.primary.code == "limit_full", why.reasons
     assert f"{limit.str_name} 1/1 frames" in why.primary.message
+
+
+def test_a_proc_written_before_its_layer_is_refused(conn: psycopg.Connection) -> None:
+    """Foreign keys are deferred: a proc naming a layer that does not exist yet would escape every limit."""
+    farm = ff.tiny_farm(managed=False, frames=2)
+    with pytest.raises(pg_errors.ForeignKeyViolation) as err:
+        with conn.transaction():
+            conn.execute(
+                "INSERT INTO proc (pk_proc, pk_host, pk_show, pk_layer, pk_job, pk_frame, int_cores_reserved,"
+                " int_mem_reserved) VALUES (%s, %s, %s, %s, %s, %s, 100, 1024)",
+                (ff.unique("early"), farm.host.pk, farm.show.pk, ff.unique("nolayer"), farm.job.pk, farm.frames[0].pk),
+            )
+    assert "before its layer" in (err.value.diag.message_primary or "")
+
+
+def test_a_limit_on_a_layer_created_in_the_same_transaction_needs_no_keys_lock(conn: psycopg.Connection) -> None:
+    """A submission tags its new layers while another session holds the accounting-keys lock shared."""
+    farm = ff.tiny_farm(managed=False, frames=2)
+    limit = LimitRecord.objects.create(str_name=ff.unique("sub"), int_max_value=1)
+    holder = autocommit_conn()
+    try:
+        holder.execute("BEGIN")
+        holder.execute("SELECT pg_advisory_xact_lock_shared(%s, 0)", (0x61636374,))
+        with conn.transaction():
+            conn.execute("SET LOCAL lock_timeout = '2s'")
+            layer = ff.unique("newlayer")
+            conn.execute(
+                "INSERT INTO layer (pk_layer, pk_job, str_name, str_cmd, str_range) VALUES (%s, %s, %s, 'true', '1')",
+                (layer, farm.job.pk, layer),
+            )
+            conn.execute(
+                "INSERT INTO layer_limit (pk_layer_limit, pk_layer, pk_limit_record) VALUES (%s, %s, %s)",
+                (ff.unique("ll"), layer, limit.pk),
+            )
+        # An existing layer needs the exclusive lock: it waits for the holder, then gives up.
+        started = time.monotonic()
+        with pytest.raises(pg_errors.LockNotAvailable):
+            conn.execute(
+                "INSERT INTO layer_limit (pk_layer_limit, pk_layer, pk_limit_record) VALUES (%s, %s, %s)",
+                (ff.unique("ll"), farm.layer.pk, limit.pk),
+            )
+        assert time.monotonic() - started >= 5
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
