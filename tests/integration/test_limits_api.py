@@ -117,3 +117,12 @@ def test_console_creates_changes_and_shows_limits_audited(client: Client) -> Non
     assert events.status_code == 200 and b"root" in events.content
     labels = list(LimitRecordEvent.objects.filter(str_name="houdini").values_list("pgh_label", flat=True))
     assert sorted(labels) == ["limit_change", "limit_create"]
+    # The merged audit trail has it, old -> new, beside the cap changes.
+    from ops.admin_views import audit_events
+
+    entries = [e for e in audit_events(kind="limit") if e["object"] == "limit houdini"]
+    changes = {(e["field"], e["old"], e["new"], e["user"]) for e in entries}
+    assert ("licence max", "4 licences", "2 licences", "root") in changes
+    assert ("per host", "no", "yes", "root") in changes
+    trail = client.get("/admin/ops/console/audit/", {"kind": "limit"})
+    assert trail.status_code == 200 and b"limit houdini" in trail.content
