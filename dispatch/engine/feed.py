@@ -28,7 +28,7 @@ from dispatch.engine.placement import ALL, Demand, Shard, in_shard, parse_tags, 
 # The seam for frame dependencies: a WAITING frame is dispatchable when this holds.
 FRAME_READY = "f.int_depend_count = 0"
 
-# --- licence limits (issue 19): the layer-level part of the read, kept to these two lines.
+# --- licence limits (issue 19): the layer-level part of the read, kept to these two fragments.
 # A layer holding a limit that is full cannot book: not in the database's count (exact, every
 # writer recounts it under the limit's lock), nor in the Store's (`skip_limits`, managed shows'
 # bookings in flight on top). Such a layer takes no place in the read.
