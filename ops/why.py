@@ -75,6 +75,13 @@ SELECT h.pk_host, h.str_name, h.pk_alloc, a.pk_facility, hs.str_os, hs.str_state
 FROM host h JOIN host_stat hs ON hs.pk_host = h.pk_host JOIN alloc a ON a.pk_alloc = h.pk_alloc
 WHERE EXISTS (SELECT 1 FROM host_tag t WHERE t.pk_host = h.pk_host AND t.str_tag = ANY(%(tags)s::text[]))
 """
+# The licence limits of layers, with their use (the triggers' count, what every writer checks).
+LAYER_LIMITS_SQL = """
+SELECT ll.pk_layer, r.str_name, r.int_running, r.int_max_value, r.b_host_limit
+FROM layer_limit ll JOIN limit_record r ON r.pk_limit_record = ll.pk_limit_record
+WHERE ll.pk_layer = ANY(%(layers)s::text[])
+ORDER BY ll.pk_layer, r.str_name
+"""
 FRAME_SQL = """
 SELECT f.pk_frame, f.str_name, f.str_state, f.int_depend_count, f.pk_job, f.pk_layer, f.str_host,
        f.int_mem_reserved, f.int_mem_max_used
@@ -252,6 +259,9 @@ def explain_job(job: str, view: dict[str, Any] | None, *, layer: str | None = No
         )
     if why.reasons:
         return _finish(why, view)
+    _limit_reason(why, ready_layers)
+    if why.reasons:
+        return _finish(why, view)
 
     # Caps: the smallest frame of any ready layer is what must still fit.
     need = min(_whole_cores_needed(r[3], r[7]) for r in ready_layers)
@@ -305,6 +315,24 @@ def explain_job(job: str, view: dict[str, Any] | None, *, layer: str | None = No
     if host_reason is not None:
         why.reasons.append(host_reason)
     return _finish(why, view)
+
+
+def _limit_reason(why: Why, ready_layers: list[tuple[Any, ...]]) -> None:
+    """Every ready layer holds a licence limit that is full: name them with their numbers."""
+    full: dict[str, list[str]] = {}
+    for pk_layer, name, running, max_value, host in _all(LAYER_LIMITS_SQL, {"layers": [r[0] for r in ready_layers]}):
+        if max_value >= 0 and running >= max_value:
+            full.setdefault(pk_layer, []).append(f"{name} {running}/{max_value} {'hosts' if host else 'frames'}")
+    if not full or any(r[0] not in full for r in ready_layers):
+        return
+    names = sorted({text for texts in full.values() for text in texts})
+    why.reasons.append(
+        Reason(
+            "limit_full",
+            f"Every ready layer holds a licence limit that is full: {', '.join(names)}.",
+            "Raise the limit's max value, or wait for frames holding it to finish.",
+        )
+    )
 
 
 def _cap_reason(why: Why, vertex: str, label: str, used: int, max_cc: int, need: int, db: int, what: str) -> None:

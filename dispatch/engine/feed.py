@@ -33,6 +33,20 @@ from dispatch.engine.placement import ALL, CENTI, Demand, HostRec, Shard, in_sha
 # The seam for frame dependencies: a WAITING frame is dispatchable when this holds.
 FRAME_READY = "f.int_depend_count = 0"
 
+# --- licence limits (issue 19): the layer-level part of the read, kept to these two fragments.
+# A layer holding a limit that is full cannot book: not in the database's count (exact, every
+# writer recounts it under the limit's lock), nor in the Store's (`skip_limits`, managed shows'
+# bookings in flight on top). Such a layer takes no place in the read.
+LAYER_LIMITS_COLUMN = (
+    "ARRAY(SELECT ll.pk_limit_record FROM layer_limit ll WHERE ll.pk_layer = l.pk_layer"
+    " ORDER BY ll.pk_limit_record) AS limits"
+)
+LAYER_LIMITS_FILTER = """NOT EXISTS (
+    SELECT 1 FROM layer_limit ll JOIN limit_record r ON r.pk_limit_record = ll.pk_limit_record
+    WHERE ll.pk_layer = l.pk_layer
+      AND (r.pk_limit_record = ANY(%(skip_limits)s::text[])
+           OR (r.int_max_value >= 0 AND r.int_running >= r.int_max_value)))"""
+
 # The top jobs first (job-level filters only, so the sort and the limit see one row per job),
 # then their layers. Whether a layer has WAITING frames is left to the frame query, which
 # probes the partial WAITING index per layer: layer_stat is rewritten on every frame state
@@ -139,10 +153,12 @@ SELECT t.pk_job, t.job_name, t.pk_show, t.show_name, t.pk_folder, t.pk_facility,
        t.int_max_retries, t.b_scheduler_managed, t.int_priority, t.int_max_cores, t.int_max_gpus,
        t.int_cores, t.int_gpus, t.folder_max_cores, t.folder_max_gpus, t.folder_cores, t.folder_gpus,
        l.pk_layer, l.str_name, l.str_cmd, l.str_range, l.int_chunk_size, l.int_cores_min, l.int_cores_max,
-       l.int_mem_min, l.int_gpus_min, l.int_gpu_mem_min, l.b_threadable, l.str_tags, l.int_dispatch_order
+       l.int_mem_min, l.int_gpus_min, l.int_gpu_mem_min, l.b_threadable, l.str_tags, l.int_dispatch_order,
+       {LAYER_LIMITS_COLUMN}
 FROM top_jobs t
 JOIN layer l ON l.pk_job = t.pk_job
 WHERE (l.ts_start_after IS NULL OR l.ts_start_after <= now())
+  AND {LAYER_LIMITS_FILTER}
   AND NOT (l.pk_layer = ANY(%(skip_layers)s::text[]))
   AND (t.b_scheduler_managed OR (
         (t.int_max_cores <= 0 OR t.int_cores + GREATEST(l.int_cores_min, 100) <= t.int_max_cores)
@@ -211,6 +227,7 @@ class LayerWork:
     demand: Demand
     tags: frozenset[str]
     frames: list[FrameWork] = field(default_factory=list)
+    limits: tuple[str, ...] = ()  # licence limits (limit_record ids) each frame holds while it runs
 
     @property
     def cluster(self) -> tuple[str, str, frozenset[str]]:
@@ -226,6 +243,7 @@ class Skips:
     shows: Sequence[str] = ()
     folders: Sequence[str] = ()
     layers: Sequence[str] = ()
+    limits: Sequence[str] = ()  # licence limits the Store reads full
 
 
 @dataclass(frozen=True)
@@ -317,6 +335,7 @@ def fetch_pending(
                 "skip_shows": list(skips.shows),
                 "skip_folders": list(skips.folders),
                 "skip_layers": list(skips.layers),
+                "skip_limits": list(skips.limits),
                 "max_jobs": max_jobs,
                 "fair_share": fair_share,
                 "live_shows": sub_cols[0],
@@ -342,7 +361,7 @@ def fetch_pending(
              managed, priority, max_cores, max_gpus, cores, gpus, f_max_cores, f_max_gpus, f_cores, f_gpus,
              pk_layer, layer_name, cmd, rng, chunk,
              cores_min, cores_max, mem_min, gpus_min, gpu_mem_min, threadable, str_tags,
-             _order) = r  # fmt: skip
+             _order, layer_limits) = r  # fmt: skip
             job = jobs.get(pk_job)
             if job is None:
                 job = jobs[pk_job] = JobWork(
@@ -385,6 +404,7 @@ def fetch_pending(
                     threadable=threadable,
                 ),
                 tags=tags,
+                limits=tuple(layer_limits) if layer_limits else (),
             )
             job.layers.append(layer)
             layers[pk_layer] = layer

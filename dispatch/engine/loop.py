@@ -52,7 +52,16 @@ import psycopg
 
 from accounting import db as acct_db
 from accounting.service import PAUSED, AccountingService, NotManaged
-from accounting.store import FOLDER_UNSEEDED, JOB_UNSEEDED, Applied, BookingDelta, LimitExceeded
+from accounting.store import (
+    FOLDER_UNSEEDED,
+    JOB_UNSEEDED,
+    LICENCE,
+    LICENCE_UNSEEDED,
+    Applied,
+    BookingDelta,
+    LimitExceeded,
+    Store,
+)
 from dispatch import conf
 from dispatch.engine.booking import (
     CAP_REFUSALS,
@@ -119,6 +128,13 @@ _CAP_WHY = {
     ),
     FOLDER_UNSEEDED: ("caps_loading", "folder caps not loaded yet", "cores", "wait one cycle"),
     JOB_UNSEEDED: ("caps_loading", "job caps not loaded yet", "cores", "wait one cycle"),
+    LICENCE: (
+        "limit_full",
+        "licence limit full",
+        "licences",
+        "raise the limit's max value, or wait for frames holding it to finish",
+    ),
+    LICENCE_UNSEEDED: ("caps_loading", "licence limit not loaded yet", "licences", "wait one cycle"),
 }
 
 
@@ -499,7 +515,7 @@ class DispatchLoop:
                 if b.pk_proc not in found:
                     # Committed and already released by whoever deleted it (its release reached,
                     # or will reach, the Store), or never committed: either way keep it, high.
-                    self.service.confirm_booking(b.result)
+                    self.service.confirm_booking(b.result, b.xid)
             logger.warning(
                 "dispatch: commit outcome resolved: %s, %d bookings launched, %d gone already",
                 status or "unknown (kept)",
@@ -594,7 +610,7 @@ class DispatchLoop:
                 shows.append(show)
         self._blocked_folders = {f: t for f, t in self._blocked_folders.items() if now - t <= self.cap_retry}
         folders = list(self._blocked_folders)
-        return Skips(jobs=jobs, shows=shows, folders=folders, layers=layers)
+        return Skips(jobs=jobs, shows=shows, folders=folders, layers=layers, limits=store.full_licences())
 
     def _live_usage(self) -> LiveUsage:
         """The Store's booked cores of managed shows' subscriptions and of the managed jobs the
@@ -714,6 +730,9 @@ class DispatchLoop:
         folders, missing = self.store.missing_caps({j.folder for j in managed}, {j.pk for j in managed})
         if folders or missing:
             self.service.fill_caps(conn, sorted(folders), sorted(missing))
+        limits = {lim for j in managed for layer in j.layers for lim in layer.limits}
+        if limits and self.store.missing_licences(limits):
+            self.service.fill_licences(conn)
 
     def _room_for_cycle(self, conn: psycopg.Connection, jobs: list[JobWork]) -> dict[Any, int]:
         """Whole cores each (show, alloc) may still book this cycle; decremented as we book.
@@ -854,8 +873,13 @@ class DispatchLoop:
                     # in between would lend a booking checked on stale counters the new one.
                     generation = self.service.managed_generation(show)
                     result = self.service.apply_booking(
-                        BookingDelta(show, host.alloc, job.folder, job.pk, cores, demand.gpus)
+                        BookingDelta(show, host.alloc, job.folder, job.pk, cores, demand.gpus, layer.limits)
                     )
+                    if isinstance(result, LimitExceeded) and result.table in (LICENCE, LICENCE_UNSEEDED):
+                        stats.rejected[result.table] += 1
+                        self._record_why(job.pk, *_licence_why(result, self.store))
+                        outcome = _SKIP_LAYER
+                        break  # this layer's frames all hold the limit; the job's others may not
                     if isinstance(result, LimitExceeded):
                         stats.rejected[result.table] += 1
                         reason, what, unit, unblock = _CAP_WHY.get(
@@ -1033,7 +1057,7 @@ class DispatchLoop:
         confirm = self.service.confirm_booking
         for b in written:
             if id(b) not in failed:
-                confirm(b.result)
+                confirm(b.result, b.xid)
         stats.booked += len(written) - len(failed)
         if failures:
             stats.launch_failures += len(failures)
@@ -1078,9 +1102,24 @@ class DispatchLoop:
         for b in bookings:
             if b.pk_proc in result.procs_deleted:
                 freed[b.host.pk] = freed.get(b.host.pk, 0) + b.mem
-            self.service.confirm_booking(b.result)
+            self.service.confirm_booking(b.result, b.xid)
         stats.compensated += len(result.procs_deleted)
         self.view.set_ledger(result.host_rows, freed)
+
+
+def _licence_why(result: LimitExceeded, store: Store) -> tuple[str, str, str]:
+    """(reason, message, unblock) of a booking the Store refused on a licence limit, with its numbers."""
+    reason, what, _unit, unblock = _CAP_WHY[result.table]
+    use = store.licences().get(result.key)
+    if result.table == LICENCE and use is not None:
+        kind = "hosts" if use.host else "frames"
+        message = (
+            f"{what}: limit {result.key} {result.current}/{result.limit} {kind} "
+            f"({use.base} counted by the database, {use.inflight + use.pending} booked by this scheduler on top)"
+        )
+    else:
+        message = f"{what}: limit {result.key}"
+    return reason, message, unblock
 
 
 def _unlimited(_alloc: str) -> int:

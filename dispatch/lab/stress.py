@@ -120,6 +120,15 @@ SELECT 'job', x.pk_job, x.c, jr.int_max_cores, EXTRACT(EPOCH FROM x.last)::float
 FROM (SELECT pk_job, SUM(c) AS c, max(decided) AS last FROM p GROUP BY 1) x
 JOIN job_resource jr ON jr.pk_job = x.pk_job
 WHERE jr.int_max_cores > 0 AND x.c > jr.int_max_cores
+UNION ALL
+-- Licence limits span shows: every limit, counted from proc (frames, or hosts) against its max.
+SELECT 'limit', r.pk_limit_record, c.counted, r.int_max_value, EXTRACT(EPOCH FROM c.last)::float8
+FROM limit_record r CROSS JOIN LATERAL (
+  SELECT CASE WHEN r.b_host_limit THEN count(DISTINCT p.pk_host) ELSE count(*) END AS counted,
+         max(p.ts_dispatched) AS last
+  FROM layer_limit ll JOIN proc p ON p.pk_layer = ll.pk_layer WHERE ll.pk_limit_record = r.pk_limit_record
+) c
+WHERE r.int_max_value >= 0 AND c.counted > r.int_max_value
 """
 
 # SUM(proc) per Store key of the farm: (vertex, key, centicores, gpus).
@@ -135,7 +144,15 @@ UNION ALL SELECT 'job', pk_job, SUM(c), SUM(g) FROM p GROUP BY pk_job
 """
 
 # The database-side invariants of the audit, scoped to the farm: (what, key, seen, expected).
+# Licence limits: the trigger-kept use of every limit equals its recount from proc.
 AUDIT_SQL = """
+SELECT 'limit_use', r.pk_limit_record, r.int_running, CASE WHEN r.b_host_limit THEN c.hosts ELSE c.frames END
+FROM limit_record r CROSS JOIN LATERAL (
+  SELECT count(*) AS frames, count(DISTINCT p.pk_host) AS hosts
+  FROM layer_limit ll JOIN proc p ON p.pk_layer = ll.pk_layer WHERE ll.pk_limit_record = r.pk_limit_record
+) c
+WHERE r.int_running <> CASE WHEN r.b_host_limit THEN c.hosts ELSE c.frames END
+UNION ALL
 SELECT 'host_ledger', h.pk_host, h.int_cores - h.int_cores_idle, COALESCE(x.c, 0)
 FROM host h LEFT JOIN (SELECT pk_host, SUM(int_cores_reserved) AS c FROM proc GROUP BY 1) x ON x.pk_host = h.pk_host
 WHERE h.pk_host = ANY(%(hosts)s) AND h.int_cores - h.int_cores_idle <> COALESCE(x.c, 0)

@@ -45,7 +45,7 @@ from dispatch.engine.feed import FreeHosts, fetch_pending
 from dispatch.engine.loop import DispatchLoop
 from dispatch.engine.placement import HostView
 from dispatch.hosts.launchers.simulated import SimulatedLauncher
-from dispatch.lab.seeding import FarmSpec, purge_farm, seed_farm, show_name
+from dispatch.lab.seeding import FarmSeed, FarmSpec, purge_farm, seed_farm, show_name
 from dispatch.lab.stress import QUIET_LOOPS, env
 
 VACUUMED = "frame, proc, host, host_stat, job, job_stat, job_resource, layer, layer_stat, layer_resource"
@@ -139,11 +139,17 @@ class Command(BaseCommand):
         parser.add_argument(
             "--skip",
             default="",
-            help="comma list of parts to skip: throughput, floor, releases, accounting, fairshare (quick runs)",
+            help="comma list of parts to skip: throughput, floor, releases, accounting, fairshare, limits (quick runs)",
         )
         parser.add_argument("--fairshare-shows", type=int, default=3, help="shows of the fair-share drain farm")
         parser.add_argument(
             "--feed-calls", type=int, default=20, help="feed queries timed per variant (fairshare part)"
+        )
+        parser.add_argument(
+            "--limits-per-layer",
+            type=int,
+            default=2,
+            help="licence limits put on every layer in the limits-on drains (limits part)",
         )
 
     # -- one drain --------------------------------------------------------------------------
@@ -175,6 +181,7 @@ class Command(BaseCommand):
         hold: bool = False,
         sharded: bool = False,
         while_held: Callable[[], dict[str, float]] | None = None,
+        after_seed: Callable[[FarmSeed], None] | None = None,
     ) -> dict[str, float]:
         """One drain to idle, or `seconds` of steady booking (the slow per-proc shape).
 
@@ -182,7 +189,9 @@ class Command(BaseCommand):
         the accounting service still listening, and its figures join the result.
         """
         purge_farm(spec.prefix)
-        seed_farm(spec)
+        seeded = seed_farm(spec)
+        if after_seed is not None:
+            after_seed(seeded)
         with db.connect(application_name="cuesched-bench") as conn:
             conn.execute(f"VACUUM ANALYZE {VACUUMED}")
         stop = threading.Event()
@@ -540,6 +549,62 @@ class Command(BaseCommand):
                 f"(min {spread['min']:.1f}, max {spread['max']:.1f}, {spread['runs']} calls)"
             )
         results["fairshare"] = table
+    # -- licence limits on against off (issue 19) ----------------------------------------------
+    def _limits_on_off(self, opts: dict[str, Any], results: dict[str, Any]) -> None:
+        """The drain workload with every layer holding `--limits-per-layer` licence limits, against none.
+
+        The limits are large enough never to bind (max = twice the farm's frames): the figure is
+        the cost of enforcing them (the Store's check, the proc triggers' lock and recount, the
+        feed's filter), not the effect of a full limit. Interleaved runs, each mode, both paths.
+        """
+        per_layer = opts["limits_per_layer"]
+        frames = opts["jobs"] * opts["layers"] * opts["frames_per_layer"]
+
+        def tag(seeded: FarmSeed) -> None:
+            with db.connect(autocommit=True, application_name="cuesched-bench") as conn:
+                names = [f"{opts['prefix']}-lic{i}" for i in range(per_layer)]
+                conn.execute(
+                    "DELETE FROM layer_limit WHERE pk_limit_record IN"
+                    " (SELECT pk_limit_record FROM limit_record WHERE str_name = ANY(%s))",
+                    (names,),
+                )
+                conn.execute("DELETE FROM limit_record WHERE str_name = ANY(%s)", (names,))
+                ids = [
+                    row[0]
+                    for row in conn.execute(
+                        "INSERT INTO limit_record (pk_limit_record, str_name, int_max_value)"
+                        " SELECT gen_random_uuid()::text, n, %s FROM unnest(%s::text[]) AS n RETURNING pk_limit_record",
+                        (2 * frames, names),
+                    ).fetchall()
+                ]
+                conn.execute(
+                    "INSERT INTO layer_limit (pk_layer_limit, pk_layer, pk_limit_record)"
+                    " SELECT gen_random_uuid()::text, l, r FROM unnest(%s::text[]) AS l, unnest(%s::text[]) AS r",
+                    (list(seeded.layer_ids), ids),
+                )
+
+        samples: dict[str, list[float]] = {}
+        for i in range(opts["runs"]):
+            for mode in ("store", "database"):
+                for limits in ("off", "on"):
+                    spec = self._spec(opts, managed=mode == "store", contended=False)
+                    r = self._drain(spec, threads=1, batch_size=None, after_seed=tag if limits == "on" else None)
+                    name = f"drain/{mode}/limits-{limits}"
+                    samples.setdefault(name, []).append(r["rate"])
+                    self.stdout.write(
+                        f"  {name} run {i + 1}: {r['rate']:.0f} frames/s over {r['window']:.2f}s, "
+                        f"booked {r['booked']:.0f}"
+                    )
+        table = {name: _spread(rates) for name, rates in samples.items()}
+        results["limits"] = {"limits_per_layer": per_layer, "rate": table}
+        for name, spread in table.items():
+            self.stdout.write(f"{name}: {self._fmt(spread, 'frames/s')}")
+        for mode in ("store", "database"):
+            on, off = table[f"drain/{mode}/limits-on"], table[f"drain/{mode}/limits-off"]
+            if off["median"]:
+                ratio = on["median"] / off["median"]
+                results["limits"][f"ratio_{mode}"] = ratio
+                self.stdout.write(f"limits on / off, {mode}: {ratio:.2f}x")
 
     @staticmethod
     def _fmt(s: dict[str, float], unit: str) -> str:
@@ -563,6 +628,8 @@ class Command(BaseCommand):
             self._accounting(opts, results)
         if "fairshare" not in skip:
             self._fairshare(opts, results)
+        if "limits" not in skip:
+            self._limits_on_off(opts, results)
         results["load_average_after"] = os.getloadavg()
         (out / "bench.json").write_text(json.dumps(results, indent=2, default=str))
         chart(results, out / "bench.png")
