@@ -70,7 +70,8 @@ def test_every_curl_example_answers_as_the_page_shows(client: Client, token: str
             url = next(w for w in words if w.startswith("http"))
             path = url.split("://", 1)[1].split("/", 1)[1]
             shown = re.match(r"# (\d{3}) ", lines[i + 1]) if i + 1 < len(lines) else None
-            expected = int(shown.group(1)) if shown else (201 if method == "POST" and path in ("api/jobs", "api/limits") else 200)
+            creates = method == "POST" and path in ("api/jobs", "api/limits")
+            expected = int(shown.group(1)) if shown else (201 if creates else 200)
             response = client.generic(method, f"/{path}", data=data, content_type="application/json", **headers)
             assert response.status_code == expected, (line, response.content[:300])
             assert response["Content-Type"] == "application/json"
