@@ -22,13 +22,19 @@ from django.utils.html import format_html
 from django.views.decorators.http import require_http_methods
 
 from accounting import actions
-from accounting.models import LimitRecordEvent
 from accounting.units import centicores_to_cores, centicores_to_cores_cap
 from cuesched_project import conf
 from dispatch.models import Folder, Job, Show, Subscription
 from ops import counters, permissions, status, why
 from ops.forms import AuditFilterForm, FlipForm, KillSwitchForm
-from ops.models import FolderCapEvent, JobCapEvent, KillSwitchEvent, ShowManagedEvent, SubscriptionCapEvent
+from ops.models import (
+    FolderCapEvent,
+    JobCapEvent,
+    KillSwitchEvent,
+    LimitRecordEvent,
+    ShowManagedEvent,
+    SubscriptionCapEvent,
+)
 
 
 def refresh_seconds() -> float:

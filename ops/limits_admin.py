@@ -16,9 +16,9 @@ from django.forms import ModelForm
 from django.http import HttpRequest, HttpResponse
 
 from accounting import actions
-from accounting.models import LimitRecordEvent
 from dispatch.models import LayerLimit, LimitRecord
 from ops import permissions
+from ops.models import LimitRecordEvent
 
 
 @admin.register(LimitRecord)

@@ -110,11 +110,10 @@ pghistory.track(
 
 
 class AuditedLimitRecord(LimitRecord):
-    # In the accounting app (its migration 0005_limits carries the event table and triggers):
-    # a licence limit is a cap of every show, changed like one.
+    # A licence limit is a cap of every show, changed like one: audited beside the caps.
     class Meta:
         proxy = True
-        app_label = "accounting"
+        app_label = "ops"
         verbose_name = "licence limit"
 
 
@@ -124,7 +123,7 @@ pghistory.track(
     CreateEvent("limit_create"),
     fields=["pk_limit_record", "str_name", *LIMIT_FIELDS],
     model_name="LimitRecordEvent",
-    app_label="accounting",
+    app_label="ops",
     attrs=audit_attrs(LimitRecord, LIMIT_FIELDS),
     meta={**EVENT_META, "verbose_name": "licence limit change"},
 )(AuditedLimitRecord)

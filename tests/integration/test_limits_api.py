@@ -12,11 +12,11 @@ from django.core.exceptions import ValidationError
 from django.test import Client
 
 from accounting import actions as cap_actions
-from accounting.models import LimitRecordEvent
 from dispatch.jobs.actions import submit_job
 from dispatch.jobs.spec import SpecError
 from dispatch.jobs.tokens import issue_token
 from dispatch.models import LayerLimit, LimitRecord
+from ops.models import LimitRecordEvent
 from tests.integration.submit_support import simple_spec, submit_farm, table_counts
 
 pytestmark = pytest.mark.django_db
@@ -113,7 +113,7 @@ def test_console_creates_changes_and_shows_limits_audited(client: Client) -> Non
     assert (row.int_max_value, row.b_host_limit) == (2, True)
     listing = client.get("/admin/dispatch/limitrecord/")
     assert listing.status_code == 200 and b"houdini" in listing.content
-    events = client.get("/admin/accounting/limitrecordevent/")
+    events = client.get("/admin/ops/limitrecordevent/")
     assert events.status_code == 200 and b"root" in events.content
     labels = list(LimitRecordEvent.objects.filter(str_name="houdini").values_list("pgh_label", flat=True))
     assert sorted(labels) == ["limit_change", "limit_create"]
