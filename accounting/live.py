@@ -133,6 +133,7 @@ def build_view(service: AccountingService) -> dict[str, Any]:
             "keys": rc.keys,
             "rows": rc.rows,
             "drift_cores": rc.drift_cores,
+            "drift_keys": rc.drift_keys,
             "evicted": rc.evicted,
             "pg_error": rc.pg_error,
         },

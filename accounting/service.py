@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import psycopg
 
 from accounting import db, metrics
+from accounting.history import HistorySampler
 from accounting.limits import fill_caps, reseed_limits
 from accounting.listener import HeartbeatSender, Listener, ServerIdentity
 from accounting.managed_shows import Managed, read_managed, refresh_managed
@@ -107,6 +108,7 @@ class AccountingService:
         self._threads: list[threading.Thread] = []
         # Other parts of the scheduler (the dispatch loop) add sections to the live view here.
         self.view_providers: dict[str, Callable[[], object]] = {}
+        self.history = HistorySampler()
         # Bumped whenever the Store may have gained room (a release or cap change applied, a
         # recompute): a dispatch loop held back by a Store cap waits on it instead of polling.
         self._room = threading.Condition()
@@ -245,6 +247,10 @@ class AccountingService:
             result = self.reseed_all(conn)
         if identity is not None:
             self.server_id = identity.system_id
+        if not self.bootstrapped.is_set():
+            # The bootstrap seeds an empty Store: every key "moves", which is not drift.
+            result.drift_cores = dict.fromkeys(result.drift_cores, 0)
+            result.drift_keys = {}
         self._observe_recompute(result)
         if not self.bootstrapped.is_set():
             self.state.bootstrapped_at = time.time()
@@ -340,6 +346,9 @@ class AccountingService:
             logger.warning("reconcile: unmanaged shows' counters had drifted from SUM(proc): %s", result.drift_cores)
         return f"reconcile: {result.shows} unmanaged show(s), drift {result.drift_cores}"
 
+    def _history_tick(self, conn: psycopg.Connection) -> str:
+        return self.history.sample(conn, self)
+
     def _run_loop(
         self,
         name: str,
@@ -412,6 +421,7 @@ class AccountingService:
             self._managed_wakeup,
         )
         self._spawn("reconcile", self._run_loop, "reconcile", conf.db_reconcile_interval(), self._reconcile_tick, stop)
+        self._spawn("history", self._run_loop, "history", conf.history_interval(), self._history_tick, stop)
 
     def join(self, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout
