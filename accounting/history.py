@@ -73,15 +73,15 @@ PRUNE_SQL = f"DELETE FROM {TABLE} WHERE ts < now() - make_interval(secs => %(sec
 def measured_drift(service: AccountingService) -> tuple[int, dict[str, int]]:
     """Farm drift (whole cores the last recompute and reconcile corrected) and the Store's per show.
 
-    The recompute's per-key corrections are signed (Store minus SUM(proc)); a show's figure is
-    the sum over its subscriptions. Database-enforced shows' per-table corrections are not per
-    show, so they count in the farm figure only.
+    A show's figure is the signed sum over its subscriptions of what recompute passes corrected
+    within CUESCHED_DRIFT_MEMORY_SECONDS (Store minus SUM(proc)). Database-enforced shows'
+    per-table corrections are not per show, so they count in the farm figure only.
     """
     rc = service.state.last_recompute
     farm = sum(abs(v) for v in (rc.drift_cores.values() if rc else ()))
     farm += sum(abs(v) for v in service.state.last_reconcile_drift.values())
     per_show: dict[str, int] = {}
-    for key, cores in ((rc.drift_keys.get("sub") or {}) if rc else {}).items():
+    for key, (cores, _at) in (service.state.recent_drift.get("sub") or {}).items():
         show = key.split(":", 1)[0]
         per_show[show] = per_show.get(show, 0) + cores
     return farm, per_show

@@ -38,6 +38,7 @@ from accounting.store import Applied, BookingDelta, LimitExceeded, Store
 from cuesched_project import conf
 
 PAUSED = "accounting_paused"
+RECENT_DRIFT_KEPT = 2000
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,10 @@ class ServiceState:
     managed_published_at: dict[str, float] = field(default_factory=dict)
     last_reconcile_drift: dict[str, int] = field(default_factory=dict)
     server_changes: int = 0
+    # vertex -> key -> (signed drift a recompute corrected, unix time), kept for
+    # `conf.drift_memory_seconds()`: the next pass measures 0 once corrected, and ops must still
+    # see that a key had drifted (and by how much) for a while after.
+    recent_drift: dict[str, dict[str, tuple[int, float]]] = field(default_factory=dict)
 
 
 class AccountingService:
@@ -305,9 +310,21 @@ class AccountingService:
         self._max_xmax = max(self._max_xmax, result.pg_xmax)
         self._room_changed()
         self.state.last_recompute = result
+        self._remember_drift(result.drift_keys)
         metrics.RECOMPUTE_SECONDS.observe(result.store_seconds + result.pg_seconds)
         for vertex, cores in result.drift_cores.items():
             metrics.RECOMPUTE_DRIFT.labels(vertex).set(cores)
+
+    def _remember_drift(self, drift_keys: dict[str, dict[str, int]], now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        horizon = now - conf.drift_memory_seconds()
+        for vertex in ("sub", "folder", "job"):
+            kept = {k: v for k, v in self.state.recent_drift.get(vertex, {}).items() if v[1] >= horizon}
+            for key, cores in (drift_keys.get(vertex) or {}).items():
+                kept[key] = (cores, now)
+            if len(kept) > RECENT_DRIFT_KEPT:
+                kept = dict(sorted(kept.items(), key=lambda kv: -kv[1][1])[:RECENT_DRIFT_KEPT])
+            self.state.recent_drift[vertex] = kept
 
     # -- loops -------------------------------------------------------------------------
     def _recompute_tick(self, conn: psycopg.Connection) -> str:

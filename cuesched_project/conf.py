@@ -83,6 +83,11 @@ def history_retention_hours() -> float:
     return env_float("CUESCHED_HISTORY_RETENTION_HOURS", 48.0)
 
 
+def drift_memory_seconds() -> float:
+    """How long the live view keeps a key's drift after a recompute corrected it (the console shows it), seconds."""
+    return env_float("CUESCHED_DRIFT_MEMORY_SECONDS", 900.0)
+
+
 # --- listener liveness and the scheduler's fence ----------------------------------------
 def heartbeat_interval() -> float:
     """How often the scheduler NOTIFYs itself on cuesched_heartbeat, seconds."""

@@ -36,11 +36,13 @@ def flagged(drift: int | None) -> bool:
 
 
 def measured(view: dict[str, Any] | None, vertex: str) -> dict[str, int] | None:
-    """The last recompute's per-key drift for `vertex`, or None when no recompute has measured yet."""
+    """Per-key drift recompute passes corrected lately (CUESCHED_DRIFT_MEMORY_SECONDS), or None
+    when no recompute has measured yet. Keys absent were measured at 0."""
     rc = (view or {}).get("recompute")
     if not rc or "drift_keys" not in rc:
         return None
-    return (rc.get("drift_keys") or {}).get(vertex) or {}
+    keys = (rc.get("drift_keys") or {}).get(vertex) or {}
+    return {k: int(v[0]) if isinstance(v, list) else int(v) for k, v in keys.items()}
 
 
 @contextmanager

@@ -2,19 +2,21 @@
 
 One query per window, whatever the retention: the samples are bucketed in SQL (the last sample
 of each bucket, DISTINCT ON), so the last hour keeps every 10 s sample and the last day one
-per two minutes (at most 720 points a line), and the JSON of a large farm's subscriptions is
+per two minutes (at most 720 points a line; the hour at most 3,600), and the JSON of a large farm's subscriptions is
 never read more than once per bucket. The browser draws them with uPlot, served from the app
 (ops/static/ops/vendor/uplot-1.6.32). Amounts are converted to whole cores here.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
 from django.db import connection
 
 from accounting.units import centicores_to_cores
+from cuesched_project import conf
 
 
 @dataclass(frozen=True)
@@ -25,7 +27,12 @@ class Window:
     bucket_seconds: int
 
 
-WINDOWS = (Window("hour", "Last hour", 3600, 10), Window("day", "Last day", 86400, 120))
+def windows() -> tuple[Window, ...]:
+    """The last hour at the sampling interval (at least 1 s), the last day in two-minute buckets."""
+    return (
+        Window("hour", "Last hour", 3600, max(1, round(conf.history_interval()))),
+        Window("day", "Last day", 86400, 120),
+    )
 
 FARM_SQL = """
 SELECT DISTINCT ON (b) b, EXTRACT(EPOCH FROM ts)::float8, pending_frames, running_procs, booked_cc,
@@ -46,6 +53,10 @@ ORDER BY b, ts DESC
 """
 
 
+def _json(value: Any) -> Any:
+    return json.loads(value) if isinstance(value, str | bytes) else value
+
+
 def _chart(cid: str, title: str, labels: list[str], xs: list[float], *ys: list[Any], unit: str = "") -> dict[str, Any]:
     return {"id": cid, "title": title, "labels": labels, "unit": unit, "data": [xs, *ys], "points": len(xs)}
 
@@ -54,7 +65,7 @@ def farm_charts() -> list[dict[str, Any]]:
     """Per window: booked vs burst, pending frames, bookings and completions per minute, drift."""
     out = []
     c = centicores_to_cores
-    for w in WINDOWS:
+    for w in windows():
         with connection.cursor() as cur:
             cur.execute(FARM_SQL, {"bucket": w.bucket_seconds, "seconds": w.seconds})
             rows = cur.fetchall()
@@ -112,12 +123,13 @@ def show_charts(show: str) -> list[dict[str, Any]]:
         alloc_names = dict(cur.fetchall())
     out = []
     c = centicores_to_cores
-    for w in WINDOWS:
+    for w in windows():
         with connection.cursor() as cur:
             cur.execute(
                 SHOW_SQL, {"show": show, "prefix": f"{show}:%", "bucket": w.bucket_seconds, "seconds": w.seconds}
             )
-            rows = cur.fetchall()
+            # Django's connection leaves jsonb as text (its JSONField decodes it itself).
+            rows = [(r[0], r[1], _json(r[2]), _json(r[3])) for r in cur.fetchall()]
         xs = [r[1] for r in rows]
         keys = sorted({k for r in rows for k in (r[3] or {})})
         charts = []
