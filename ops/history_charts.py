@@ -34,22 +34,29 @@ def windows() -> tuple[Window, ...]:
         Window("day", "Last day", 86400, 120),
     )
 
-FARM_SQL = """
-SELECT DISTINCT ON (b) b, EXTRACT(EPOCH FROM ts)::float8, pending_frames, running_procs, booked_cc,
-       bookings_per_min, completions_per_min, drift_cores,
-       (SELECT COALESCE(SUM((v ->> 1)::bigint), 0) FROM jsonb_each(subs) AS e(k, v))
-FROM (SELECT date_bin(make_interval(secs => %(bucket)s), ts, timestamptz '2000-01-01') AS b, * FROM ops_history_sample
-      WHERE ts >= now() - make_interval(secs => %(seconds)s)) t
-ORDER BY b, ts DESC
+# The last sample of each bucket is picked first (on the ts index, no JSON touched); only the
+# picked rows' JSON is read.
+PICK = """
+SELECT s.* FROM (
+  SELECT DISTINCT ON (b) id FROM (
+    SELECT date_bin(make_interval(secs => %(bucket)s), ts, timestamptz '2000-01-01') AS b, id, ts
+    FROM ops_history_sample WHERE ts >= now() - make_interval(secs => %(seconds)s)) t
+  ORDER BY b, ts DESC) pick
+JOIN ops_history_sample s ON s.id = pick.id
 """
 
-SHOW_SQL = """
-SELECT DISTINCT ON (b) b, EXTRACT(EPOCH FROM ts)::float8, shows -> %(show)s,
-       (SELECT COALESCE(jsonb_object_agg(k, v), '{}'::jsonb) FROM jsonb_each(subs) AS e(k, v)
+FARM_SQL = f"""
+SELECT NULL, EXTRACT(EPOCH FROM ts)::float8, pending_frames, running_procs, booked_cc,
+       bookings_per_min, completions_per_min, drift_cores,
+       (SELECT COALESCE(SUM((v ->> 1)::bigint), 0) FROM jsonb_each(subs) AS e(k, v))
+FROM ({PICK}) t ORDER BY ts
+"""
+
+SHOW_SQL = f"""
+SELECT NULL, EXTRACT(EPOCH FROM ts)::float8, shows -> %(show)s,
+       (SELECT COALESCE(jsonb_object_agg(k, v), '{{}}'::jsonb) FROM jsonb_each(subs) AS e(k, v)
         WHERE k LIKE %(prefix)s)
-FROM (SELECT date_bin(make_interval(secs => %(bucket)s), ts, timestamptz '2000-01-01') AS b, * FROM ops_history_sample
-      WHERE ts >= now() - make_interval(secs => %(seconds)s)) t
-ORDER BY b, ts DESC
+FROM ({PICK}) t ORDER BY ts
 """
 
 
