@@ -180,6 +180,9 @@ def test_history_charts_draw_real_samples_from_the_app_alone(
         expect(page.locator("#ops-history .uplot")).to_have_count(8)
         points = int(page.locator("#farm-hour-booked").get_attribute("data-points") or 0)
         assert points >= 10
+        # The charts follow the live refresh: new samples are drawn without a reload.
+        expect(page.locator("#farm-hour-booked")).not_to_have_attribute("data-points", str(points), timeout=TIMEOUT_MS)
+        expect(page.locator("#farm-hour-booked canvas")).to_have_count(1)
         DOCS_IMAGES.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(DOCS_IMAGES / "ops-overview.png"), full_page=True)
         page.goto(f"{live_server.url}/admin/ops/console/show/{farm.show}/")
