@@ -133,6 +133,9 @@ def build_view(service: AccountingService) -> dict[str, Any]:
             "keys": rc.keys,
             "rows": rc.rows,
             "drift_cores": rc.drift_cores,
+            # Per key, the drift recompute passes corrected within conf.drift_memory_seconds():
+            # [signed whole cores, unix time of the pass].
+            "drift_keys": {v: {k: [d, at] for k, (d, at) in keys.items()} for v, keys in st.recent_drift.items()},
             "evicted": rc.evicted,
             "pg_error": rc.pg_error,
         },

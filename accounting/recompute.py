@@ -217,6 +217,10 @@ class RecomputeResult:
     pg_error: str | None = None
     # Sum over keys of |after - before| in whole cores: how far the Store had drifted.
     drift_cores: dict[str, int] = field(default_factory=dict)
+    # Signed drift per key the pass corrected (Store before - SUM(proc), whole cores; nonzero
+    # keys only, at most DRIFT_KEYS_KEPT per vertex): the console shows a key's drift from this
+    # one consistent measurement instead of comparing figures read at different moments.
+    drift_keys: dict[str, dict[str, int]] = field(default_factory=dict)
     # xmax of the pass's snapshot: the service notices a server whose xids went backwards.
     pg_xmax: int = 0
 
@@ -241,6 +245,24 @@ def build_snapshot(
         for key, (cc, gg) in sums.items():
             target[key] = (usage_to_cores(cc), gg)
     return snapshot
+
+
+DRIFT_KEYS_KEPT = 500
+
+
+def _drift_keys(before: CounterSnapshot, after: CounterSnapshot) -> dict[str, dict[str, int]]:
+    """Signed per-key corrections; sub keys as "show:alloc" (the live view's key)."""
+    out: dict[str, dict[str, int]] = {}
+    for name in ("sub", "folder", "job"):
+        b, a = getattr(before, name), getattr(after, name)
+        found: dict[str, int] = {}
+        for k in a.keys() | b.keys():
+            d = b.get(k, (0, 0))[0] - a.get(k, (0, 0))[0]
+            if d:
+                found[":".join(k) if isinstance(k, tuple) else str(k)] = d
+        biggest = sorted(found.items(), key=lambda kv: -abs(kv[1]))[:DRIFT_KEYS_KEPT]
+        out[name] = dict(biggest)
+    return out
 
 
 def _drift(before: CounterSnapshot, after: CounterSnapshot) -> dict[str, int]:
@@ -313,6 +335,7 @@ class Recomputer:
             result.pg_xmax = snap.xmax
         after = store.audit_snapshot()
         result.drift_cores = _drift(before, after)
+        result.drift_keys = _drift_keys(before, after)
         result.evicted = store.evict_jobs([j for j, v in after.job.items() if j not in db_jobs and v == (0, 0)])
         result.keys = len(snapshot.sub) + len(snapshot.folder) + len(snapshot.job)
         result.rows = len(rows)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import psycopg
 
 from accounting import db, metrics
+from accounting.history import HistorySampler
 from accounting.limits import fill_caps, reseed_licences, reseed_limits
 from accounting.listener import HeartbeatSender, Listener, ServerIdentity
 from accounting.managed_shows import Managed, read_managed, refresh_managed
@@ -37,6 +38,7 @@ from accounting.store import Applied, BookingDelta, LimitExceeded, Store
 from cuesched_project import conf
 
 PAUSED = "accounting_paused"
+RECENT_DRIFT_KEPT = 2000
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +74,10 @@ class ServiceState:
     managed_published_at: dict[str, float] = field(default_factory=dict)
     last_reconcile_drift: dict[str, int] = field(default_factory=dict)
     server_changes: int = 0
+    # vertex -> key -> (signed drift a recompute corrected, unix time), kept for
+    # `conf.drift_memory_seconds()`: the next pass measures 0 once corrected, and ops must still
+    # see that a key had drifted (and by how much) for a while after.
+    recent_drift: dict[str, dict[str, tuple[int, float]]] = field(default_factory=dict)
 
 
 class AccountingService:
@@ -107,6 +113,7 @@ class AccountingService:
         self._threads: list[threading.Thread] = []
         # Other parts of the scheduler (the dispatch loop) add sections to the live view here.
         self.view_providers: dict[str, Callable[[], object]] = {}
+        self.history = HistorySampler()
         # Bumped whenever the Store may have gained room (a release or cap change applied, a
         # recompute): a dispatch loop held back by a Store cap waits on it instead of polling.
         self._room = threading.Condition()
@@ -252,6 +259,10 @@ class AccountingService:
             result = self.reseed_all(conn)
         if identity is not None:
             self.server_id = identity.system_id
+        if not self.bootstrapped.is_set():
+            # The bootstrap seeds an empty Store: every key "moves", which is not drift.
+            result.drift_cores = dict.fromkeys(result.drift_cores, 0)
+            result.drift_keys = {}
         self._observe_recompute(result)
         if not self.bootstrapped.is_set():
             self.state.bootstrapped_at = time.time()
@@ -306,9 +317,21 @@ class AccountingService:
         self._max_xmax = max(self._max_xmax, result.pg_xmax)
         self._room_changed()
         self.state.last_recompute = result
+        self._remember_drift(result.drift_keys)
         metrics.RECOMPUTE_SECONDS.observe(result.store_seconds + result.pg_seconds)
         for vertex, cores in result.drift_cores.items():
             metrics.RECOMPUTE_DRIFT.labels(vertex).set(cores)
+
+    def _remember_drift(self, drift_keys: dict[str, dict[str, int]], now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        horizon = now - conf.drift_memory_seconds()
+        for vertex in ("sub", "folder", "job"):
+            kept = {k: v for k, v in self.state.recent_drift.get(vertex, {}).items() if v[1] >= horizon}
+            for key, cores in (drift_keys.get(vertex) or {}).items():
+                kept[key] = (cores, now)
+            if len(kept) > RECENT_DRIFT_KEPT:
+                kept = dict(sorted(kept.items(), key=lambda kv: -kv[1][1])[:RECENT_DRIFT_KEPT])
+            self.state.recent_drift[vertex] = kept
 
     # -- loops -------------------------------------------------------------------------
     def _recompute_tick(self, conn: psycopg.Connection) -> str:
@@ -349,6 +372,9 @@ class AccountingService:
         if any(result.drift_cores.values()):
             logger.warning("reconcile: unmanaged shows' counters had drifted from SUM(proc): %s", result.drift_cores)
         return f"reconcile: {result.shows} unmanaged show(s), drift {result.drift_cores}"
+
+    def _history_tick(self, conn: psycopg.Connection) -> str:
+        return self.history.sample(conn, self)
 
     def _run_loop(
         self,
@@ -422,6 +448,7 @@ class AccountingService:
             self._managed_wakeup,
         )
         self._spawn("reconcile", self._run_loop, "reconcile", conf.db_reconcile_interval(), self._reconcile_tick, stop)
+        self._spawn("history", self._run_loop, "history", conf.history_interval(), self._history_tick, stop)
 
     def join(self, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout

@@ -73,6 +73,21 @@ def db_reconcile_interval() -> float:
     return env_float("CUESCHED_DB_RECONCILE_INTERVAL", 60.0)
 
 
+def history_interval() -> float:
+    """How often the scheduler samples the farm into the history table (the console's charts), seconds."""
+    return env_float("CUESCHED_HISTORY_INTERVAL", 10.0)
+
+
+def history_retention_hours() -> float:
+    """History samples older than this are deleted by the sampler (the charts show the last day), hours."""
+    return env_float("CUESCHED_HISTORY_RETENTION_HOURS", 48.0)
+
+
+def drift_memory_seconds() -> float:
+    """How long the live view keeps a key's drift after a recompute corrected it (the console shows it), seconds."""
+    return env_float("CUESCHED_DRIFT_MEMORY_SECONDS", 900.0)
+
+
 # --- listener liveness and the scheduler's fence ----------------------------------------
 def heartbeat_interval() -> float:
     """How often the scheduler NOTIFYs itself on cuesched_heartbeat, seconds."""

@@ -20,6 +20,7 @@ from django.utils.html import format_html
 from dispatch.models import Alloc, Folder, Job, Show
 from ops import (
     admin_views,
+    farm_views,
     limits_admin,  # noqa: F401 - registers the licence limit admins
     permissions,
 )
@@ -68,6 +69,8 @@ class ConsoleAdmin(ReadOnlyAdmin):
             path("frame/<str:pk>/why/", g(admin_views.why_frame), name="ops_frame_why"),
             path("audit/", g(admin_views.audit), name="ops_audit"),
             path("notifications/", g(admin_views.kill_switch), name="ops_kill_switch"),
+            path("procs/", g(farm_views.procs_page), name="ops_procs"),
+            path("allocations/", g(farm_views.allocations_page), name="ops_allocations"),
             *super().get_urls(),
         ]
 

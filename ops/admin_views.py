@@ -25,7 +25,7 @@ from accounting import actions
 from accounting.units import centicores_to_cores, centicores_to_cores_cap
 from cuesched_project import conf
 from dispatch.models import Folder, Job, Show, Subscription
-from ops import counters, permissions, status, why
+from ops import counters, freshness, permissions, status, why
 from ops.forms import AuditFilterForm, FlipForm, KillSwitchForm
 from ops.models import (
     FolderCapEvent,
@@ -72,6 +72,7 @@ def _scheduler_context(view: dict[str, Any] | None) -> dict[str, Any]:
         "loops": [{"name": k, **v, "ago": status.ago(v.get("last_run"))} for k, v in sorted(loops.items())],
         "dispatch": dispatch,
         "started_ago": status.ago((view or {}).get("started_at")),
+        **freshness.scheduler_ages(view),
     }
 
 

@@ -5,9 +5,13 @@ For a scheduler-managed show the Store is the enforced truth and the database co
 the published view) beside SUM(proc) read now. For a database-enforced show the trigger-kept
 `int_cores` columns are what is enforced, so they stand in the "enforced" column instead.
 
-Drift = enforced - in-flight - SUM(proc), in whole cores. A few cores for a second is normal
-while frames start and finish (the view is up to a second old); anything that stays is what
-the recompute corrects, and is worth a look. All amounts here are WHOLE cores and GPU counts.
+Drift comes from ONE consistent measurement, never from figures read at different moments
+(the Store's view is up to a second older than a SUM(proc) read now, which made healthy shows
+read +-12): for a database-enforced show it is the trigger-kept counter minus SUM(proc), both
+read in one REPEATABLE READ snapshot (0 on a healthy show); for a scheduler-managed show it is
+what the last recompute measured and corrected for that key (Store before minus SUM(proc) in
+its snapshot). It is flagged only past `CUESCHED_OPS_DRIFT_THRESHOLD_CORES` (ops.drift).
+All amounts here are WHOLE cores and GPU counts.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any
 from django.db import connection
 
 from accounting.units import centicores_to_cores, centicores_to_cores_cap
+from ops import drift
 
 # SUM(proc) by key, non-local procs (the Store's and the triggers' rule), optionally for one show.
 SUB_SUMS_SQL = """
@@ -86,12 +91,17 @@ class Row:
     inflight_gpus: int = 0
     cap_is_burst: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    # Managed rows: the drift the last recompute measured for this key (None: no recompute yet).
+    measured_drift: int | None = None
+    managed: bool = False
 
     @property
     def drift(self) -> int | None:
+        if self.managed:
+            return self.measured_drift
         if self.enforced_cores is None:
             return None
-        return self.enforced_cores - self.inflight_cores - self.db_cores
+        return self.enforced_cores - self.db_cores
 
     @property
     def unlimited(self) -> bool:
@@ -158,6 +168,7 @@ def _fetch(sql: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
 def sub_rows(view: dict[str, Any] | None, show: str | None = None) -> list[Row]:
     sums = _sums(SUB_SUMS_SQL, {"show": show}, 2)
     store = (view or {}).get("sub") or {}
+    measured = drift.measured(view, "sub")
     rows = []
     for pk, pk_show, show_name, managed, pk_alloc, alloc_name, burst, size, t_cores, t_gpus in _fetch(
         SUBS_SQL, {"show": show}
@@ -181,6 +192,8 @@ def sub_rows(view: dict[str, Any] | None, show: str | None = None) -> list[Row]:
                 inflight_cores=(entry or {}).get("inflight_cores", 0),
                 inflight_gpus=(entry or {}).get("inflight_gpus", 0),
                 cap_is_burst=True,
+                managed=managed,
+                measured_drift=None if measured is None else measured.get(f"{pk_show}:{pk_alloc}", 0),
                 extra={
                     "show": pk_show,
                     "show_name": show_name,
@@ -196,7 +209,13 @@ def sub_rows(view: dict[str, Any] | None, show: str | None = None) -> list[Row]:
 
 
 def _vertex_row(
-    pk: str, label: str, managed: bool, entry: dict[str, Any] | None, sums: tuple[int, int, int], caps: tuple[int, ...]
+    pk: str,
+    label: str,
+    managed: bool,
+    entry: dict[str, Any] | None,
+    sums: tuple[int, int, int],
+    caps: tuple[int, ...],
+    measured: dict[str, int] | None = None,
 ) -> Row:
     max_cc, max_gpus, t_cores, t_gpus = caps
     db_cores, db_gpus, procs = sums
@@ -216,10 +235,17 @@ def _vertex_row(
         cap_gpus=max_gpus,
         inflight_cores=(entry or {}).get("inflight_cores", 0),
         inflight_gpus=(entry or {}).get("inflight_gpus", 0),
+        managed=managed,
+        measured_drift=None if measured is None else measured.get(pk, 0),
     )
 
 
 def show_counters(view: dict[str, Any] | None, show: str) -> ShowCounters:
+    with drift.consistent_read():
+        return _show_counters(view, show)
+
+
+def _show_counters(view: dict[str, Any] | None, show: str) -> ShowCounters:
     meta = _fetch("SELECT str_name, b_scheduler_managed FROM show WHERE pk_show = %(show)s", {"show": show})
     name, managed = meta[0]
     params = {"show": show, "limit": JOB_ROWS_LIMIT + 1}
@@ -227,15 +253,20 @@ def show_counters(view: dict[str, Any] | None, show: str) -> ShowCounters:
     job_sums = _sums(JOB_SUMS_SQL, params, 1)
     store_folders = (view or {}).get("folder") or {}
     store_jobs = (view or {}).get("job") or {}
+    measured_folders, measured_jobs = drift.measured(view, "folder"), drift.measured(view, "job")
     zero = (0, 0, 0)
     folders = [
-        _vertex_row(pk, fname, managed, store_folders.get(pk), folder_sums.get(pk, zero), (mc, mg, c, g))
+        _vertex_row(
+            pk, fname, managed, store_folders.get(pk), folder_sums.get(pk, zero), (mc, mg, c, g), measured_folders
+        )
         for pk, fname, mc, mg, c, g in _fetch(FOLDERS_SQL, params)
     ]
     jobs = []
     job_rows = _fetch(JOBS_SQL, params)
     for pk, jname, state, paused, prio, mc, mg, c, g, waiting, running, depend in job_rows[:JOB_ROWS_LIMIT]:
-        row = _vertex_row(pk, jname, managed, store_jobs.get(pk), job_sums.get(pk, zero), (mc, mg, c, g))
+        row = _vertex_row(
+            pk, jname, managed, store_jobs.get(pk), job_sums.get(pk, zero), (mc, mg, c, g), measured_jobs
+        )
         row.extra = {
             "state": state,
             "paused": paused,
@@ -293,6 +324,11 @@ class ShowSummary:
 
 
 def farm_overview(view: dict[str, Any] | None) -> list[ShowSummary]:
+    with drift.consistent_read():
+        return _farm_overview(view)
+
+
+def _farm_overview(view: dict[str, Any] | None) -> list[ShowSummary]:
     by_show: dict[str, list[Row]] = {}
     for row in sub_rows(view):
         by_show.setdefault(row.extra["show"], []).append(row)

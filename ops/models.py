@@ -10,6 +10,7 @@ from __future__ import annotations
 import pghistory
 from django.db import models
 
+from accounting import history
 from accounting.models import AccountingSettings
 from dispatch.models import FolderResource, JobResource, LimitRecord, Show, Subscription
 from ops.audit import ChangeEvent, CreateEvent, audit_attrs
@@ -146,3 +147,32 @@ class Console(models.Model):
 
     def __str__(self) -> str:
         return "ops console"
+
+
+class HistorySample(models.Model):
+    """One sample of the farm, written by the scheduler's history loop (`accounting.history`).
+
+    The web never writes here; the sampler prunes rows past `CUESCHED_HISTORY_RETENTION_HOURS`.
+    Amounts are centicores (the farm tables' unit) except `drift_cores`, which is whole cores as
+    the recompute measured it. `subs` maps "show:alloc" to [booked cc, burst cc, size cc];
+    `shows` maps a show id to [pending frames, running procs, booked cc, Store drift cores].
+    """
+
+    ts = models.DateTimeField(db_index=True)
+    pending_frames = models.BigIntegerField()
+    running_procs = models.BigIntegerField()
+    booked_cc = models.BigIntegerField()
+    bookings_per_min = models.BigIntegerField()
+    completions_per_min = models.BigIntegerField()
+    drift_cores = models.BigIntegerField()
+    subs = models.JSONField(default=dict)
+    shows = models.JSONField(default=dict)
+
+    class Meta:
+        db_table = history.TABLE
+        default_permissions = ()
+        ordering = ["ts"]
+        verbose_name = "history sample"
+
+    def __str__(self) -> str:
+        return f"sample at {self.ts:%Y-%m-%d %H:%M:%S}"

@@ -6,8 +6,10 @@ from typing import Any
 
 from django import template
 from django.db import DatabaseError
+from django.utils import timezone
 
-from ops import permissions, status
+from cuesched_project import conf
+from ops import drift, history_charts, permissions, status
 
 register = template.Library()
 
@@ -62,3 +64,53 @@ def ops_cap_header(text: str) -> str:
     """Change-list headers of cap columns, which are edited in whole cores (model names are Cuebot's)."""
     text = str(text)
     return CAP_HEADERS.get(text, text[:1].upper() + text[1:])
+
+
+@register.filter
+def drift_flagged(value: int | None) -> bool:
+    """Past the drift threshold (ops.drift): only then is a drift painted red."""
+    return drift.flagged(value)
+
+
+@register.filter
+def drift_title(value: int | None) -> str:
+    return (
+        f"counter minus SUM(proc) from one consistent read (managed shows: as the last recompute measured); "
+        f"flagged past ±{drift.threshold_cores()} cores"
+    )
+
+
+@register.simple_tag(takes_context=True)
+def ops_freshness(context: dict[str, Any]) -> dict[str, Any]:
+    """When this page's data was read, and after how long without a fresh answer it is stale.
+
+    A live page refreshes every `refresh_ms`; missing three refreshes (at least 10 s) means
+    the browser is showing old figures. A page that does not refresh (a list) is a snapshot:
+    it turns stale after `CUESCHED_OPS_SNAPSHOT_STALE_SECONDS`.
+    """
+    refresh_ms = context.get("refresh_ms")
+    if refresh_ms:
+        stale_after = max(10.0, 3 * float(refresh_ms) / 1000)
+        title = "live page: turns red when no fresh answer arrived for this long"
+    else:
+        stale_after = snapshot_stale_seconds()
+        title = "a snapshot: reload the page for current figures"
+    return {"at": timezone.localtime().strftime("%H:%M:%S"), "stale_after": stale_after, "title": title}
+
+
+def snapshot_stale_seconds() -> float:
+    """A page that does not refresh itself (a list) reads as stale after this many seconds."""
+    return conf.env_float("CUESCHED_OPS_SNAPSHOT_STALE_SECONDS", 60.0)
+
+
+@register.inclusion_tag("ops/_history.html", takes_context=True)
+def ops_history(context: dict[str, Any], show: str | None = None) -> dict[str, Any]:
+    """The history charts (last hour, last day) of the farm, or of one show."""
+    windows = history_charts.show_charts(show) if show else history_charts.farm_charts()
+    return {"windows": windows, "scope": "show" if show else "farm"}
+
+
+@register.filter
+def duration_s(seconds: float | None) -> str:
+    """Seconds as the operator reads them: 42 s, 7 min, 3.5 h."""
+    return "—" if seconds is None else status._ago(float(seconds))

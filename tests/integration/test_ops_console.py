@@ -258,26 +258,34 @@ def test_cap_status_says_when_the_scheduler_applied_it(operator: Client) -> None
 
 
 def test_live_counters_show_store_against_sum_proc_and_highlight_drift(operator: Client) -> None:
+    """Drift of a managed show is what the recompute measured, flagged only past the threshold.
+
+    (Issue 20 problem 4: this test used to assert the Store's published figure minus in-flight
+    minus a SUM(proc) read later, +2 in red, which is exactly the inconsistent figure that
+    painted healthy shows red. The Store figures below still lag SUM(proc) by 2, and no longer
+    make a drift.)"""
     farm = tiny_farm(managed=True, int_burst=10_000)
     for frame in farm.frames[:3]:
         create_proc(farm.host, frame, cores=200)  # 6 cores booked in the database
     key = f"{farm.show.pk}:{farm.alloc.pk}"
     entry = {"cores": 9, "gpus": 0, "inflight_cores": 1, "inflight_gpus": 0}
-    publish_view(
-        base_view(
-            managed_shows={farm.show.pk: time.time() - 30},
-            sub={key: {**entry, "burst": 100}},
-            job={farm.job.pk: {**entry, "max_cores": 100, "max_gpus": 100}},
-            folder={farm.folder.pk: {**entry, "cores": 6, "inflight_cores": 0, "max_cores": -1, "max_gpus": -1}},
-        )
+    view = base_view(
+        managed_shows={farm.show.pk: time.time() - 30},
+        sub={key: {**entry, "burst": 100}},
+        job={farm.job.pk: {**entry, "max_cores": 100, "max_gpus": 100}},
+        folder={farm.folder.pk: {**entry, "cores": 6, "inflight_cores": 0, "max_cores": -1, "max_gpus": -1}},
     )
+    # The recompute corrected the subscription by +5 and the job by +1 (within the threshold of 2).
+    view["recompute"]["drift_keys"] = {"sub": {key: [5, time.time() - 20]}, "job": {farm.job.pk: [1, time.time()]}}
+    publish_view(view)
     page = operator.get(reverse("admin:ops_show_live", args=[farm.show.pk])).content.decode()
-    assert page.count('class="drift-bad"') == 2  # sub and job: 9 - 1 - 6 = +2; folder: 6 - 0 - 6 = 0
-    assert ">+2<" in page
+    assert page.count('class="drift-bad"') == 1  # the subscription only
+    assert ">+5<" in page and ">+1<" in page
     assert 'style="width: 9%"' in page  # 9 of 100 cores
     assert "data-live" in page and "refreshes every 5 s" in page
     overview = operator.get(reverse("admin:ops_console_overview")).content.decode()
     assert farm.show.str_name in overview and "listening" in overview
+    assert overview.count('class="drift-bad"') == 1  # the show's row: +5
 
 
 def test_banners_on_every_page_when_stale_absent_or_switched_off(farm: Farm, operator: Client) -> None:
