@@ -593,6 +593,9 @@ def adopt(*, apply: bool, using: str = "default") -> Result:
     live_cat = read_catalog(live)
     if live_cat.flyway_version is None:
         raise AdoptionError("no flyway_schema_history: this is not a Cuebot database; use `manage.py migrate`")
+    early = make_plan(Catalog(), live_cat, set(), [])  # version and needed objects, before any work
+    if early.errors:
+        raise AdoptionError("; ".join(early.errors))
     name, _settings = build_reference(using)
     try:
         ref = connections[REFERENCE_ALIAS]

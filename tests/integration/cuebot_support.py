@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 import time
 import zlib
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -176,3 +179,45 @@ def migration(version: int) -> Migration:
         if mig.version == version:
             return mig
     raise KeyError(f"no Cuebot migration V{version} in {MIGRATIONS}")
+
+
+PG_DUMP = next(
+    (p for p in ("/usr/lib/postgresql/15/bin/pg_dump", "/usr/bin/pg_dump") if Path(p).exists()),
+    "pg_dump",
+)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def schema_dump(url: str) -> str:
+    """`pg_dump --schema-only` of the database: the object-by-object text the comparison reads."""
+    done = subprocess.run(
+        [PG_DUMP, "--schema-only", "--no-owner", "--no-privileges", "--dbname", url],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    # pg_dump 15.14+ brackets its output with \restrict <random key>: not part of the schema.
+    return "\n".join(line for line in done.stdout.splitlines() if not line.startswith(("\\restrict", "\\unrestrict")))
+
+
+def dump_lines(dump: str) -> Counter[str]:
+    """The dump's statement lines, as a multiset. A column line loses its trailing comma (the last
+    column of a table gains one when a column is added after it); comments and blank lines go."""
+    out: Counter[str] = Counter()
+    for line in dump.splitlines():
+        text = line.strip()
+        if not text or text.startswith("--"):
+            continue
+        out[text.rstrip(",")] += 1
+    return out
+
+
+def manage(url: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run `manage.py` against the Cuebot database, as an operator does (own process, own DATABASE_URL)."""
+    env = {**os.environ, "DATABASE_URL": url}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "manage.py"), *args], env=env, capture_output=True, text=True, check=False
+    )
+    if check and done.returncode != 0:
+        raise AssertionError(f"manage.py {' '.join(args)} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+    return done

@@ -1,0 +1,175 @@
+"""Adopting a real Cuebot database (issue 22): OpenCue's schema V1-V47 and seed data, built from
+tests/data/opencue-schema/, then `manage.py adopt_cuebot_db` run on it as an operator runs it.
+
+What must hold: `--check` writes nothing; `--apply` only adds (every object of Cuebot's dump and
+catalog is still there, identical); a second `--apply` has nothing to do; `migrate` afterwards
+applies nothing; a database that is not Cuebot's, or older than V45, is refused unchanged; and a
+later Cuebot Flyway migration (V47, on a V46 database) still applies after adoption.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import psycopg
+import pytest
+
+from dispatch.adoption import Catalog, read_catalog
+from tests.integration import cuebot_support as cb
+
+
+def catalog(url: str) -> Catalog:
+    with psycopg.connect(url) as conn:
+        return read_catalog(conn)
+
+
+@dataclass
+class Adopted:
+    url: str
+    before: str
+    before_catalog: Catalog
+    check: str
+    after_check: str
+    apply: str
+    after_apply: str
+    after_catalog: Catalog
+    again: str
+    after_again: str
+    migrate: str
+    after_migrate: str
+
+
+@pytest.fixture(scope="module")
+def adopted() -> Adopted:
+    name = cb.cuebot_db_name("adopt")
+    url = cb.build_cuebot_db(name)
+    try:
+        before, before_catalog = cb.schema_dump(url), catalog(url)
+        check = cb.manage(url, "adopt_cuebot_db", "--check").stdout
+        after_check = cb.schema_dump(url)
+        apply = cb.manage(url, "adopt_cuebot_db", "--apply").stdout
+        after_apply, after_catalog = cb.schema_dump(url), catalog(url)
+        again = cb.manage(url, "adopt_cuebot_db", "--apply").stdout
+        after_again = cb.schema_dump(url)
+        migrate = cb.manage(url, "migrate", "--no-input").stdout
+        after_migrate = cb.schema_dump(url)
+        yield Adopted(
+            url,
+            before,
+            before_catalog,
+            check,
+            after_check,
+            apply,
+            after_apply,
+            after_catalog,
+            again,
+            after_again,
+            migrate,
+            after_migrate,
+        )
+    finally:
+        cb.drop_database(name)
+
+
+def test_check_reports_the_plan_and_writes_nothing(adopted: Adopted) -> None:
+    assert "Cuebot schema version: V47" in adopted.check
+    assert "add table cuesched_accounting_settings" in adopted.check
+    assert "add column host.ts_last_updated" in adopted.check
+    assert "add trigger proc.pgtrigger_acct_proc_delete_" in adopted.check
+    assert "skip trigger pgtrigger_frame_stat_update_" in adopted.check
+    assert "check only: nothing was written" in adopted.check
+    assert adopted.after_check == adopted.before
+    assert "NOT READY" not in adopted.check and "ERROR" not in adopted.check
+
+
+def test_apply_only_adds_every_cuebot_object_is_unchanged(adopted: Adopted) -> None:
+    # The dump, line by line: nothing of Cuebot's lost or rewritten.
+    lost = cb.dump_lines(adopted.before) - cb.dump_lines(adopted.after_apply)
+    assert not lost, f"lines of Cuebot's schema changed or gone: {sorted(lost)[:20]}"
+    assert len(adopted.after_apply) > len(adopted.before)
+    # The catalog, object by object: every pre-existing one identical.
+    b, a = adopted.before_catalog, adopted.after_catalog
+    for table, cols in b.tables.items():
+        assert a.tables[table][: len(cols)] == cols, table
+    for kind in ("constraints", "indexes", "triggers", "functions", "sequences", "views"):
+        old, new = getattr(b, kind), getattr(a, kind)
+        changed = [k for k in old if new.get(k) != old[k]]
+        assert not changed, f"{kind} changed or dropped: {changed}"
+    # The indexes issue 22 saw `migrate` drop are Cuebot's and stay.
+    assert {
+        ("depend", "i_depend_pk_er_job"),
+        ("depend", "i_depend_pk_on_job"),
+        ("depend", "i_depend_active_er_job_only"),
+    } <= set(a.indexes)
+    assert "applied" in adopted.apply.splitlines()[-1]
+
+
+def test_apply_installs_cuesched_objects_and_their_rows(adopted: Adopted) -> None:
+    a = adopted.after_catalog
+    triggers = {name.rsplit("_", 1)[0] for (_t, name) in a.triggers if name.startswith("pgtrigger_")}
+    assert {
+        "pgtrigger_acct_proc_insert",
+        "pgtrigger_acct_proc_delete",
+        "pgtrigger_acct_show_flip",
+        "pgtrigger_acct_limit_sub_update",
+        "pgtrigger_acct_host_move",
+    } <= triggers
+    # Where Cuebot's own trigger does the work, cuesched's is not installed (it would count twice).
+    assert not triggers & {
+        "pgtrigger_frame_stat_insert",
+        "pgtrigger_frame_stat_update",
+        "pgtrigger_job_fanout",
+        "pgtrigger_layer_fanout",
+        "pgtrigger_folder_fanout",
+        "pgtrigger_acct_usage_guard",
+    }
+    names = {c.name for c in a.tables["show"]}
+    assert {"int_job_insert_count", "int_frame_fail_count", "b_scheduler_managed"} <= names
+    with psycopg.connect(adopted.url) as conn:
+        assert conn.execute("SELECT notify_enabled FROM cuesched_accounting_settings WHERE id = 1").fetchone() == (
+            True,
+        )
+        assert conn.execute("SELECT count(*) FROM auth_group").fetchone()[0] >= 1
+        recorded = conn.execute("SELECT count(*) FROM django_migrations WHERE app = 'dispatch'").fetchone()[0]
+        assert recorded >= 9
+
+
+def test_a_second_apply_has_nothing_to_do_and_migrate_applies_nothing(adopted: Adopted) -> None:
+    assert "nothing to add: the database is adopted" in adopted.again
+    assert adopted.after_again == adopted.after_apply
+    assert "No migrations to apply." in adopted.migrate
+    assert adopted.after_migrate == adopted.after_apply
+
+
+def test_a_database_that_is_not_cuebots_or_older_than_v45_is_refused_unchanged() -> None:
+    name = cb.cuebot_db_name("old")
+    url = cb.build_cuebot_db(name, stop_at=44, seed=False)
+    try:
+        before = cb.schema_dump(url)
+        done = cb.manage(url, "adopt_cuebot_db", "--apply", check=False)
+        assert done.returncode == 1
+        assert "older than V45" in done.stderr and "nothing was written" in done.stderr
+        assert cb.schema_dump(url) == before
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute("DROP TABLE flyway_schema_history")
+        done = cb.manage(url, "adopt_cuebot_db", "--check", check=False)
+        assert done.returncode == 1 and "not a Cuebot database" in done.stderr
+    finally:
+        cb.drop_database(name)
+
+
+def test_cuebots_v47_applies_after_adoption_of_a_v46_database() -> None:
+    name = cb.cuebot_db_name("v46")
+    url = cb.build_cuebot_db(name, stop_at=46)
+    try:
+        out = cb.manage(url, "adopt_cuebot_db", "--apply").stdout
+        # layer.ts_start_after is Cuebot's (V47): adoption must leave it to Flyway and say so.
+        assert "NOT READY: Cuebot's column layer.ts_start_after is missing" in out
+        cb.apply_migration(url, cb.migration(47))
+        with psycopg.connect(url) as conn:
+            assert conn.execute("SELECT max(version::int) FROM flyway_schema_history").fetchone()[0] == 47
+        out = cb.manage(url, "adopt_cuebot_db", "--check").stdout
+        assert "nothing to add: the database is adopted" in out and "NOT READY" not in out
+        assert "No migrations to apply." in cb.manage(url, "migrate", "--no-input").stdout
+    finally:
+        cb.drop_database(name)
