@@ -9,13 +9,16 @@ later Cuebot Flyway migration (V47, on a V46 database) still applies after adopt
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import psycopg
 import pytest
 
 from dispatch.adoption import Catalog, read_catalog
+from dispatch.engine.feed import fetch_pending
 from tests.integration import cuebot_support as cb
+from tests.integration.test_stat_triggers import JOB_MISMATCH, LAYER_MISMATCH
 
 
 def catalog(url: str) -> Catalog:
@@ -173,3 +176,44 @@ def test_cuebots_v47_applies_after_adoption_of_a_v46_database() -> None:
         assert "No migrations to apply." in cb.manage(url, "migrate", "--no-input").stdout
     finally:
         cb.drop_database(name)
+
+
+def test_a_job_submitted_through_cuesched_is_dispatchable_on_the_adopted_database(adopted: Adopted, tmp_path) -> None:
+    """Issue 22: on Cuebot's schema the frame counters are Cuebot's trigger's, which counts no
+    insert, so a job without dependencies never became dispatchable; and a dependency failed on
+    Cuebot's `depend.str_signature NOT NULL`."""
+    spec = {
+        "show": "testing",
+        "name": "testing-sh010-adopt_v1",
+        "user": "alice",
+        "layers": [
+            {"name": "sim", "command": "sim #IFRAME#", "range": "1-4", "chunk_size": 2},
+            {
+                "name": "render",
+                "command": "render #IFRAME#",
+                "range": "1-4",
+                "depends": [{"layer": "sim", "type": "frame"}],
+            },
+            {"name": "movie", "command": "movie", "range": "1", "depends": [{"layer": "render", "type": "layer"}]},
+        ],
+    }
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec))
+    cb.manage(adopted.url, "submit_job", str(path))
+    with psycopg.connect(adopted.url) as conn:
+        pk_job = conn.execute("SELECT pk_job FROM job WHERE str_name = %s", [spec["name"]]).fetchone()[0]
+        # Every counter equals COUNT(frame), per job and per layer.
+        assert conn.execute(JOB_MISMATCH).fetchall() == []
+        assert conn.execute(LAYER_MISMATCH).fetchall() == []
+        waiting = conn.execute("SELECT int_waiting_count, int_depend_count FROM job_stat WHERE pk_job = %s", [pk_job])
+        assert waiting.fetchone() == (2, 5)
+        signatures = conn.execute("SELECT str_signature FROM depend WHERE pk_job_depend_er = %s", [pk_job]).fetchall()
+        assert len(signatures) == 5 and all(s for (s,) in signatures) and len(set(signatures)) == 5
+        # The scheduler's feed sees the job and its two waiting sim frames.
+        conn.execute("UPDATE show SET b_scheduler_managed = true WHERE str_name = 'testing'")
+        conn.commit()
+        work = fetch_pending(conn, managed_only=True, max_jobs=10, frames_per_layer=10)
+        mine = [w for w in work if w.pk == pk_job]
+        assert mine, "the submitted job is not dispatchable"
+        frames = [f for layer in mine[0].layers for f in layer.frames]
+        assert sorted(f.name for f in frames) == ["0001-sim", "0003-sim"]
