@@ -22,6 +22,7 @@ import re
 import subprocess
 import sys
 import time
+import uuid
 import zlib
 from collections import Counter
 from dataclasses import dataclass
@@ -212,12 +213,40 @@ def dump_lines(dump: str) -> Counter[str]:
     return out
 
 
-def manage(url: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+def manage(url: str, *args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """Run `manage.py` against the Cuebot database, as an operator does (own process, own DATABASE_URL)."""
     env = {**os.environ, "DATABASE_URL": url}
     done = subprocess.run(
-        [sys.executable, str(ROOT / "manage.py"), *args], env=env, capture_output=True, text=True, check=False
+        [sys.executable, str(ROOT / "manage.py"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=timeout,
     )
     if check and done.returncode != 0:
         raise AssertionError(f"manage.py {' '.join(args)} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
     return done
+
+
+def insert_host(url: str, name: str, *, alloc: str, cores: int = 800, mem_kb: int = 16 * 1024 * 1024) -> str:
+    """A render host as Cuebot registers one: the host, host_stat and alloc tag rows, in Cuebot's
+    columns (its HostDaoJdbc writes these three tables); UP and pinged now."""
+    pk = str(uuid.uuid4())
+    with psycopg.connect(url) as conn:
+        tag = conn.execute("SELECT str_tag FROM alloc WHERE pk_alloc = %s", [alloc]).fetchone()[0]
+        conn.execute(
+            "INSERT INTO host (pk_host, pk_alloc, str_name, str_lock_state, int_cores, int_cores_idle, int_mem,"
+            " int_mem_idle, int_procs, str_fqdn) VALUES (%s, %s, %s, 'OPEN', %s, %s, %s, %s, 0, %s)",
+            [pk, alloc, name, cores, cores, mem_kb, mem_kb, name],
+        )
+        conn.execute(
+            "INSERT INTO host_stat (pk_host_stat, pk_host, str_state, str_os, int_mem_total, int_mem_free, ts_ping)"
+            " VALUES (%s, %s, 'UP', 'linux', %s, %s, now())",
+            [str(uuid.uuid4()), pk, mem_kb, mem_kb],
+        )
+        conn.execute(
+            "INSERT INTO host_tag (pk_host_tag, pk_host, str_tag, str_tag_type) VALUES (%s, %s, %s, 'ALLOC')",
+            [str(uuid.uuid4()), pk, tag],
+        )
+    return pk

@@ -217,3 +217,49 @@ def test_a_job_submitted_through_cuesched_is_dispatchable_on_the_adopted_databas
         assert mine, "the submitted job is not dispatchable"
         frames = [f for layer in mine[0].layers for f in layer.frames]
         assert sorted(f.name for f in frames) == ["0001-sim", "0003-sim"]
+
+
+CLOUD_GENERAL = "00000000-0000-0000-0000-000000000003"  # the seed's cloud.general, in the default facility
+
+
+def test_run_scheduler_books_a_managed_show_on_the_adopted_database(adopted: Adopted, tmp_path) -> None:
+    """Issue 22: `run_scheduler` looped on `column h.ts_last_updated does not exist`. cuesched's
+    own columns (host.ts_last_updated, job_stat.int_total_count, the show counters) are adoption
+    additions, so the scheduler reads them there; it books and completes a managed show's job."""
+    spec = {
+        "show": "testing",
+        "name": "testing-sh020-sched_v1",
+        "user": "alice",
+        "layers": [{"name": "main", "command": "true", "range": "1-3"}],
+    }
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec))
+    cb.manage(adopted.url, "submit_job", str(path))
+    cb.insert_host(adopted.url, "adopt-h1", alloc=CLOUD_GENERAL)
+    with psycopg.connect(adopted.url) as conn:
+        conn.execute("UPDATE show SET b_scheduler_managed = true WHERE str_name = 'testing'")
+    done = cb.manage(
+        adopted.url,
+        "run_scheduler",
+        "--launcher",
+        "simulated",
+        "--runtime",
+        "0.05",
+        "--managed-only",
+        "--exit-when-idle",
+        "--metrics-port",
+        "0",
+        check=False,
+        timeout=180,
+    )
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log
+    assert "does not exist" not in log and "Traceback" not in log, log
+    with psycopg.connect(adopted.url) as conn:
+        states = conn.execute(
+            "SELECT f.str_state, count(*) FROM frame f JOIN job j USING (pk_job) WHERE j.str_name = %s GROUP BY 1",
+            [spec["name"]],
+        ).fetchall()
+        assert states == [("SUCCEEDED", 3)]
+        assert conn.execute("SELECT count(*) FROM proc").fetchone()[0] == 0
+        assert conn.execute(JOB_MISMATCH).fetchall() == []
