@@ -45,10 +45,11 @@ from pathlib import Path
 from typing import Any
 
 from django.conf import settings as django_settings
-from django.db import connections, transaction
+from django.db import OperationalError, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from cuesched_project.dburl import url_from_settings
+from dispatch import conf
 
 MIN_FLYWAY_VERSION = 45
 REFERENCE_ALIAS = "cuesched_adopt_reference"
@@ -612,25 +613,42 @@ def adopt(*, apply: bool, using: str = "default") -> Result:
         result = Result(plan, applied=False)
         if not apply:
             return result
-        with transaction.atomic(using=using, durable=True):
-            with live.cursor() as cur:
-                for kind in ("sequence", "table", "column", "function", "view"):
-                    for step in plan.steps:
-                        if step.kind == kind:
-                            for sql in step.sql:
-                                cur.execute(sql)
-            # Rows before constraints-with-checks and triggers: the reference's rows satisfy them,
-            # and a keep-row trigger must not see its table half filled.
-            result.rows = _copy_rows(ref, live, [s.name for s in plan.steps if s.kind == "rows"], ref_cat)
-            with live.cursor() as cur:
-                for kind in ("constraint", "index", "trigger"):
-                    for step in plan.steps:
-                        if step.kind == kind:
-                            for sql in step.sql:
-                                cur.execute(sql)
-                for app, mig in plan.migrations:
-                    cur.execute("INSERT INTO django_migrations (app, name, applied) VALUES (%s, %s, now())", [app, mig])
+        try:
+            result.rows = _apply(plan, live, ref, ref_cat, using)
+        except OperationalError as exc:
+            if getattr(exc.__cause__, "sqlstate", None) == "55P03":  # lock_not_available
+                raise AdoptionError(
+                    f"a table lock was not granted within {conf.adopt_lock_timeout()} s ({exc}): a Cuebot "
+                    "transaction holds it; retry at a quieter moment (CUESCHED_ADOPT_LOCK_TIMEOUT)"
+                ) from exc
+            raise
         result.applied = True
         return result
     finally:
         drop_reference(using, name)
+
+
+def _apply(plan: Plan, live: BaseDatabaseWrapper, ref: BaseDatabaseWrapper, ref_cat: Catalog, using: str) -> list[str]:
+    """The plan in one transaction: a failure anywhere (a lock not granted, the connection lost)
+    rolls all of it back, so the database is either adopted or untouched. Each lock is waited
+    for at most CUESCHED_ADOPT_LOCK_TIMEOUT: a longer wait would queue Cuebot's writes behind it."""
+    with transaction.atomic(using=using, durable=True):
+        with live.cursor() as cur:
+            cur.execute("SELECT set_config('lock_timeout', %s, true)", [f"{int(conf.adopt_lock_timeout() * 1000)}ms"])
+            for kind in ("sequence", "table", "column", "function", "view"):
+                for step in plan.steps:
+                    if step.kind == kind:
+                        for sql in step.sql:
+                            cur.execute(sql)
+        # Rows before constraints and triggers: the reference's rows satisfy them, and a
+        # keep-row trigger must not see its table half filled.
+        rows = _copy_rows(ref, live, [s.name for s in plan.steps if s.kind == "rows"], ref_cat)
+        with live.cursor() as cur:
+            for kind in ("constraint", "index", "trigger"):
+                for step in plan.steps:
+                    if step.kind == kind:
+                        for sql in step.sql:
+                            cur.execute(sql)
+            for app, mig in plan.migrations:
+                cur.execute("INSERT INTO django_migrations (app, name, applied) VALUES (%s, %s, now())", [app, mig])
+    return rows

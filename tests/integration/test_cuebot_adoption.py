@@ -263,3 +263,24 @@ def test_run_scheduler_books_a_managed_show_on_the_adopted_database(adopted: Ado
         assert states == [("SUCCEEDED", 3)]
         assert conn.execute("SELECT count(*) FROM proc").fetchone()[0] == 0
         assert conn.execute(JOB_MISMATCH).fetchall() == []
+
+
+def test_adoption_that_cannot_get_a_lock_fails_whole_and_writes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Cuebot transaction holding a table adoption must alter (here `host`, for its added
+    column): adoption waits CUESCHED_ADOPT_LOCK_TIMEOUT, then gives up with nothing written,
+    rather than queueing Cuebot's writes behind it; once the lock is free it applies."""
+    name = cb.cuebot_db_name("locked")
+    url = cb.build_cuebot_db(name, seed=False)
+    try:
+        before = cb.schema_dump(url)
+        monkeypatch.setenv("CUESCHED_ADOPT_LOCK_TIMEOUT", "0.5")
+        with psycopg.connect(url) as cuebot:
+            cuebot.execute("LOCK TABLE host IN ROW EXCLUSIVE MODE")  # what Cuebot's host UPDATE holds
+            done = cb.manage(url, "adopt_cuebot_db", "--apply", check=False)
+            assert done.returncode == 1, done.stdout + done.stderr
+            assert "lock was not granted" in done.stderr and "nothing was written" in done.stderr
+        assert cb.schema_dump(url) == before
+        out = cb.manage(url, "adopt_cuebot_db", "--apply").stdout
+        assert "add column host.ts_last_updated" in out and out.rstrip().endswith("applied")
+    finally:
+        cb.drop_database(name)
