@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from django.conf import settings as django_settings
+from django.core.management.base import CommandError
 from django.db import OperationalError, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 
@@ -652,3 +653,17 @@ def _apply(plan: Plan, live: BaseDatabaseWrapper, ref: BaseDatabaseWrapper, ref_
             for app, mig in plan.migrations:
                 cur.execute("INSERT INTO django_migrations (app, name, applied) VALUES (%s, %s, now())", [app, mig])
     return rows
+
+
+def refuse_migrate_on_cuebot(using: str, plan: list[tuple[Any, bool]]) -> None:
+    """Raise CommandError when `migrate` is about to apply migrations to a Cuebot database."""
+    with connections[using].cursor() as cur:
+        cur.execute("SELECT to_regclass('public.flyway_schema_history') IS NOT NULL")
+        cuebot = cur.fetchone()[0]
+    if cuebot:
+        names = ", ".join(f"{m.app_label}.{m.name}" for m, _backwards in plan[:5])
+        raise CommandError(
+            f"this is a Cuebot database (flyway_schema_history) and migrate would apply {len(plan)} "
+            f"migration(s) ({names}{', ...' if len(plan) > 5 else ''}), creating or altering Cuebot's "
+            "objects; run `manage.py adopt_cuebot_db --check`, then `--apply`, instead (nothing was written)"
+        )

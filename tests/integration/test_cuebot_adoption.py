@@ -284,3 +284,30 @@ def test_adoption_that_cannot_get_a_lock_fails_whole_and_writes_nothing(monkeypa
         assert "add column host.ts_last_updated" in out and out.rstrip().endswith("applied")
     finally:
         cb.drop_database(name)
+
+
+def test_migrate_with_migrations_to_apply_on_a_cuebot_database_is_refused_before_writing() -> None:
+    """Issue 22: `migrate` on Cuebot's database failed half way, or forced through dropped
+    Cuebot's indexes. It now stops before the first migration and names the command to run;
+    after adoption recorded them, a migration cuesched adds later (here: one forgotten in
+    django_migrations) is refused the same way until adoption is run again."""
+    name = cb.cuebot_db_name("migrate")
+    url = cb.build_cuebot_db(name, seed=False)
+    try:
+        before = cb.schema_dump(url)
+        done = cb.manage(url, "migrate", "--no-input", check=False)
+        assert done.returncode == 1, done.stdout + done.stderr
+        assert "this is a Cuebot database" in done.stderr and "adopt_cuebot_db" in done.stderr
+        assert cb.schema_dump(url) == before
+        cb.manage(url, "adopt_cuebot_db", "--apply")
+        with psycopg.connect(url) as conn:
+            conn.execute("DELETE FROM django_migrations WHERE app = 'dispatch' AND name = '0009_integrity'")
+        adopted = cb.schema_dump(url)
+        done = cb.manage(url, "migrate", "--no-input", check=False)
+        assert done.returncode == 1 and "dispatch.0009_integrity" in done.stderr
+        assert cb.schema_dump(url) == adopted
+        out = cb.manage(url, "adopt_cuebot_db", "--apply").stdout
+        assert "record 1 Django migrations as applied" in out
+        assert "No migrations to apply." in cb.manage(url, "migrate", "--no-input").stdout
+    finally:
+        cb.drop_database(name)
