@@ -39,6 +39,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -579,10 +580,16 @@ class Result:
     plan: Plan
     applied: bool
     rows: list[str] = field(default_factory=list)
+    reference_seconds: float = 0.0
+    apply_seconds: float = 0.0
 
     def lines(self) -> list[str]:
         out = self.plan.lines()
         out += [f"copied {r}" for r in self.rows]
+        out.append(f"reference database migrated in {self.reference_seconds:.2f} s")
+        if self.applied:
+            # The window in which Cuebot's writes to an altered table wait for adoption's locks.
+            out.append(f"transaction applied in {self.apply_seconds:.2f} s (Cuebot's table locks held that long)")
         out.append("applied" if self.applied else "check only: nothing was written")
         return out
 
@@ -598,7 +605,9 @@ def adopt(*, apply: bool, using: str = "default") -> Result:
     early = make_plan(Catalog(), live_cat, set(), [])  # version and needed objects, before any work
     if early.errors:
         raise AdoptionError("; ".join(early.errors))
+    started = time.monotonic()
     name, _settings = build_reference(using)
+    reference_seconds = time.monotonic() - started
     try:
         ref = connections[REFERENCE_ALIAS]
         ref_cat = read_catalog(ref)
@@ -611,11 +620,13 @@ def adopt(*, apply: bool, using: str = "default") -> Result:
                 step.note = f"{counts[step.name]} rows that cuesched's migrations put there"
         if plan.errors:
             raise AdoptionError("; ".join(plan.errors))
-        result = Result(plan, applied=False)
+        result = Result(plan, applied=False, reference_seconds=reference_seconds)
         if not apply:
             return result
         try:
+            started = time.monotonic()
             result.rows = _apply(plan, live, ref, ref_cat, using)
+            result.apply_seconds = time.monotonic() - started
         except OperationalError as exc:
             if getattr(exc.__cause__, "sqlstate", None) == "55P03":  # lock_not_available
                 raise AdoptionError(
