@@ -289,3 +289,9 @@ def rqd_log_dir() -> str:
     """The log_dir handed to RQD in each RunFrame (RQD writes <job>.<frame>.rqlog there, on the
     render node's own file system); {show} and {job} are substituted."""
     return env_str("CUESCHED_RQD_LOG_DIR", "/tmp/rqd/logs/{show}/{job}")
+# --- adopting a Cuebot database -----------------------------------------------------------
+def adopt_lock_timeout() -> float:
+    """Seconds `adopt_cuebot_db --apply` waits for each table lock (its ALTER TABLE and CREATE
+    TRIGGER need strong locks on Cuebot's tables). Waiting longer would queue every Cuebot
+    write to that table behind it; past the timeout adoption fails whole, nothing written."""
+    return max(0.1, env_float("CUESCHED_ADOPT_LOCK_TIMEOUT", 10.0))

@@ -1,0 +1,680 @@
+"""Adopting an existing Cuebot (OpenCue) database: add what cuesched needs, change nothing of Cuebot's.
+
+Why a separate command (`manage.py adopt_cuebot_db --check | --apply`) and not `migrate`:
+cuesched's migrations assume they create the farm tables; on Cuebot's database they fail
+(`relation "dept" already exists`), and forcing them through (`--fake-initial`) silently skips
+triggers and constraints, retypes columns Cuebot's triggers use and drops Cuebot's indexes.
+Adoption is a different operation, run once per cuesched upgrade by an operator who should read
+what it will do first (`--check`) on a production database, so it is explicit, not a side
+effect of `migrate` guessing from the schema.
+
+How, generically (other engineers add migrations all the time, so nothing here is per migration):
+a scratch reference database is migrated with cuesched's own migrations, exactly as a fresh
+install is, and both catalogs are read (tables, columns, constraints, indexes, sequences,
+functions, triggers, views). The difference is the plan, with these rules:
+
+- a table cuesched has and Cuebot does not is created whole (columns, constraints, indexes,
+  triggers) and gets the rows the migrations put there (settings row, groups, content types);
+- a column missing on a Cuebot table is added only if it is nullable or has a default;
+  otherwise adoption refuses (Cuebot's own INSERTs would fail);
+- on Cuebot's tables nothing existing is dropped, retyped or re-indexed; cuesched's index is
+  added only where Cuebot has no index on the same columns; constraints (unique, check, foreign
+  keys) are never added to Cuebot's tables (they would refuse Cuebot's own writes);
+- cuesched's functions are added when missing; one whose name exists with another body is
+  reported and left alone;
+- cuesched's triggers are added, except where Cuebot keeps a trigger that does the same work
+  (CUEBOT_OWNS): counting frames by state, the child rows of a folder/job/layer, the usage
+  columns of the cap tables, dependency satisfaction. Installing both would count twice;
+- Django's migration state (django_migrations) is then recorded as applied, so a later
+  `migrate` has nothing to do. After upgrading cuesched, run adoption again before `migrate`:
+  it adds what the new migrations add, under the same rules.
+
+Everything is one transaction: either all of the plan is applied or nothing is. The version
+check needs Flyway's history at V45 or later (`show.b_scheduler_managed` is Cuebot's V45).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings as django_settings
+from django.core.management.base import CommandError
+from django.db import OperationalError, connections, transaction
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+from cuesched_project.dburl import url_from_settings
+from dispatch import conf
+
+MIN_FLYWAY_VERSION = 45
+REFERENCE_ALIAS = "cuesched_adopt_reference"
+
+# (table, cuesched trigger name without pgtrigger's prefix and hash) -> (Cuebot's trigger on that
+# table that does the same work, why both would be wrong). Skipped only where Cuebot's exists.
+_STATS = "Cuebot's trigger counts frames by state; both would count each change twice"
+_USAGE = "Cuebot writes the usage columns itself and verifies them in this trigger"
+CUEBOT_OWNS: dict[tuple[str, str], tuple[str, str]] = {
+    ("frame", "frame_stat_insert"): ("update_frame_status_counts", _STATS),
+    ("frame", "frame_stat_update"): ("update_frame_status_counts", _STATS),
+    ("frame", "frame_stat_delete"): ("update_frame_status_counts", _STATS),
+    ("folder", "folder_fanout"): ("after_insert_folder", "Cuebot's trigger creates folder_resource"),
+    ("job", "job_fanout"): ("after_insert_job", "Cuebot's trigger creates job_stat and job_resource"),
+    ("layer", "layer_fanout"): ("after_insert_layer", "Cuebot's trigger creates layer_stat and layer_resource"),
+    ("frame", "frame_when_done_satisfy_depends"): (
+        "update_frame_dep_to_wait",
+        "Cuebot satisfies dependencies (its DependManager, then this trigger); both would count twice",
+    ),
+    **{
+        (table, name): (cuebot, _USAGE)
+        for table, cuebot in (
+            ("subscription", "verify_subscription"),
+            ("folder_resource", "tier_folder"),
+            ("job_resource", "verify_job_resources"),
+        )
+        for name in ("acct_usage_guard", "acct_usage_seed", "acct_usage_rekey")
+    },
+}
+
+# Which missing objects are cuesched's own (adoption adds them) and which are Cuebot's from a
+# later Cuebot version (adoption must not add them: that Flyway migration would then fail on
+# "already exists", as V47's layer.ts_start_after would on a V46 database). Tables: cuesched's
+# and Django's own carry these prefixes; Cuebot's never do. Columns on Cuebot's tables: listed.
+# A new cuesched column on a Cuebot table must be listed here, or adoption reports it as a
+# missing Cuebot column (tests/integration/test_cuebot_adoption.py fails loudly on that).
+OWN_TABLE_PREFIXES = ("cuesched_", "django_", "auth_", "ops_", "dispatch_", "pghistory_")
+OWN_COLUMNS = frozenset(
+    {
+        ("host", "ts_last_updated"),  # placement's incremental host read
+        ("job_stat", "int_total_count"),  # frames of the job (Cuebot keeps it per layer only)
+        # cuesched keeps these on show; Cuebot keeps them in show_stats (V16).
+        ("show", "int_job_insert_count"),
+        ("show", "int_frame_insert_count"),
+        ("show", "int_frame_success_count"),
+        ("show", "int_frame_fail_count"),
+    }
+)
+
+_PGTRIGGER_NAME = re.compile(r"^pgtrigger_(?P<name>.+)_[0-9a-f]{5}$")
+
+
+class AdoptionError(Exception):
+    """The database cannot be adopted as it is; nothing was written."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Catalog
+
+
+@dataclass
+class Column:
+    name: str
+    type: str
+    not_null: bool
+    default: str | None
+    identity: str  # '' | 'a' (ALWAYS) | 'd' (BY DEFAULT)
+
+
+@dataclass
+class Catalog:
+    """The public schema of one database, as the DDL that would recreate each object."""
+
+    tables: dict[str, list[Column]] = field(default_factory=dict)
+    constraints: dict[tuple[str, str], tuple[str, str]] = field(default_factory=dict)  # (table, name) -> (type, def)
+    indexes: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = field(default_factory=dict)  # -> (def, columns)
+    triggers: dict[tuple[str, str], tuple[str, str | None]] = field(default_factory=dict)  # -> (def, comment)
+    functions: dict[str, str] = field(default_factory=dict)  # 'name(args)' -> definition
+    sequences: dict[str, str] = field(default_factory=dict)  # name -> owning 'table.column' or ''
+    views: dict[str, str] = field(default_factory=dict)
+    unlogged: set[str] = field(default_factory=set)
+    flyway_version: int | None = None
+
+
+def _rows(conn: BaseDatabaseWrapper, sql: str) -> list[tuple[Any, ...]]:
+    with conn.cursor() as cur:
+        cur.execute(sql)
+        return list(cur.fetchall())
+
+
+def read_catalog(conn: BaseDatabaseWrapper) -> Catalog:
+    """Read the public schema through pg_catalog (no pg_dump needed on the scheduler's host)."""
+    cat = Catalog()
+    for table, name, typ, not_null, default, identity in _rows(
+        conn,
+        """
+        SELECT c.relname, a.attname, format_type(a.atttypid, a.atttypmod), a.attnotnull,
+               pg_get_expr(d.adbin, d.adrelid), a.attidentity
+        FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+        JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped
+        LEFT JOIN pg_attrdef d ON d.adrelid = c.oid AND d.adnum = a.attnum
+        WHERE n.nspname = 'public' AND c.relkind IN ('r', 'p')
+        ORDER BY c.relname, a.attnum
+        """,
+    ):
+        cat.tables.setdefault(table, []).append(Column(name, typ, not_null, default, identity or ""))
+    for (table,) in _rows(
+        conn,
+        """
+        SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+        WHERE n.nspname = 'public' AND c.relkind = 'r' AND c.relpersistence = 'u'
+        """,
+    ):
+        cat.unlogged.add(table)
+    for table, name, typ, definition in _rows(
+        conn,
+        """
+        SELECT c.relname, k.conname, k.contype, pg_get_constraintdef(k.oid)
+        FROM pg_constraint k JOIN pg_class c ON c.oid = k.conrelid
+        JOIN pg_namespace n ON n.oid = c.relnamespace
+        WHERE n.nspname = 'public' AND c.relkind IN ('r', 'p')
+        """,
+    ):
+        cat.constraints[(table, name)] = (typ, definition)
+    for table, name, definition, columns in _rows(
+        conn,
+        """
+        SELECT t.relname, i.relname, pg_get_indexdef(x.indexrelid),
+               ARRAY(SELECT pg_get_indexdef(x.indexrelid, k, true)
+                     FROM generate_series(1, x.indnkeyatts) AS k ORDER BY k)
+        FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid JOIN pg_class t ON t.oid = x.indrelid
+        JOIN pg_namespace n ON n.oid = t.relnamespace
+        WHERE n.nspname = 'public'
+          AND NOT EXISTS (SELECT 1 FROM pg_constraint k WHERE k.conindid = x.indexrelid AND k.contype IN ('p','u','x'))
+        """,
+    ):
+        cat.indexes[(table, name)] = (definition, tuple(columns))
+    for table, name, definition, comment in _rows(
+        conn,
+        """
+        SELECT c.relname, t.tgname, pg_get_triggerdef(t.oid), obj_description(t.oid, 'pg_trigger')
+        FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid
+        JOIN pg_namespace n ON n.oid = c.relnamespace
+        WHERE n.nspname = 'public' AND NOT t.tgisinternal
+        """,
+    ):
+        # pgtrigger keeps each trigger's hash in its comment (how `pgtrigger ls` tells it is current).
+        cat.triggers[(table, name)] = (definition, comment)
+    for signature, definition in _rows(
+        conn,
+        """
+        SELECT p.proname || '(' || pg_get_function_identity_arguments(p.oid) || ')', pg_get_functiondef(p.oid)
+        FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+        WHERE n.nspname = 'public' AND p.prokind IN ('f', 'p')
+          AND NOT EXISTS (SELECT 1 FROM pg_depend d WHERE d.objid = p.oid AND d.deptype = 'e')
+        """,
+    ):
+        cat.functions[signature] = definition
+    for name, owner in _rows(
+        conn,
+        """
+        SELECT s.relname, COALESCE(t.relname || '.' || a.attname, '')
+        FROM pg_class s JOIN pg_namespace n ON n.oid = s.relnamespace
+        LEFT JOIN pg_depend d ON d.objid = s.oid AND d.classid = 'pg_class'::regclass
+             AND d.refclassid = 'pg_class'::regclass AND d.deptype IN ('a', 'i')
+        LEFT JOIN pg_class t ON t.oid = d.refobjid
+        LEFT JOIN pg_attribute a ON a.attrelid = t.oid AND a.attnum = d.refobjsubid
+        WHERE n.nspname = 'public' AND s.relkind = 'S'
+        """,
+    ):
+        cat.sequences[name] = owner
+    for name, definition in _rows(
+        conn,
+        """
+        SELECT c.relname, pg_get_viewdef(c.oid) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+        WHERE n.nspname = 'public' AND c.relkind = 'v'
+        """,
+    ):
+        cat.views[name] = definition
+    if "flyway_schema_history" in cat.tables:
+        found = _rows(
+            conn,
+            "SELECT max(version::int) FROM flyway_schema_history WHERE success AND version ~ '^[0-9]+$'",
+        )
+        cat.flyway_version = found[0][0]
+    return cat
+
+
+# ---------------------------------------------------------------------------------------------
+# Plan
+
+
+@dataclass
+class Step:
+    kind: str  # table, column, rows, index, constraint, function, trigger, sequence, view, migrations
+    name: str
+    sql: list[str]
+    note: str = ""
+
+
+@dataclass
+class Plan:
+    steps: list[Step] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # what cuesched has and adoption leaves out, and why
+    differences: list[str] = field(default_factory=list)  # Cuebot's definition kept where cuesched's differs
+    errors: list[str] = field(default_factory=list)
+    missing_cuebot: list[str] = field(default_factory=list)  # Cuebot's objects a later Cuebot version adds
+    migrations: list[tuple[str, str]] = field(default_factory=list)
+    new_tables: list[str] = field(default_factory=list)
+    flyway_version: int | None = None
+
+    def lines(self) -> list[str]:
+        out = [f"Cuebot schema version: V{self.flyway_version}" if self.flyway_version else "no Flyway history"]
+        out += [f"ERROR: {e}" for e in self.errors]
+        out += [
+            f"NOT READY: Cuebot's {m} is missing (a later Cuebot migration adds it; adoption leaves it to Flyway):"
+            " apply Cuebot's Flyway migrations before starting run_scheduler"
+            for m in self.missing_cuebot
+        ]
+        out += [f"add {s.kind} {s.name}" + (f" ({s.note})" if s.note else "") for s in self.steps]
+        if self.migrations:
+            out.append(f"record {len(self.migrations)} Django migrations as applied")
+        out += [f"skip {s}" for s in self.skipped]
+        out += [f"keep Cuebot's {d}" for d in self.differences]
+        if not self.steps and not self.migrations and not self.errors:
+            out.append("nothing to add: the database is adopted")
+        return out
+
+
+def _q(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def _column_sql(col: Column) -> str:
+    sql = f"{_q(col.name)} {col.type}"
+    if col.identity:
+        sql += " GENERATED " + ("ALWAYS" if col.identity == "a" else "BY DEFAULT") + " AS IDENTITY"
+    elif col.default is not None:
+        sql += f" DEFAULT {col.default}"
+    if col.not_null:
+        sql += " NOT NULL"
+    return sql
+
+
+def _trigger_base(name: str) -> str:
+    m = _PGTRIGGER_NAME.match(name)
+    return m.group("name") if m else name
+
+
+def _fk_target(definition: str) -> str | None:
+    m = re.search(r"REFERENCES\s+(?:public\.)?\"?([A-Za-z0-9_]+)\"?", definition)
+    return m.group(1) if m else None
+
+
+def _owns_column(col: Column) -> bool:
+    return bool(col.default and col.default.startswith("nextval("))
+
+
+def make_plan(ref: Catalog, live: Catalog, applied: set[tuple[str, str]], recorded: list[tuple[str, str]]) -> Plan:
+    """The additions that make `live` hold everything of `ref` that adoption may add."""
+    plan = Plan(flyway_version=live.flyway_version)
+    if live.flyway_version is None:
+        plan.errors.append("no flyway_schema_history: this is not a Cuebot database (use migrate)")
+        return plan
+    if live.flyway_version < MIN_FLYWAY_VERSION:
+        plan.errors.append(
+            f"Cuebot schema V{live.flyway_version} is older than V{MIN_FLYWAY_VERSION} "
+            "(show.b_scheduler_managed); upgrade Cuebot's schema with Flyway first"
+        )
+    if not any(c.name == "b_scheduler_managed" for c in live.tables.get("show", [])):
+        plan.errors.append("show.b_scheduler_managed is missing (Cuebot V45)")
+    for needed in ("show", "subscription", "folder_resource", "job_resource", "proc", "frame", "host"):
+        if needed not in live.tables:
+            plan.errors.append(f"Cuebot table {needed} is missing")
+
+    new_tables = [t for t in ref.tables if t not in live.tables and t.startswith(OWN_TABLE_PREFIXES)]
+    plan.missing_cuebot += [
+        f"table {t}" for t in ref.tables if t not in live.tables and not t.startswith(OWN_TABLE_PREFIXES)
+    ]
+    plan.new_tables = new_tables
+    cuebot = set(live.tables)
+    present = cuebot | set(new_tables)
+
+    for seq, owner in sorted(ref.sequences.items()):
+        if seq in live.sequences or owner:
+            continue  # owned sequences come with their table or identity column
+        plan.steps.append(Step("sequence", seq, [f"CREATE SEQUENCE {_q(seq)}"]))
+
+    for table in new_tables:
+        cols = ref.tables[table]
+        serial_seqs = [s for s, o in ref.sequences.items() if o.startswith(table + ".")]
+        sql = []
+        for col in cols:
+            if _owns_column(col):
+                seq = re.search(r"nextval\('(?:public\.)?\"?([^'\"]+)\"?'", col.default or "")
+                if seq and seq.group(1) in serial_seqs:
+                    sql.append(f"CREATE SEQUENCE IF NOT EXISTS {_q(seq.group(1))}")
+        unlogged = "UNLOGGED " if table in ref.unlogged else ""
+        sql.append(f"CREATE {unlogged}TABLE {_q(table)} (" + ", ".join(_column_sql(c) for c in cols) + ")")
+        for col in cols:
+            if _owns_column(col):
+                seq = re.search(r"nextval\('(?:public\.)?\"?([^'\"]+)\"?'", col.default or "")
+                if seq:
+                    sql.append(f"ALTER SEQUENCE {_q(seq.group(1))} OWNED BY {_q(table)}.{_q(col.name)}")
+        plan.steps.append(Step("table", table, sql))
+
+    for table, cols in ref.tables.items():
+        if table not in cuebot:
+            continue
+        have = {c.name: c for c in live.tables[table]}
+        for col in cols:
+            if col.name not in have:
+                if (table, col.name) not in OWN_COLUMNS:
+                    plan.missing_cuebot.append(f"column {table}.{col.name}")
+                    continue
+                if col.not_null and col.default is None and not col.identity:
+                    plan.errors.append(
+                        f"column {table}.{col.name} is NOT NULL without a default in cuesched: "
+                        "adding it would break Cuebot's INSERTs"
+                    )
+                    continue
+                plan.steps.append(
+                    Step("column", f"{table}.{col.name}", [f"ALTER TABLE {_q(table)} ADD COLUMN {_column_sql(col)}"])
+                )
+            else:
+                mine = have[col.name]
+                if (mine.type, mine.not_null) != (col.type, col.not_null):
+                    plan.differences.append(
+                        f"{table}.{col.name} {mine.type}{' NOT NULL' if mine.not_null else ''}"
+                        f" (cuesched: {col.type}{' NOT NULL' if col.not_null else ''})"
+                    )
+
+    # Constraints: whole on new tables (primary and unique first, foreign keys last); never on Cuebot's.
+    order = {"p": 0, "u": 1, "c": 2, "x": 2, "f": 3}
+    for (table, name), (typ, definition) in sorted(ref.constraints.items(), key=lambda kv: order.get(kv[1][0], 9)):
+        if typ == "n" or table not in present:
+            continue
+        if table in cuebot:
+            same = any(t == table and d == definition for (t, _n), (_ty, d) in live.constraints.items())
+            if (table, name) not in live.constraints and not same:
+                plan.skipped.append(f"constraint {name} on Cuebot's {table}: {definition} (would refuse its writes)")
+            continue
+        if typ == "f" and _fk_target(definition) in cuebot:
+            plan.skipped.append(
+                f"foreign key {table}.{name} -> Cuebot's {_fk_target(definition)} (would block Cuebot's deletes)"
+            )
+            continue
+        plan.steps.append(
+            Step("constraint", f"{table}.{name}", [f"ALTER TABLE {_q(table)} ADD CONSTRAINT {_q(name)} {definition}"])
+        )
+
+    for (table, name), (definition, columns) in sorted(ref.indexes.items()):
+        if (table, name) in live.indexes or table not in present:
+            continue
+        if table in cuebot:
+            names = {c.name for c in live.tables[table]}
+            absent = [c for c in columns if c.strip('"') not in names]
+            if absent:
+                plan.skipped.append(f"index {name} on {table}: needs Cuebot's missing {', '.join(absent)}")
+                continue
+            # A Cuebot index whose leading columns are cuesched's serves the same lookups.
+            width = len(columns)
+            covering = [n for (t, n), (_, cols) in live.indexes.items() if t == table and cols[:width] == columns]
+            covering += [
+                n
+                for (t, n), (typ, d) in live.constraints.items()
+                if t == table and typ in ("p", "u") and _key_columns(d)[:width] == columns
+            ]
+            if covering:
+                plan.skipped.append(f"index {name} on {table}{columns}: Cuebot's {covering[0]} covers it")
+                continue
+            if definition.startswith("CREATE UNIQUE"):
+                plan.skipped.append(f"unique index {name} on Cuebot's {table} (would refuse Cuebot's writes)")
+                continue
+        plan.steps.append(Step("index", f"{table}.{name}", [definition]))
+
+    for signature, definition in sorted(ref.functions.items()):
+        if signature in live.functions:
+            if _norm(live.functions[signature]) != _norm(definition):
+                plan.differences.append(f"function {signature} (a function of that name differs from cuesched's)")
+            continue
+        plan.steps.append(Step("function", signature, [definition]))
+
+    for (table, name), (definition, comment) in sorted(ref.triggers.items()):
+        if (table, name) in live.triggers or table not in present:
+            continue
+        owner = CUEBOT_OWNS.get((table, _trigger_base(name)))
+        if owner is not None and (table, owner[0]) in live.triggers:
+            plan.skipped.append(f"trigger {name} on {table}: Cuebot's {owner[0]} does this ({owner[1]})")
+            continue
+        sql = [definition]
+        if comment is not None:
+            sql.append(f"COMMENT ON TRIGGER {_q(name)} ON {_q(table)} IS {_literal(comment)}")
+        plan.steps.append(Step("trigger", f"{table}.{name}", sql))
+
+    for view, definition in sorted(ref.views.items()):
+        if view not in live.views:
+            plan.steps.append(Step("view", view, [f"CREATE VIEW {_q(view)} AS {definition}"]))
+
+    for table in new_tables:
+        if table != "django_migrations":  # recorded below, from the migrations on disk
+            plan.steps.append(Step("rows", table, [], note="the rows cuesched's migrations put there"))
+
+    plan.migrations = [m for m in recorded if m not in applied]
+    return plan
+
+
+def _literal(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def _key_columns(definition: str) -> tuple[str, ...]:
+    m = re.search(r"\(([^)]*)\)", definition)
+    return tuple(c.strip().strip('"') for c in m.group(1).split(",")) if m else ()
+
+
+def _norm(text: str) -> str:
+    return re.sub(r"\s+", " ", text).strip()
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference database
+
+
+def _reference_settings(using: str) -> dict[str, Any]:
+    settings = dict(connections.databases[using])
+    settings["NAME"] = f"{settings['NAME']}_cuesched_ref_{os.getpid()}"
+    settings.pop("TEST", None)
+    return settings
+
+
+def build_reference(using: str = "default") -> tuple[str, dict[str, Any]]:
+    """A scratch database on the same server with cuesched's migrations applied, as a fresh install.
+
+    `migrate` runs in a child process pointed at the scratch database: data migrations use the
+    default connection (not their schema editor's alias), so an in-process second alias would
+    write their rows into the database being adopted."""
+    settings = _reference_settings(using)
+    name = settings["NAME"]
+    with connections[using].cursor() as cur:
+        cur.execute(f"DROP DATABASE IF EXISTS {_q(name)} WITH (FORCE)")
+        cur.execute(f"CREATE DATABASE {_q(name)}")
+    env = {**os.environ, "DATABASE_URL": url_from_settings(settings)}
+    done = subprocess.run(
+        [sys.executable, str(Path(django_settings.BASE_DIR) / "manage.py"), "migrate", "--no-input", "-v", "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        with connections[using].cursor() as cur:
+            cur.execute(f"DROP DATABASE IF EXISTS {_q(name)} WITH (FORCE)")
+        raise AdoptionError(f"migrating the reference database {name} failed: {done.stderr.strip()[-2000:]}")
+    connections.databases[REFERENCE_ALIAS] = settings
+    return name, settings
+
+
+def drop_reference(using: str, name: str) -> None:
+    if REFERENCE_ALIAS in connections:
+        connections[REFERENCE_ALIAS].close()
+    connections.databases.pop(REFERENCE_ALIAS, None)
+    with connections[using].cursor() as cur:
+        cur.execute(f"DROP DATABASE IF EXISTS {_q(name)} WITH (FORCE)")
+
+
+def _applied_migrations(conn: BaseDatabaseWrapper, cat: Catalog) -> list[tuple[str, str]]:
+    if "django_migrations" not in cat.tables:
+        return []
+    return [(a, n) for a, n in _rows(conn, "SELECT app, name FROM django_migrations ORDER BY id")]
+
+
+def _row_counts(conn: BaseDatabaseWrapper, tables: list[str]) -> dict[str, int]:
+    out = {}
+    with conn.cursor() as cur:
+        for table in tables:
+            cur.execute(f"SELECT count(*) FROM {_q(table)}")
+            out[table] = cur.fetchone()[0]
+    return out
+
+
+def _copy_rows(ref: BaseDatabaseWrapper, live: BaseDatabaseWrapper, tables: Iterable[str], cat: Catalog) -> list[str]:
+    """Copy each new table's rows from the reference, parents first; identity sequences follow."""
+    tables = list(tables)
+    deps = {t: set() for t in tables}
+    for (table, _name), (typ, definition) in cat.constraints.items():
+        target = _fk_target(definition) if typ == "f" else None
+        if table in deps and target in deps and target != table:
+            deps[table].add(target)
+    ordered: list[str] = []
+    while deps:
+        ready = sorted(t for t, d in deps.items() if not d - set(ordered))
+        if not ready:
+            ready = sorted(deps)
+        for t in ready:
+            ordered.append(t)
+            deps.pop(t)
+    done = []
+    for table in ordered:
+        cols = [c.name for c in cat.tables[table]]
+        with ref.cursor() as cur:
+            cur.execute(f"SELECT {', '.join(_q(c) for c in cols)} FROM {_q(table)}")
+            rows = cur.fetchall()
+        if not rows:
+            continue
+        overriding = " OVERRIDING SYSTEM VALUE" if any(c.identity == "a" for c in cat.tables[table]) else ""
+        with live.cursor() as cur:
+            cur.executemany(
+                f"INSERT INTO {_q(table)} ({', '.join(_q(c) for c in cols)}){overriding}"
+                f" VALUES ({', '.join(['%s'] * len(cols))})",
+                rows,
+            )
+            for col in cat.tables[table]:
+                if col.identity or _owns_column(col):
+                    cur.execute(
+                        f"SELECT setval(pg_get_serial_sequence(%s, %s), COALESCE(MAX({_q(col.name)}), 0) + 1, false)"
+                        f" FROM {_q(table)}",
+                        [table, col.name],
+                    )
+        done.append(f"{table}: {len(rows)} rows")
+    return done
+
+
+@dataclass
+class Result:
+    plan: Plan
+    applied: bool
+    rows: list[str] = field(default_factory=list)
+    reference_seconds: float = 0.0
+    apply_seconds: float = 0.0
+
+    def lines(self) -> list[str]:
+        out = self.plan.lines()
+        out += [f"copied {r}" for r in self.rows]
+        out.append(f"reference database migrated in {self.reference_seconds:.2f} s")
+        if self.applied:
+            # The window in which Cuebot's writes to an altered table wait for adoption's locks.
+            out.append(f"transaction applied in {self.apply_seconds:.2f} s (Cuebot's table locks held that long)")
+        out.append("applied" if self.applied else "check only: nothing was written")
+        return out
+
+
+def adopt(*, apply: bool, using: str = "default") -> Result:
+    """Plan the adoption of database `using` and, with apply, carry it out in one transaction.
+
+    Raises AdoptionError (nothing written) when the database cannot be adopted."""
+    live = connections[using]
+    live_cat = read_catalog(live)
+    if live_cat.flyway_version is None:
+        raise AdoptionError("no flyway_schema_history: this is not a Cuebot database; use `manage.py migrate`")
+    early = make_plan(Catalog(), live_cat, set(), [])  # version and needed objects, before any work
+    if early.errors:
+        raise AdoptionError("; ".join(early.errors))
+    started = time.monotonic()
+    name, _settings = build_reference(using)
+    reference_seconds = time.monotonic() - started
+    try:
+        ref = connections[REFERENCE_ALIAS]
+        ref_cat = read_catalog(ref)
+        recorded = _applied_migrations(ref, ref_cat)
+        plan = make_plan(ref_cat, live_cat, set(_applied_migrations(live, live_cat)), recorded)
+        counts = _row_counts(ref, [s.name for s in plan.steps if s.kind == "rows"])
+        plan.steps = [s for s in plan.steps if s.kind != "rows" or counts[s.name]]
+        for step in plan.steps:
+            if step.kind == "rows":
+                step.note = f"{counts[step.name]} rows that cuesched's migrations put there"
+        if plan.errors:
+            raise AdoptionError("; ".join(plan.errors))
+        result = Result(plan, applied=False, reference_seconds=reference_seconds)
+        if not apply:
+            return result
+        try:
+            started = time.monotonic()
+            result.rows = _apply(plan, live, ref, ref_cat, using)
+            result.apply_seconds = time.monotonic() - started
+        except OperationalError as exc:
+            if getattr(exc.__cause__, "sqlstate", None) == "55P03":  # lock_not_available
+                raise AdoptionError(
+                    f"a table lock was not granted within {conf.adopt_lock_timeout()} s ({exc}): a Cuebot "
+                    "transaction holds it; retry at a quieter moment (CUESCHED_ADOPT_LOCK_TIMEOUT)"
+                ) from exc
+            raise
+        result.applied = True
+        return result
+    finally:
+        drop_reference(using, name)
+
+
+def _apply(plan: Plan, live: BaseDatabaseWrapper, ref: BaseDatabaseWrapper, ref_cat: Catalog, using: str) -> list[str]:
+    """The plan in one transaction: a failure anywhere (a lock not granted, the connection lost)
+    rolls all of it back, so the database is either adopted or untouched. Each lock is waited
+    for at most CUESCHED_ADOPT_LOCK_TIMEOUT: a longer wait would queue Cuebot's writes behind it."""
+    with transaction.atomic(using=using, durable=True):
+        with live.cursor() as cur:
+            cur.execute("SELECT set_config('lock_timeout', %s, true)", [f"{int(conf.adopt_lock_timeout() * 1000)}ms"])
+            for kind in ("sequence", "table", "column", "function", "view"):
+                for step in plan.steps:
+                    if step.kind == kind:
+                        for sql in step.sql:
+                            cur.execute(sql)
+        # Rows before constraints and triggers: the reference's rows satisfy them, and a
+        # keep-row trigger must not see its table half filled.
+        rows = _copy_rows(ref, live, [s.name for s in plan.steps if s.kind == "rows"], ref_cat)
+        with live.cursor() as cur:
+            for kind in ("constraint", "index", "trigger"):
+                for step in plan.steps:
+                    if step.kind == kind:
+                        for sql in step.sql:
+                            cur.execute(sql)
+            for app, mig in plan.migrations:
+                cur.execute("INSERT INTO django_migrations (app, name, applied) VALUES (%s, %s, now())", [app, mig])
+    return rows
+
+
+def refuse_migrate_on_cuebot(using: str, plan: list[tuple[Any, bool]]) -> None:
+    """Raise CommandError when `migrate` is about to apply migrations to a Cuebot database."""
+    with connections[using].cursor() as cur:
+        cur.execute("SELECT to_regclass('public.flyway_schema_history') IS NOT NULL")
+        cuebot = cur.fetchone()[0]
+    if cuebot:
+        names = ", ".join(f"{m.app_label}.{m.name}" for m, _backwards in plan[:5])
+        raise CommandError(
+            f"this is a Cuebot database (flyway_schema_history) and migrate would apply {len(plan)} "
+            f"migration(s) ({names}{', ...' if len(plan) > 5 else ''}), creating or altering Cuebot's "
+            "objects; run `manage.py adopt_cuebot_db --check`, then `--apply`, instead (nothing was written)"
+        )
