@@ -50,6 +50,7 @@ from django.core.management.base import CommandError
 from django.db import OperationalError, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 
+from accounting.licences import COUNT_LATERAL
 from cuesched_project.dburl import url_from_settings
 from dispatch import conf
 
@@ -98,8 +99,24 @@ OWN_COLUMNS = frozenset(
         ("show", "int_frame_insert_count"),
         ("show", "int_frame_success_count"),
         ("show", "int_frame_fail_count"),
+        ("host", "str_rqd_address"),  # where the host's RQD answers (the rqd launcher)
+        # A licence limit's use, counted from proc by cuesched's triggers (see LICENCE_RECOUNT).
+        ("limit_record", "int_running"),
+        ("limit_record", "int_frames"),
     }
 )
+
+# Added beside Cuebot's running frames, a limit's use column starts at its default, 0: LOW, and
+# the Store books against it. So it is recounted from proc in the adoption transaction, with
+# proc's writers held off (SHARE) from that moment to the commit, by when the triggers that keep
+# it from then on are installed: no proc write falls between the recount and the triggers.
+LICENCE_RECOUNT = [
+    "LOCK TABLE proc IN SHARE MODE",
+    f"""UPDATE limit_record t
+    SET int_running = CASE WHEN t.b_host_limit THEN x.hosts ELSE x.frames END, int_frames = x.frames
+    FROM (SELECT r.pk_limit_record, c.frames, c.hosts FROM limit_record r {COUNT_LATERAL}) x
+    WHERE t.pk_limit_record = x.pk_limit_record""",
+]
 
 _PGTRIGGER_NAME = re.compile(r"^pgtrigger_(?P<name>.+)_[0-9a-f]{5}$")
 
@@ -246,7 +263,7 @@ def read_catalog(conn: BaseDatabaseWrapper) -> Catalog:
 
 @dataclass
 class Step:
-    kind: str  # table, column, rows, index, constraint, function, trigger, sequence, view, migrations
+    kind: str  # table, column, recount, rows, index, constraint, function, trigger, sequence, view, migrations
     name: str
     sql: list[str]
     note: str = ""
@@ -376,6 +393,10 @@ def make_plan(ref: Catalog, live: Catalog, applied: set[tuple[str, str]], record
                 plan.steps.append(
                     Step("column", f"{table}.{col.name}", [f"ALTER TABLE {_q(table)} ADD COLUMN {_column_sql(col)}"])
                 )
+                if (table, col.name) == ("limit_record", "int_running"):
+                    plan.steps.append(
+                        Step("recount", "limit_record use", LICENCE_RECOUNT, note="from the running procs")
+                    )
             else:
                 mine = have[col.name]
                 if (mine.type, mine.not_null) != (col.type, col.not_null):
@@ -647,7 +668,7 @@ def _apply(plan: Plan, live: BaseDatabaseWrapper, ref: BaseDatabaseWrapper, ref_
     with transaction.atomic(using=using, durable=True):
         with live.cursor() as cur:
             cur.execute("SELECT set_config('lock_timeout', %s, true)", [f"{int(conf.adopt_lock_timeout() * 1000)}ms"])
-            for kind in ("sequence", "table", "column", "function", "view"):
+            for kind in ("sequence", "table", "column", "recount", "function", "view"):
                 for step in plan.steps:
                     if step.kind == kind:
                         for sql in step.sql:

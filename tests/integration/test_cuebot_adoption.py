@@ -311,3 +311,39 @@ def test_migrate_with_migrations_to_apply_on_a_cuebot_database_is_refused_before
         assert "No migrations to apply." in cb.manage(url, "migrate", "--no-input").stdout
     finally:
         cb.drop_database(name)
+
+
+def test_adoption_counts_the_licences_cuebots_running_frames_already_hold() -> None:
+    """limit_record.int_running is cuesched's column on Cuebot's table. Added with its default
+    of 0 beside running Cuebot frames of a limit, it read LOW: the Store, which books against
+    the database's count, would have booked those licences a second time. Adoption recounts
+    it from proc, with proc's writers held off until the triggers that keep it are in place."""
+    name = cb.cuebot_db_name("licences")
+    url = cb.build_cuebot_db(name)
+    try:
+        with psycopg.connect(url, autocommit=True) as conn:
+            # The count joins only layer_limit and proc: the frames' parents are left out
+            # (replica mode skips Cuebot's foreign-key and stat triggers for these rows).
+            conn.execute("SET session_replication_role = replica")
+            conn.execute(
+                "INSERT INTO limit_record (pk_limit_record, str_name, int_max_value, b_host_limit)"
+                " VALUES ('lim-frames', 'arnold', 10, false), ('lim-hosts', 'nuke', 10, true)"
+            )
+            conn.execute(
+                "INSERT INTO layer_limit (pk_layer_limit, pk_layer, pk_limit_record)"
+                " VALUES ('ll-1', 'layer-a', 'lim-frames'), ('ll-2', 'layer-a', 'lim-hosts')"
+            )
+            for i, host in enumerate(("host-1", "host-1", "host-2")):
+                conn.execute(
+                    "INSERT INTO proc (pk_proc, pk_host, pk_layer, pk_frame, int_cores_reserved, int_mem_reserved)"
+                    " VALUES (%s, %s, 'layer-a', %s, 100, 1024)",
+                    (f"proc-{i}", host, f"frame-{i}"),
+                )
+        cb.manage(url, "adopt_cuebot_db", "--apply")
+        with psycopg.connect(url) as conn:
+            rows = conn.execute(
+                "SELECT str_name, int_running, int_frames FROM limit_record ORDER BY str_name"
+            ).fetchall()
+        assert rows == [("arnold", 3, 3), ("nuke", 2, 3)]
+    finally:
+        cb.drop_database(name)
