@@ -18,7 +18,7 @@ from django.urls import path, reverse
 from django.utils.html import format_html
 
 from dispatch.models import Alloc, Folder, Job, Show
-from ops import admin_views, permissions
+from ops import admin_views, farm_admin, permissions
 from ops.admin_views import COLUMN_LABELS, shown_value
 from ops.models import Console, FolderCapEvent, JobCapEvent, KillSwitchEvent, ShowManagedEvent, SubscriptionCapEvent
 
@@ -160,3 +160,7 @@ class ShowManagedEventAdmin(EventAdmin):
 class KillSwitchEventAdmin(EventAdmin):
     kind = "kill_switch"
     columns = ["notify_enabled"]
+
+
+# The farm lists (hosts, jobs, frames, procs) replace dispatch.admin's plain ones.
+farm_admin.register(admin.site)
