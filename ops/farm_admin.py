@@ -174,25 +174,32 @@ WITH page AS (
               ELSE 100 END AS need, l.int_mem_min AS mem, l.int_gpus_min AS gpus, l.int_gpu_mem_min AS gpu_mem
   FROM layer l JOIN layer_stat ls ON ls.pk_layer = l.pk_layer JOIN page pg ON pg.pk_job = l.pk_job
   WHERE ls.int_waiting_count > 0
+), tc AS (
+  -- Per tag (and facility, OS), the largest host and the most any bookable host has free, one
+  -- resource at a time: a layer that exceeds one of these fits no host (exact in that
+  -- direction); one within each maximum but on no single host reads "ready" here, and the
+  -- why-not-booking page, which checks host by host, gives the exact answer.
+  SELECT t.str_tag::text AS tag, a.pk_facility AS facility, hs.str_os AS os,
+         MAX(h.int_cores) AS cores, MAX(h.int_mem) AS mem, MAX(h.int_gpus) AS gpus, MAX(h.int_gpu_mem) AS gpu_mem,
+         MAX(h.int_cores_idle) FILTER (WHERE b.ok) AS cores_idle,
+         MAX(LEAST(h.int_mem_idle, hs.int_mem_free)) FILTER (WHERE b.ok) AS mem_free,
+         MAX(h.int_gpus_idle) FILTER (WHERE b.ok) AS gpus_idle,
+         MAX(LEAST(h.int_gpu_mem_idle, hs.int_gpu_mem_free)) FILTER (WHERE b.ok) AS gpu_mem_free
+  FROM host_tag t JOIN host h ON h.pk_host = t.pk_host JOIN host_stat hs ON hs.pk_host = h.pk_host
+  JOIN alloc a ON a.pk_alloc = h.pk_alloc
+  CROSS JOIN LATERAL (SELECT h.str_lock_state = 'OPEN' AND hs.str_state = 'UP'
+                             AND hs.ts_ping >= now() - make_interval(secs => %(stale_after)s) AS ok) b
+  WHERE t.str_tag IN (SELECT unnest(wl.tags) FROM wl)
+  GROUP BY 1, 2, 3
 ), fit AS (
   SELECT wl.pk_job, MIN(wl.need) AS need,
-         bool_or(EXISTS (
-           SELECT 1 FROM host h JOIN host_stat hs ON hs.pk_host = h.pk_host JOIN alloc a ON a.pk_alloc = h.pk_alloc
-           WHERE a.pk_facility = wl.pk_facility AND (wl.str_os IS NULL OR hs.str_os = wl.str_os)
-             AND h.int_cores >= wl.need AND h.int_mem >= wl.mem AND h.int_gpus >= wl.gpus
-             AND h.int_gpu_mem >= wl.gpu_mem
-             AND EXISTS (SELECT 1 FROM host_tag t WHERE t.pk_host = h.pk_host AND t.str_tag = ANY(wl.tags))
-         )) AS ever,
-         bool_or(EXISTS (
-           SELECT 1 FROM host h JOIN host_stat hs ON hs.pk_host = h.pk_host JOIN alloc a ON a.pk_alloc = h.pk_alloc
-           WHERE a.pk_facility = wl.pk_facility AND (wl.str_os IS NULL OR hs.str_os = wl.str_os)
-             AND h.str_lock_state = 'OPEN' AND hs.str_state = 'UP'
-             AND hs.ts_ping >= now() - make_interval(secs => %(stale_after)s)
-             AND h.int_cores_idle >= wl.need AND LEAST(h.int_mem_idle, hs.int_mem_free) >= wl.mem
-             AND h.int_gpus_idle >= wl.gpus AND LEAST(h.int_gpu_mem_idle, hs.int_gpu_mem_free) >= wl.gpu_mem
-             AND EXISTS (SELECT 1 FROM host_tag t WHERE t.pk_host = h.pk_host AND t.str_tag = ANY(wl.tags))
-         )) AS now
-  FROM wl GROUP BY wl.pk_job
+         COALESCE(bool_or(tc.cores >= wl.need AND tc.mem >= wl.mem AND tc.gpus >= wl.gpus
+                          AND tc.gpu_mem >= wl.gpu_mem), false) AS ever,
+         COALESCE(bool_or(tc.cores_idle >= wl.need AND tc.mem_free >= wl.mem AND tc.gpus_idle >= wl.gpus
+                          AND tc.gpu_mem_free >= wl.gpu_mem), false) AS now
+  FROM wl LEFT JOIN tc ON tc.tag = ANY(wl.tags) AND tc.facility = wl.pk_facility
+                          AND (wl.str_os IS NULL OR tc.os = wl.str_os)
+  GROUP BY wl.pk_job
 )
 SELECT pg.pk_job,
   CASE
