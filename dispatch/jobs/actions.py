@@ -598,6 +598,17 @@ def _set_lock(hosts: Sequence[str], action: str, actor: Any) -> HostActionResult
     ids = [h for h in hosts if isinstance(h, str)] if isinstance(hosts, (list, tuple)) else []
     if not ids or len(ids) != len(hosts):
         raise ValidationError("hosts must be a non-empty list of host ids or names")
+    for attempt in range(1, _DEADLOCK_ATTEMPTS + 1):
+        try:
+            return _set_lock_once(ids, action, actor)
+        except (OperationalError, psycopg.errors.OperationalError) as exc:
+            if attempt == _DEADLOCK_ATTEMPTS or not _is_deadlock(exc):
+                raise
+            logger.info("host %s: deadlock with a concurrent booking, retrying", action)
+    raise AssertionError("unreachable")
+
+
+def _set_lock_once(ids: list[str], action: str, actor: Any) -> HostActionResult:
     state = HOST_LOCK_STATE[action]
     result = HostActionResult(action)
     with transaction.atomic(durable=True), audit_context(actor, f"host_{action}"):

@@ -31,7 +31,7 @@ def farm_admin(client: Client) -> Client:
 
 
 def test_every_farm_model_is_registered() -> None:
-    assert len(FARM_MODELS) == 21  # the 19 Cuebot tables, depend, and the API tokens
+    assert len(FARM_MODELS) == 22  # the 19 Cuebot tables, depend, the API tokens and the farm-action audit rows
     assert [m.__name__ for m in FARM_MODELS if m not in admin.site._registry] == []
 
 
