@@ -272,12 +272,12 @@ class JobListAdmin(FarmListMixin, dispatch_admin.JobAdmin):
     ordering = ("str_state", "-resource__int_priority", "str_name")
     action_form = PriorityForm
     actions = (
-        "pause_selected",
-        "resume_selected",
-        "retry_selected",
-        "eat_selected",
-        "kill_selected",
-        "priority_selected",
+        "pause_job_selected",
+        "resume_job_selected",
+        "retry_frames_selected",
+        "eat_frames_selected",
+        "kill_job_selected",
+        "set_priority_selected",
     )
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Job]:
@@ -354,27 +354,27 @@ class JobListAdmin(FarmListMixin, dispatch_admin.JobAdmin):
         return list(queryset.select_related(None).only("pk_job", "str_name").order_by("pk_job"))
 
     @admin.action(description="Pause the selected jobs", permissions=["control_jobs"])
-    def pause_selected(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
+    def pause_job_selected(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
         run = lambda job: job_actions.pause_job(job, actor=request.user).changed  # noqa: E731
         _each_job(self, request, self._jobs(queryset), run, "Jobs paused")
 
     @admin.action(description="Resume the selected jobs", permissions=["control_jobs"])
-    def resume_selected(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
+    def resume_job_selected(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
         run = lambda job: job_actions.resume_job(job, actor=request.user).changed  # noqa: E731
         _each_job(self, request, self._jobs(queryset), run, "Jobs resumed")
 
     @admin.action(description="Retry the dead frames of the selected jobs", permissions=["control_jobs"])
-    def retry_selected(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
+    def retry_frames_selected(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
         run = lambda job: job_actions.retry_frames(job, actor=request.user).changed  # noqa: E731
         _each_job(self, request, self._jobs(queryset), run, "Frames to retry")
 
     @admin.action(
         description="Eat the waiting, dead and depending frames of the selected jobs…", permissions=["control_jobs"]
     )
-    def eat_selected(self, request: HttpRequest, queryset: QuerySet[Job]) -> HttpResponse | None:
+    def eat_frames_selected(self, request: HttpRequest, queryset: QuerySet[Job]) -> HttpResponse | None:
         jobs = self._jobs(queryset)
         page = confirmed(
-            request, jobs, "eat_selected", f"Eat the frames of {len(jobs)} job(s)?",
+            request, jobs, "eat_frames_selected", f"Eat the frames of {len(jobs)} job(s)?",
             "Their WAITING, DEAD and DEPEND frames become EATEN (done without running); running frames go on.",
         )  # fmt: skip
         if page is not None:
@@ -384,10 +384,10 @@ class JobListAdmin(FarmListMixin, dispatch_admin.JobAdmin):
         return None
 
     @admin.action(description="Kill the selected jobs…", permissions=["kill_work"])
-    def kill_selected(self, request: HttpRequest, queryset: QuerySet[Job]) -> HttpResponse | None:
+    def kill_job_selected(self, request: HttpRequest, queryset: QuerySet[Job]) -> HttpResponse | None:
         jobs = self._jobs(queryset)
         page = confirmed(
-            request, jobs, "kill_selected", f"Kill {len(jobs)} job(s)?",
+            request, jobs, "kill_job_selected", f"Kill {len(jobs)} job(s)?",
             "Each job is FINISHED now: its running frames are stopped and released, nothing of it starts again.",
         )  # fmt: skip
         if page is not None:
@@ -397,7 +397,7 @@ class JobListAdmin(FarmListMixin, dispatch_admin.JobAdmin):
         return None
 
     @admin.action(description="Set the priority of the selected jobs (the value beside)", permissions=["control_jobs"])
-    def priority_selected(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
+    def set_priority_selected(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
         raw = request.POST.get("priority", "").strip()
         if not raw.isdigit() or int(raw) > job_actions.MAX_PRIORITY:
             self.message_user(

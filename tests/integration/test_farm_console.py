@@ -153,7 +153,7 @@ def test_viewer_has_no_controls_and_cannot_post_one(viewer: Client, farm: Farm) 
     for name in ("host", "job", "frame"):
         page = viewer.get(reverse(f"admin:dispatch_{name}_changelist")).content.decode()
         assert 'name="action"' not in page, name
-    act(viewer, reverse("admin:dispatch_job_changelist"), "pause_selected", [farm.job.pk])
+    act(viewer, reverse("admin:dispatch_job_changelist"), "pause_job_selected", [farm.job.pk])
     act(viewer, reverse("admin:dispatch_host_changelist"), "lock_selected", [farm.host.pk])
     assert not Job.objects.get(pk=farm.job.pk).b_paused
     assert Host.objects.get(pk=farm.host.pk).str_lock_state == "OPEN"
@@ -162,16 +162,16 @@ def test_viewer_has_no_controls_and_cannot_post_one(viewer: Client, farm: Farm) 
 
 def test_job_controls_from_the_list(operator: Client, farm: Farm) -> None:
     url = reverse("admin:dispatch_job_changelist")
-    assert "Jobs paused: 1" in act(operator, url, "pause_selected", [farm.job.pk])
+    assert "Jobs paused: 1" in act(operator, url, "pause_job_selected", [farm.job.pk])
     assert Job.objects.get(pk=farm.job.pk).b_paused
-    act(operator, url, "resume_selected", [farm.job.pk])
+    act(operator, url, "resume_job_selected", [farm.job.pk])
     assert not Job.objects.get(pk=farm.job.pk).b_paused
-    page = act(operator, url, "priority_selected", [farm.job.pk], priority="abc")
+    page = act(operator, url, "set_priority_selected", [farm.job.pk], priority="abc")
     assert "Give the priority" in page and "Nothing was changed" in page
-    act(operator, url, "priority_selected", [farm.job.pk], priority="77")
+    act(operator, url, "set_priority_selected", [farm.job.pk], priority="77")
     assert JobResource.objects.get(job=farm.job).int_priority == 77
     Frame.objects.filter(pk=farm.frames[0].pk).update(str_state="DEAD")
-    act(operator, url, "retry_selected", [farm.job.pk])
+    act(operator, url, "retry_frames_selected", [farm.job.pk])
     assert Frame.objects.get(pk=farm.frames[0].pk).str_state == "WAITING"
     actions = list(FarmAction.objects.order_by("id").values_list("str_action", "str_username", "str_target_name"))
     assert [a for a, _u, _n in actions] == ["pause", "resume", "priority", "retry"]
@@ -181,10 +181,10 @@ def test_job_controls_from_the_list(operator: Client, farm: Farm) -> None:
 def test_kill_from_the_list_asks_first_then_releases_through_the_kill_path(operator: Client, farm: Farm) -> None:
     url = reverse("admin:dispatch_job_changelist")
     create_proc(farm.host, farm.frames[0], cores=100)
-    page = act(operator, url, "kill_selected", [farm.job.pk])
+    page = act(operator, url, "kill_job_selected", [farm.job.pk])
     assert "Kill 1 job(s)?" in page and farm.job.str_name in page
     assert Job.objects.get(pk=farm.job.pk).str_state == "PENDING"  # nothing before the confirmation
-    act(operator, url, "kill_selected", [farm.job.pk], confirm="yes")
+    act(operator, url, "kill_job_selected", [farm.job.pk], confirm="yes")
     assert Job.objects.get(pk=farm.job.pk).str_state == "FINISHED"
     assert not Proc.objects.filter(job=farm.job).exists()
     assert FarmAction.objects.get(str_action="kill").str_username == "olga"
