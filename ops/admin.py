@@ -20,6 +20,7 @@ from django.utils.html import format_html
 from dispatch.models import Alloc, Folder, Job, Show
 from ops import (
     admin_views,
+    farm_admin,
     farm_views,
     limits_admin,  # noqa: F401 - registers the licence limit admins
     permissions,
@@ -167,3 +168,7 @@ class ShowManagedEventAdmin(EventAdmin):
 class KillSwitchEventAdmin(EventAdmin):
     kind = "kill_switch"
     columns = ["notify_enabled"]
+
+
+# The farm lists (hosts, jobs, frames, procs) replace dispatch.admin's plain ones.
+farm_admin.register(admin.site)

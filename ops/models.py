@@ -141,6 +141,9 @@ class Console(models.Model):
             ("flip_show", "Can flip a show between scheduler- and database-managed accounting"),
             ("edit_caps", "Can edit subscription burst/size and folder/job max cores/GPUs"),
             ("set_kill_switch", "Can turn accounting notifications on or off"),
+            ("control_jobs", "Can pause, resume, retry, eat and reprioritise jobs and frames"),
+            ("kill_work", "Can kill jobs and running frames"),
+            ("control_hosts", "Can lock, unlock and drain hosts"),
         ]
         verbose_name = "ops console"
         verbose_name_plural = "ops console"

@@ -2,7 +2,9 @@
 
 Two groups, made by the data migration `ops.0002_groups`:
 
-* **operators** look at everything, flip shows, edit caps and the notification kill switch;
+* **operators** look at everything, flip shows, edit caps and the notification kill switch,
+  control jobs and frames (pause, resume, retry, eat, priority), kill them, and lock, unlock
+  and drain hosts;
 * **viewers** look at everything and change nothing.
 
 Anyone else (a staff user in neither group) gets nothing from the console; superusers get
@@ -22,6 +24,9 @@ VIEW_CONSOLE = "ops.view_console"
 FLIP_SHOW = "ops.flip_show"
 EDIT_CAPS = "ops.edit_caps"
 SET_KILL_SWITCH = "ops.set_kill_switch"
+CONTROL_JOBS = "ops.control_jobs"
+KILL_WORK = "ops.kill_work"
+CONTROL_HOSTS = "ops.control_hosts"
 
 # Farm and accounting models both groups may browse in the admin (view_*).
 VIEWABLE = [
@@ -54,6 +59,7 @@ VIEWABLE = [
     ("ops", "jobcapevent"),
     ("ops", "showmanagedevent"),
     ("ops", "killswitchevent"),
+    ("dispatch", "farmaction"),
 ]
 
 # (app_label, codename) per group. Operators change the cap rows through the cap forms (which
@@ -65,6 +71,9 @@ GROUP_PERMISSIONS: dict[str, list[tuple[str, str]]] = {
         ("ops", "flip_show"),
         ("ops", "edit_caps"),
         ("ops", "set_kill_switch"),
+        ("ops", "control_jobs"),
+        ("ops", "kill_work"),
+        ("ops", "control_hosts"),
         ("dispatch", "change_subscription"),
         ("dispatch", "change_folderresource"),
         ("dispatch", "change_jobresource"),
@@ -91,6 +100,18 @@ def can_edit_caps(user: User) -> bool:
 
 def can_set_kill_switch(user: User) -> bool:
     return bool(user.is_active and user.is_staff and user.has_perm(SET_KILL_SWITCH))
+
+
+def can_control_jobs(user: User) -> bool:
+    return bool(user.is_active and user.is_staff and user.has_perm(CONTROL_JOBS))
+
+
+def can_kill_work(user: User) -> bool:
+    return bool(user.is_active and user.is_staff and user.has_perm(KILL_WORK))
+
+
+def can_control_hosts(user: User) -> bool:
+    return bool(user.is_active and user.is_staff and user.has_perm(CONTROL_HOSTS))
 
 
 def require(allowed: bool) -> None:

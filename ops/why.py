@@ -12,7 +12,11 @@ Two sources, both shown:
   OPEN, pinged recently, one of the layer's tags, the job's facility and OS, enough idle
   cores, memory and GPUs, on an allocation the show still has burst room on).
 
-Each reason has numbers and what would unblock it.
+Each reason has numbers and what would unblock it. Blockers that never clear come first and
+say so ("No host can ever run a frame of layer ..."): no host carries the layer's tags, none is
+in the job's facility/OS, or none is large enough in total (cores, memory, GPUs, GPU memory)
+whatever it runs now; waiting or freeing hosts would not help, so the advice is to add hosts or
+change the layer.
 """
 
 from __future__ import annotations
@@ -81,6 +85,23 @@ SELECT ll.pk_layer, r.str_name, r.int_running, r.int_max_value, r.b_host_limit
 FROM layer_limit ll JOIN limit_record r ON r.pk_limit_record = ll.pk_limit_record
 WHERE ll.pk_layer = ANY(%(layers)s::text[])
 ORDER BY ll.pk_layer, r.str_name
+"""
+# Whatever their state, lock or load: can any host carrying one of the tags EVER run a frame of the
+# layer? Sizes are totals (int_cores, int_mem, int_gpus), not idle amounts: a blocker found here
+# does not clear by waiting, only by adding hosts or changing the layer.
+CAPACITY_SQL = """
+WITH tagged AS (
+  SELECT h.int_cores, h.int_mem, h.int_gpus, h.int_gpu_mem,
+         (a.pk_facility = %(facility)s AND (%(os)s::text IS NULL OR hs.str_os = %(os)s)) AS placed
+  FROM host h JOIN host_stat hs ON hs.pk_host = h.pk_host JOIN alloc a ON a.pk_alloc = h.pk_alloc
+  WHERE EXISTS (SELECT 1 FROM host_tag t WHERE t.pk_host = h.pk_host AND t.str_tag = ANY(%(tags)s::text[]))
+)
+SELECT COUNT(*), COUNT(*) FILTER (WHERE placed),
+       COALESCE(MAX(int_cores) FILTER (WHERE placed), 0), COALESCE(MAX(int_mem) FILTER (WHERE placed), 0),
+       COALESCE(MAX(int_gpus) FILTER (WHERE placed), 0), COALESCE(MAX(int_gpu_mem) FILTER (WHERE placed), 0),
+       COUNT(*) FILTER (WHERE placed AND int_cores >= %(cores)s AND int_mem >= %(mem)s AND int_gpus >= %(gpus)s
+                        AND int_gpu_mem >= %(gpu_mem)s)
+FROM tagged
 """
 FRAME_SQL = """
 SELECT f.pk_frame, f.str_name, f.str_state, f.int_depend_count, f.pk_job, f.pk_layer, f.str_host,
@@ -259,6 +280,14 @@ def explain_job(job: str, view: dict[str, Any] | None, *, layer: str | None = No
         )
     if why.reasons:
         return _finish(why, view)
+    # Blockers that never clear come before the limits and caps, which do: a GPU frame on a farm
+    # without GPU hosts must not be told to wait for running frames.
+    never = [_never_reason(r, facility, job_os) for r in ready_layers]
+    if all(n is not None for n in never):
+        why.reasons.append(never[0])  # type: ignore[arg-type]
+        return _finish(why, view)
+    ready_layers = [r for r, n in zip(ready_layers, never, strict=True) if n is None]
+
     _limit_reason(why, ready_layers)
     if why.reasons:
         return _finish(why, view)
@@ -426,6 +455,64 @@ def _host_reason(layer: tuple[Any, ...], facility: str, job_os: str | None, allo
                 detail = f" ({len(before)} host(s) passed the previous checks)"
             return Reason("no_host", f"Layer {lname}: {text}{detail}.", unblock)
     return None
+
+
+def _never_reason(layer: tuple[Any, ...], facility: str, job_os: str | None) -> Reason | None:
+    """The layer's frames fit no host of the farm as it is, idle or not: say so, and why."""
+    _pk_layer, lname, str_tags, cores_min, mem_min, gpus_min, gpu_mem_min, threadable = layer[:8]
+    tags = sorted(parse_tags(str_tags))
+    if not tags:
+        return None  # _host_reason says it (no tags: no host can match)
+    need = _whole_cores_needed(cores_min, threadable)
+    params = {
+        "tags": tags,
+        "facility": facility,
+        "os": job_os,
+        "cores": need * CENTI,
+        "mem": mem_min,
+        "gpus": gpus_min,
+        "gpu_mem": gpu_mem_min,
+    }
+    row = _one(CAPACITY_SQL, params)
+    tagged, placed, max_cores, max_mem, max_gpus, max_gpu_mem, fitting = (int(v) for v in row or (0,) * 7)
+    if fitting:
+        return None
+    tag_text = ", ".join(f"`{t}`" for t in tags)
+    prefix = f"No host can ever run a frame of layer {lname}"
+    if not tagged:
+        return Reason(
+            "never_tag",
+            f"{prefix}: no host carries tag {tag_text}.",
+            "Tag hosts for this layer, or change the layer's tags. Waiting will not help.",
+        )
+    if not placed:
+        where = "the job's facility" + (f" with OS {job_os}" if job_os else "")
+        return Reason(
+            "never_os",
+            f"{prefix}: none of the {tagged} host(s) with tag {tag_text} is in {where}.",
+            "Add hosts in this facility (and OS), or change the job's OS. Waiting will not help.",
+        )
+    problems = []
+    if need * CENTI > max_cores:
+        problems.append(f"a frame needs {need} cores and the largest host has {max_cores // CENTI}")
+    if mem_min > max_mem:
+        problems.append(f"a frame needs {_gb(mem_min)} of memory and the largest host has {_gb(max_mem)}")
+    if gpus_min > max_gpus:
+        problems.append(
+            f"a frame needs {gpus_min} GPU(s) and "
+            + ("no host has a GPU" if max_gpus == 0 else f"the most any host has is {max_gpus}")
+        )
+    if gpu_mem_min > max_gpu_mem:
+        most = _gb(max_gpu_mem)
+        problems.append(f"a frame needs {_gb(gpu_mem_min)} of GPU memory and the most any host has is {most}")
+    if not problems:
+        problems.append("no single host has enough cores, memory and GPUs together")
+    return Reason(
+        "never_fits",
+        f"{prefix} ({placed} host(s) with tag {tag_text}): {'; '.join(problems)}.",
+        "Add hosts that large, or lower the layer's cores, memory or GPUs. Waiting will not help: "
+        "freeing hosts does not make them bigger.",
+    )
 
 
 def _finish(why: Why, view: dict[str, Any] | None) -> Why:

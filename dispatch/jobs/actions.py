@@ -1,7 +1,9 @@
-"""Every change a person or a program makes to a job: submit, pause, resume, kill, retry, eat,
-priority, max cores. One function each, one durable transaction each, writing only the columns
-that change. The command line, the JSON API and the admin call these and nothing else; they
-check who may act, these functions do not.
+"""Every change a person or a program makes to a job, its frames or a host: submit, pause,
+resume, kill, retry, eat, priority, max cores; frame kill; host lock, unlock, drain. One function
+each, one durable transaction each, writing only the columns that change, and (for the controls)
+one `FarmAction` row in that same transaction, so the audit trail holds a control exactly when it
+committed. The command line, the JSON API and the console call these and nothing else; they check
+who may act, these functions do not.
 
 Kill, and why it needs nothing from the scheduler process. The scheduler (and its launcher)
 usually runs in another process than the API, the admin or a command, so `kill_job` does not
@@ -34,6 +36,7 @@ from typing import Any
 import psycopg
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, OperationalError, connection, transaction
+from django.db.models import Q
 from django.db.models.functions import Now
 
 from accounting import actions as accounting_actions
@@ -43,7 +46,7 @@ from accounting.notify import LIMIT_CHANNEL
 from dispatch.engine.completion import EXIT_STATUS_KILLED, FINISH_JOBS_SQL, Completion, complete_in_transaction
 from dispatch.jobs.frameset import frame_name
 from dispatch.jobs.spec import JobPlan, SpecError, plan_job
-from dispatch.models import Job, JobResource, Layer, LayerLimit
+from dispatch.models import FarmAction, Host, Job, JobResource, Layer, LayerLimit, Proc
 from dispatch.models.base import new_id
 from dispatch.models.depends import FRAME_BY_FRAME, LAYER_ON_LAYER
 from dispatch.models.triggers import STATE_COLUMNS
@@ -210,6 +213,28 @@ def _is_deadlock(exc: BaseException) -> bool:
     return isinstance(exc, _RETRYABLE) or isinstance(exc.__cause__, _RETRYABLE)
 
 
+def _username(actor: Any) -> str:
+    if actor is None:
+        return ""
+    return actor if isinstance(actor, str) else str(actor.get_username())
+
+
+def _record(
+    kind: str, target: str, action: str, changed: int, actor: Any, detail: dict[str, Any] | None = None
+) -> None:
+    """The control's audit row, written inside the control's own transaction (see the module doc)."""
+    name = Job.objects.filter(pk=target).values_list("str_name", flat=True).first() or ""
+    FarmAction.objects.create(
+        str_action=action,
+        str_target_kind=kind,
+        str_target=target,
+        str_target_name=name,
+        int_changed=changed,
+        detail=detail or {},
+        str_username=_username(actor),
+    )
+
+
 # --- submit ----------------------------------------------------------------------------------
 
 
@@ -371,6 +396,7 @@ def resume_job(job: Job | str, *, actor: Any = None) -> JobActionResult:
 def _set_paused(job_id: str, paused: bool, actor: Any, action: str) -> JobActionResult:
     with transaction.atomic(durable=True), audit_context(actor, action):
         changed = Job.objects.filter(pk=job_id).exclude(b_paused=paused).update(b_paused=paused)
+        _record("job", job_id, action, changed, actor)
     return JobActionResult(job_id, action, changed)
 
 
@@ -381,6 +407,7 @@ def set_priority(job: Job | str, priority: int, *, actor: Any = None) -> JobActi
     job_id = _job_id(job)
     with transaction.atomic(durable=True), audit_context(actor, "priority"):
         changed = JobResource.objects.filter(job_id=job_id).exclude(int_priority=priority).update(int_priority=priority)
+        _record("job", job_id, "priority", changed, actor, {"priority": priority})
     return JobActionResult(job_id, "priority", changed, {"priority": priority})
 
 
@@ -438,7 +465,8 @@ def _kill(job_id: str, actor: Any) -> JobActionResult:
                 kills = [Completion(pk, EXIT_STATUS_KILLED, requeue=True) for pk in procs]
                 released = complete_in_transaction(cur, kills).released
                 cur.execute(EAT_UNSTARTED_SQL, (job_id,))
-    detail = {"finished": bool(finished), "eaten": eaten, "released": released, "procs": procs}
+        detail = {"finished": bool(finished), "eaten": eaten, "released": released, "procs": procs}
+        _record("job", job_id, "kill", finished + eaten + released, actor, {**detail, "procs": len(procs)})
     return JobActionResult(job_id, "kill", finished + eaten + released, detail)
 
 
@@ -462,6 +490,8 @@ def retry_frames(
                 reopened = cur.rowcount > 0
                 if reopened:
                     cur.execute(ANNOUNCE_JOB_CAPS_SQL, (job_id,))
+        detail = _scope_detail(frames, layer, reopened=reopened)
+        _record(*_scope_target(job_id, frames), "retry", changed, actor, detail)
     return JobActionResult(job_id, "retry", changed, {"reopened": reopened})
 
 
@@ -480,6 +510,7 @@ def eat_frames(
             if changed:
                 cur.execute(FINISH_JOBS_SQL, ([job_id],))
                 finished = bool(cur.fetchall())
+        _record(*_scope_target(job_id, frames), "eat", changed, actor, _scope_detail(frames, layer, finished=finished))
     return JobActionResult(job_id, "eat", changed, {"finished": finished})
 
 
@@ -509,3 +540,162 @@ def _frame_scope(base: str, job_id: str, frames: Sequence[str] | None, layer: st
         params["frames"] = wanted
         sql += _FRAME_FILTER
     return params, sql
+
+
+def _scope_target(job_id: str, frames: Sequence[str] | None) -> tuple[str, str]:
+    return ("job" if frames is None else "frame"), job_id
+
+
+def _scope_detail(frames: Sequence[str] | None, layer: str | None, **extra: Any) -> dict[str, Any]:
+    detail: dict[str, Any] = dict(extra)
+    if frames is not None:
+        detail["frames"] = list(frames)[:50]
+    if layer is not None:
+        detail["layer"] = layer
+    return detail
+
+
+# --- frame kill --------------------------------------------------------------------------
+
+FRAME_PROCS_SQL = """
+SELECT p.pk_proc FROM proc p JOIN frame f ON f.pk_frame = p.pk_frame
+WHERE p.pk_job = %(job)s AND (f.pk_frame = ANY(%(frames)s::text[]) OR f.str_name = ANY(%(frames)s::text[]))
+ORDER BY p.pk_proc
+"""
+
+
+def kill_frames(job: Job | str, frames: Sequence[str], *, actor: Any = None, launcher: Any = None) -> JobActionResult:
+    """Stop the named RUNNING frames of a job: their procs are released and the frames go back to
+    WAITING (no retry counted), as OpenCue's frame kill does; eat them to stop them for good.
+
+    The release is the kill path `kill_job` uses (`complete_in_transaction` with the killed exit
+    status), so the Store hears it on `acct_release` and the hosts get their resources back in the
+    same transaction; the launcher, when the caller holds it, stops the runs best effort. A frame
+    that is not running is not an error: there is nothing to kill (it counts 0).
+    """
+    job_id = _job_id(job)
+    wanted = [f for f in frames if isinstance(f, str)] if isinstance(frames, (list, tuple)) else []
+    if not wanted or len(wanted) != len(frames):
+        raise ValidationError("frames must be a non-empty list of frame names or ids")
+    for attempt in range(1, _DEADLOCK_ATTEMPTS + 1):
+        try:
+            result = _kill_frames(job_id, wanted, actor)
+            break
+        except (OperationalError, psycopg.errors.OperationalError) as exc:
+            if attempt == _DEADLOCK_ATTEMPTS or not _is_deadlock(exc):
+                raise
+            logger.info("kill of frames of job %s: deadlock with a concurrent writer, retrying", job_id)
+    if launcher is not None:
+        for pk_proc in result.detail["procs"]:
+            try:
+                launcher.kill(pk_proc)
+            except Exception:
+                logger.warning("frame kill: launcher could not stop proc %s", pk_proc, exc_info=True)
+    return result
+
+
+def _kill_frames(job_id: str, frames: list[str], actor: Any) -> JobActionResult:
+    with transaction.atomic(durable=True), audit_context(actor, "kill_frames"):
+        with _pg() as cur:
+            cur.execute(FIND_FRAMES_SQL, {"job": job_id, "frames": frames})
+            known = {name for row in cur.fetchall() for name in row}
+            missing = [f for f in frames if f not in known]
+            if missing:
+                raise ValidationError(f"the job has no frame {', '.join(repr(m) for m in missing[:10])}")
+            cur.execute(FRAME_PROCS_SQL, {"job": job_id, "frames": frames})
+            procs = [row[0] for row in cur.fetchall()]
+            released = 0
+            if procs:
+                kills = [Completion(pk, EXIT_STATUS_KILLED, requeue=True) for pk in procs]
+                released = complete_in_transaction(cur, kills).released
+        _record("frame", job_id, "kill", released, actor, {"frames": frames[:50], "procs": len(procs)})
+    return JobActionResult(job_id, "kill_frames", released, {"procs": procs})
+
+
+# --- hosts ---------------------------------------------------------------------------------
+
+HOST_LOCK_STATE = {"lock": "LOCKED", "drain": "LOCKED", "unlock": "OPEN"}
+
+
+@dataclass
+class HostActionResult:
+    """What a host control did: the hosts whose lock state changed, and those already there."""
+
+    action: str
+    changed: list[str] = field(default_factory=list)
+    unchanged: list[str] = field(default_factory=list)
+    running: int = 0  # frames still running on the hosts (drain: they finish, nothing new starts)
+
+
+def lock_hosts(hosts: Sequence[str], *, actor: Any = None) -> HostActionResult:
+    """LOCKED: placement books nothing new on the hosts (booking re-checks OPEN in its own
+    statement, so a booking in flight either committed first or fails); running frames go on."""
+    return _set_lock(hosts, "lock", actor)
+
+
+def unlock_hosts(hosts: Sequence[str], *, actor: Any = None) -> HostActionResult:
+    """OPEN again. A NIMBY_LOCKED host (its owner's lock) is unlocked too: the operator asked."""
+    return _set_lock(hosts, "unlock", actor)
+
+
+def drain_hosts(hosts: Sequence[str], *, actor: Any = None) -> HostActionResult:
+    """Slurm's drain: lock the hosts and let their running frames finish; the host list reads
+    "draining (N running)" until the last one ends, then "drained". Nothing is killed: to empty
+    a host now, kill its frames (they go back to WAITING and run elsewhere)."""
+    return _set_lock(hosts, "drain", actor)
+
+
+def _set_lock(hosts: Sequence[str], action: str, actor: Any) -> HostActionResult:
+    ids = [h for h in hosts if isinstance(h, str)] if isinstance(hosts, (list, tuple)) else []
+    if not ids or len(ids) != len(hosts):
+        raise ValidationError("hosts must be a non-empty list of host ids or names")
+    for attempt in range(1, _DEADLOCK_ATTEMPTS + 1):
+        try:
+            return _set_lock_once(ids, action, actor)
+        except (OperationalError, psycopg.errors.OperationalError) as exc:
+            if attempt == _DEADLOCK_ATTEMPTS or not _is_deadlock(exc):
+                raise
+            logger.info("host %s: deadlock with a concurrent booking, retrying", action)
+    raise AssertionError("unreachable")
+
+
+def _set_lock_once(ids: list[str], action: str, actor: Any) -> HostActionResult:
+    state = HOST_LOCK_STATE[action]
+    result = HostActionResult(action)
+    with transaction.atomic(durable=True), audit_context(actor, f"host_{action}"):
+        # Row locks in a fixed order: two bulk locks over overlapping hosts cannot deadlock.
+        rows = list(
+            Host.objects.select_for_update()
+            .filter(_id_or_name(ids))
+            .order_by("pk_host")
+            .values_list("pk_host", "str_name", "str_lock_state")
+        )
+        found = {v for pk, name, _ in rows for v in (pk, name)}
+        missing = [h for h in ids if h not in found]
+        if missing:
+            raise ValidationError(f"no host {', '.join(repr(m) for m in missing[:10])}")
+        moving = [pk for pk, _name, lock in rows if lock != state]
+        result.changed = [name for _pk, name, lock in rows if lock != state]
+        result.unchanged = [name for _pk, name, lock in rows if lock == state]
+        if moving:
+            Host.objects.filter(pk__in=moving).update(str_lock_state=state, ts_last_updated=Now())
+        if action == "drain":
+            result.running = Proc.objects.filter(host_id__in=[r[0] for r in rows]).count()
+        user = _username(actor)
+        FarmAction.objects.bulk_create(
+            FarmAction(
+                str_action=action,
+                str_target_kind="host",
+                str_target=pk,
+                str_target_name=name,
+                int_changed=int(lock != state),
+                detail={"from": lock, "to": state},
+                str_username=user,
+            )
+            for pk, name, lock in rows
+        )
+    return result
+
+
+def _id_or_name(ids: list[str]) -> Q:
+    return Q(pk__in=ids) | Q(str_name__in=ids)

@@ -2,6 +2,7 @@
 
 from dispatch.models.api_tokens import ApiToken
 from dispatch.models.depends import Depend
+from dispatch.models.farm_actions import FarmAction
 from dispatch.models.hosts import Host, HostStat, HostTag
 from dispatch.models.jobs import Frame, Job, JobResource, JobStat, Layer, LayerResource, LayerStat
 from dispatch.models.limits import LayerLimit, LimitRecord
@@ -14,6 +15,7 @@ __all__ = [
     "Depend",
     "Dept",
     "Facility",
+    "FarmAction",
     "Folder",
     "FolderResource",
     "Frame",

@@ -293,6 +293,9 @@ def test_admin_job_actions_call_the_actions(admin_client: Client, farm) -> None:
     assert response.status_code == 200
     assert Job.objects.get(pk=job).b_paused is True
     assert "Jobs paused: 1" in response.content.decode()
+    # Kill asks first (issue 20: the console's destructive actions confirm); nothing before that.
     admin_client.post(url, {"action": "kill_job_selected", "_selected_action": [job]})
+    assert Job.objects.get(pk=job).str_state != "FINISHED"
+    admin_client.post(url, {"action": "kill_job_selected", "_selected_action": [job], "confirm": "yes"})
     assert Job.objects.get(pk=job).str_state == "FINISHED"
     assert set(frame_states(job).values()) == {"EATEN"}
