@@ -281,8 +281,8 @@ def shown_value(column: str, value: Any) -> str:
         return f"{centicores_to_cores(value)} cores"
     if column == "int_max_cores":
         cores = centicores_to_cores_cap(value)
-        return "unlimited" if cores <= 0 else f"{cores} cores"
-    return "unlimited" if value <= 0 else f"{value} GPUs"
+        return "unlimited" if cores < 0 else f"{cores} cores"
+    return "unlimited" if value < 0 else f"{value} GPUs"
 
 
 def target_names(kind: str, events: list[Any]) -> dict[str, str]:

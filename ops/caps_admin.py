@@ -68,6 +68,36 @@ def _unit_display(column: str) -> Callable[[Any], str]:
     return display
 
 
+def cap_shown(model_name: str, column: str, value: int | None) -> str:
+    """A cap as the operator's form shows it (whole cores, GPUs), for those who may only read it.
+
+    The read-only path must not fall back to the raw column: a viewer reading "150000" where an
+    operator reads 1500 takes the cap for 100 times what it is.
+    """
+    if value is None:
+        return "-"
+    field = cap_formfield(model_name, column)
+    if field is None:
+        return str(value)
+    if value < 0 and field.unlimited_ok:
+        return "unlimited (-1)"
+    shown = field.to_screen(value)
+    if value == 0:
+        return f"{shown} (books nothing)"
+    return f"{shown:g}" if isinstance(shown, float) else str(shown)
+
+
+def _cap_display(model_name: str, column: str) -> Callable[[Any], str]:
+    field = cap_formfield(model_name, column)
+
+    def display(obj: Any) -> str:
+        return cap_shown(model_name, column, getattr(obj, column))
+
+    display.short_description = field.label if field is not None else column  # type: ignore[attr-defined]
+    display.__name__ = f"{column}_shown"
+    return display
+
+
 class CapsAdminMixin:
     """Mixed into a FarmAdmin for a cap table; subclasses say which vertex and how to act."""
 
@@ -91,7 +121,16 @@ class CapsAdminMixin:
         # admin finds any method it lists in readonly_fields.
         if name.endswith("_with_unit") and name[: -len("_with_unit")] in UNIT_COLUMNS:
             return _unit_display(name[: -len("_with_unit")])
+        # The caps in whole cores for those who may only read them ("<column>_shown").
+        if name.endswith("_shown") and name[: -len("_shown")] in self.cap_columns:
+            return _cap_display(self.cap_model, name[: -len("_shown")])
         raise AttributeError(name)
+
+    def get_list_display(self, request: HttpRequest) -> Any:
+        shown = super().get_list_display(request)  # type: ignore[misc]
+        if self.has_change_permission(request):
+            return shown
+        return [f"{c}_shown" if c in self.cap_columns else c for c in shown]
 
     def formfield_for_dbfield(self, db_field: Any, request: HttpRequest, **kwargs: Any) -> Any:
         field = cap_formfield(self.cap_model, db_field.name)
@@ -107,18 +146,24 @@ class CapsAdminMixin:
     def _raw_readonly_fields(self, request: HttpRequest, obj: Model | None) -> list[str]:
         fields = list(super().get_readonly_fields(request, obj))  # type: ignore[misc]
         if obj is not None and not request.user.is_superuser:
-            editable = set(self.cap_columns)
+            editable = set(self.cap_columns) if self.has_change_permission(request, obj) else set()
             fields += [f.name for f in obj._meta.concrete_fields if f.name not in editable and f.name not in fields]
         return fields
 
+    def _shown_as(self, column: str) -> str:
+        if column in UNIT_COLUMNS:
+            return f"{column}_with_unit"
+        return f"{column}_shown" if column in self.cap_columns else column
+
     def get_readonly_fields(self, request: HttpRequest, obj: Model | None = None) -> list[str]:
-        fields = [f"{f}_with_unit" if f in UNIT_COLUMNS else f for f in self._raw_readonly_fields(request, obj)]
+        fields = [self._shown_as(f) for f in self._raw_readonly_fields(request, obj)]
         return [*fields, "scheduler"] if obj is not None else fields
 
     def get_exclude(self, request: HttpRequest, obj: Model | None = None) -> list[str]:
-        # A column shown read-only through its "_with_unit" display must not also be a form field.
+        # A column shown read-only through its "_with_unit"/"_shown" display must not also be a form field.
         exclude = list(super().get_exclude(request, obj) or ())  # type: ignore[misc]
-        return [*exclude, *(f for f in self._raw_readonly_fields(request, obj) if f in UNIT_COLUMNS)]
+        raw = self._raw_readonly_fields(request, obj)
+        return [*exclude, *(f for f in raw if f in UNIT_COLUMNS or f in self.cap_columns)]
 
     def has_change_permission(self, request: HttpRequest, obj: Model | None = None) -> bool:
         return super().has_change_permission(request, obj) and permissions.can_edit_caps(request.user)  # type: ignore[misc]

@@ -265,7 +265,7 @@ def explain_job(job: str, view: dict[str, Any] | None, *, layer: str | None = No
 
 
 def _cap_reason(why: Why, vertex: str, label: str, used: int, max_cc: int, need: int, db: int, what: str) -> None:
-    if max_cc <= 0:
+    if max_cc < 0:
         return
     cap = centicores_to_cores(max_cc)
     if used + need <= cap:
@@ -285,7 +285,7 @@ def _cap_reason(why: Why, vertex: str, label: str, used: int, max_cc: int, need:
 
 
 def _gpu_reason(why: Why, vertex: str, label: str, used: int, cap: int, need: int) -> None:
-    if cap <= 0 or used + need <= cap:
+    if cap < 0 or used + need <= cap:
         return
     why.reasons.append(
         Reason(

@@ -53,8 +53,8 @@ WITH top_jobs AS (
     -- Unmanaged shows: a core of room left on the job, its folder and some subscription
     -- (the trigger-kept totals are live for them).
     AND (s.b_scheduler_managed OR (
-          (jr.int_max_cores <= 0 OR jr.int_max_cores - jr.int_cores >= 100)
-      AND (fr.int_max_cores <= 0 OR fr.int_max_cores - fr.int_cores >= 100)
+          (jr.int_max_cores < 0 OR jr.int_max_cores - jr.int_cores >= 100)
+      AND (fr.int_max_cores < 0 OR fr.int_max_cores - fr.int_cores >= 100)
       AND EXISTS (SELECT 1 FROM subscription sub
                   WHERE sub.pk_show = j.pk_show AND sub.int_burst - sub.int_cores >= 100)))
     -- A job whose every layer backs off does not take a place in the limit.
@@ -73,8 +73,8 @@ JOIN layer l ON l.pk_job = t.pk_job
 WHERE (l.ts_start_after IS NULL OR l.ts_start_after <= now())
   AND NOT (l.pk_layer = ANY(%(skip_layers)s::text[]))
   AND (t.b_scheduler_managed OR (
-        (t.int_max_cores <= 0 OR t.int_cores + GREATEST(l.int_cores_min, 100) <= t.int_max_cores)
-    AND (t.folder_max_cores <= 0 OR t.folder_cores + GREATEST(l.int_cores_min, 100) <= t.folder_max_cores)))
+        (t.int_max_cores < 0 OR t.int_cores + GREATEST(l.int_cores_min, 100) <= t.int_max_cores)
+    AND (t.folder_max_cores < 0 OR t.folder_cores + GREATEST(l.int_cores_min, 100) <= t.folder_max_cores)))
 ORDER BY t.int_priority DESC, t.ts_started, t.pk_job, l.int_dispatch_order, l.pk_layer
 """
 

@@ -76,7 +76,7 @@ class JobResource(models.Model):
     int_gpus = models.IntegerField(db_default=0, default=0)
     int_min_cores = models.IntegerField(db_default=100, default=100)
     int_min_gpus = models.IntegerField(db_default=0, default=0)
-    # Caps; any value <= 0 means unlimited. The default caps a job at 100 cores.
+    # Caps; any negative value (-1) means unlimited, 0 books nothing. The default caps a job at 100 cores.
     int_max_cores = models.IntegerField(db_default=10000, default=10000)
     int_max_gpus = models.IntegerField(db_default=100, default=100)
     int_local_cores = models.IntegerField(db_default=0, default=0)

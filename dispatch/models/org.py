@@ -164,7 +164,7 @@ class FolderResource(models.Model):
     int_gpus = models.IntegerField(db_default=0, default=0)
     int_min_cores = models.IntegerField(db_default=0, default=0)
     int_min_gpus = models.IntegerField(db_default=0, default=0)
-    # Caps in centicores / GPUs; any value <= 0 means unlimited.
+    # Caps in centicores / GPUs; any negative value (-1) means unlimited, 0 books nothing.
     int_max_cores = models.IntegerField(db_default=-1, default=-1)
     int_max_gpus = models.IntegerField(db_default=-1, default=-1)
     float_tier = models.DecimalField(max_digits=16, decimal_places=2, db_default=0, default=0)
