@@ -306,7 +306,8 @@ class Store:
         Order: cores (only if > 0) against burst; a folder, then a job, whose caps the Store does
         not hold (fails closed); then cores against folder, job; then GPUs (only if > 0) against
         folder, job. A missing, zero or negative burst rejects every positive core booking; a
-        folder/job cap of 0 books nothing (as a burst of 0), a negative one (-1) is unlimited. Reaching a cap exactly is allowed. On rejection
+        folder/job cap of 0 books nothing (as a burst of 0), a negative one (-1) is unlimited.
+        Reaching a cap exactly is allowed. On rejection
         nothing is mutated.
         """
         dc = delta.cores
