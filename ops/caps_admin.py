@@ -6,6 +6,12 @@ list (`list_editable`) and on the change form; a save goes through `accounting.a
 the changed cap columns, with the operator recorded for the audit trail, warnings shown);
 and a "scheduler" column and panel say whether the running scheduler enforces the new value
 yet, and since when. Everything else on these rows is read-only except for superusers.
+
+Nothing is saved from a guess. A save of the inline change list, which commits every row
+changed there at once, always goes through a confirmation page listing each change (old → new,
+in cores); a change form asks the same when a cap would book nothing (0) or exceed every host
+that could run it. The confirmation re-posts the same data with `CONFIRM_FIELD`: what is saved
+is exactly what was confirmed, validated again by the form and the action.
 """
 
 from __future__ import annotations
@@ -15,10 +21,13 @@ from contextvars import ContextVar
 from typing import Any
 
 from django.contrib import messages
+from django.contrib.admin.utils import unquote
 from django.core.exceptions import ObjectDoesNotExist, ValidationError
+from django.db import connection
 from django.db.models import Model
 from django.forms import ModelForm
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.template.response import TemplateResponse
 from django.urls import reverse
 from django.utils.html import format_html, format_html_join
 
@@ -41,6 +50,10 @@ UNIT_COLUMNS: dict[str, tuple[str, str]] = {
     "int_max_vss": ("max VSS", "KB"),
 }
 _KB_UNITS = (("TB", 1024**3), ("GB", 1024**2), ("MB", 1024))
+CONFIRM_FIELD = "_ops_confirmed"
+# Every host's cores, or those of one allocation (centicores): the most a cap can ever use.
+_ALL_HOST_CORES_SQL = "SELECT COALESCE(SUM(int_cores), 0)::bigint FROM host"
+_ALLOC_HOST_CORES_SQL = "SELECT COALESCE(SUM(int_cores), 0)::bigint FROM host WHERE pk_alloc = %s"
 
 
 def shown_with_unit(value: int | None, unit: str) -> str:
@@ -98,6 +111,17 @@ def _cap_display(model_name: str, column: str) -> Callable[[Any], str]:
     return display
 
 
+def host_cores(alloc_id: str | None = None) -> int:
+    """Whole cores of every host (or of one allocation's): above it a cap can never bind."""
+    with connection.cursor() as cur:
+        if alloc_id is None:
+            cur.execute(_ALL_HOST_CORES_SQL)
+        else:
+            cur.execute(_ALLOC_HOST_CORES_SQL, [alloc_id])
+        (cc,) = cur.fetchone()
+    return int(cc) // CENTICORES_PER_CORE
+
+
 class CapsAdminMixin:
     """Mixed into a FarmAdmin for a cap table; subclasses say which vertex and how to act."""
 
@@ -114,6 +138,84 @@ class CapsAdminMixin:
 
     def apply_caps(self, obj: Any, cores: dict[str, int], actor: Any) -> actions.ActionResult:
         raise NotImplementedError
+
+    def cap_capacity(self, obj: Any) -> tuple[int, str]:
+        """The whole cores any host that could book for this row has, and where they are."""
+        return host_cores(), "the farm's hosts"
+
+    # -- the confirmation -------------------------------------------------------------------
+    def cap_risks(self, obj: Any, column: str, new_db: int) -> list[str]:
+        """Why saving `new_db` (database units) in `column` deserves a second look, if it does."""
+        if column == "int_max_gpus" or new_db < 0:
+            if new_db == 0:
+                return ["0 GPUs: it starts no new GPU frame (-1 is unlimited)."]
+            return []
+        if new_db == 0:
+            what = "show on this allocation" if self.cap_vertex == "sub" else self.cap_vertex
+            return [f"0 books nothing: the {what} starts no new frame; what runs now keeps running."]
+        cores, where = self.cap_capacity(obj)
+        new = new_db // CENTICORES_PER_CORE
+        if new > cores and column != "int_size":
+            return [f"{new:,} cores is more than the {cores:,} cores of {where}: is it a typo?"]
+        return []
+
+    def _changes_of(self, form: ModelForm) -> list[dict[str, Any]]:
+        obj = form.instance
+        rows = []
+        for column in (c for c in self.cap_columns if c in form.changed_data):
+            old, new = form.initial.get(column), form.cleaned_data[column]
+            rows.append(
+                {
+                    "object": str(obj),
+                    "field": _CAP_NAMES.get(column, column),
+                    "old": cap_shown(self.cap_model, column, old),
+                    "new": cap_shown(self.cap_model, column, new),
+                    "risks": self.cap_risks(obj, column, new),
+                }
+            )
+        return rows
+
+    def _confirm_page(self, request: HttpRequest, changes: list[dict[str, Any]], back: str) -> TemplateResponse:
+        posted = [(k, v) for k in request.POST for v in request.POST.getlist(k) if k != "csrfmiddlewaretoken"]
+        context = {
+            **self.admin_site.each_context(request),  # type: ignore[attr-defined]
+            "title": "Confirm the cap changes",
+            "opts": self.model._meta,  # type: ignore[attr-defined]
+            "changes": changes,
+            "risky": sum(1 for c in changes if c["risks"]),
+            "posted": posted,
+            "confirm_field": CONFIRM_FIELD,
+            "back": back,
+        }
+        return TemplateResponse(request, "ops/cap_confirm.html", context)
+
+    def _change_form_confirmation(self, request: HttpRequest, object_id: str) -> HttpResponse | None:
+        """The confirmation page a change form's save needs, or None to let the admin go on."""
+        obj = self.get_object(request, unquote(object_id))  # type: ignore[attr-defined]
+        if obj is None or not self.has_change_permission(request, obj):
+            return None
+        form = self.get_form(request, obj, change=True)(request.POST, request.FILES, instance=obj)  # type: ignore[attr-defined]
+        if not form.is_valid():
+            return None  # the admin shows the errors
+        changes = self._changes_of(form)
+        if not any(c["risks"] for c in changes):
+            return None
+        return self._confirm_page(request, changes, request.get_full_path())
+
+    def _changelist_confirmation(self, request: HttpRequest) -> HttpResponse | None:
+        """Every row an inline save would change, to confirm, or None (invalid: the admin says why)."""
+        if not self.list_editable or not self.has_change_permission(request):  # type: ignore[attr-defined]
+            return None
+        formset_class = self.get_changelist_formset(request)  # type: ignore[attr-defined]
+        prefix = formset_class.get_default_prefix()
+        queryset = self._get_list_editable_queryset(request, prefix)  # type: ignore[attr-defined]
+        formset = formset_class(request.POST, request.FILES, queryset=queryset, prefix=prefix)
+        if not formset.is_valid():
+            return None
+        changes = [c for form in formset.forms if form.has_changed() for c in self._changes_of(form)]
+        if not changes:
+            return None
+        return self._confirm_page(request, changes, request.get_full_path())
 
     # -- fields -----------------------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
@@ -203,6 +305,10 @@ class CapsAdminMixin:
         form_url: str = "",
         extra_context: dict[str, Any] | None = None,
     ) -> HttpResponse:
+        if request.method == "POST" and object_id and CONFIRM_FIELD not in request.POST:
+            confirmation = self._change_form_confirmation(request, object_id)
+            if confirmation is not None:
+                return confirmation
         response = super().changeform_view(request, object_id, form_url, extra_context)  # type: ignore[misc]
         self._run_pending(request)
         return response
@@ -229,6 +335,10 @@ class CapsAdminMixin:
             _FULL.reset(full_token)
 
     def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
+        if request.method == "POST" and "_save" in request.POST and CONFIRM_FIELD not in request.POST:
+            confirmation = self._changelist_confirmation(request)
+            if confirmation is not None:
+                return confirmation
         extra = {**(extra_context or {}), "refresh_ms": int(admin_views.refresh_seconds() * 1000)}
         response = self._with_view(
             request,

@@ -90,7 +90,7 @@ class JobResource(models.Model):
         triggers = accounting_triggers.job_resource_triggers()
 
     def __str__(self) -> str:
-        return f"resources of {self.job_id}"
+        return f"caps of job {self.job.str_name}"
 
 
 class JobStat(models.Model):
@@ -111,7 +111,7 @@ class JobStat(models.Model):
         db_table = "job_stat"
 
     def __str__(self) -> str:
-        return f"stats of {self.job_id}"
+        return f"stats of job {self.job.str_name}"
 
 
 class Layer(models.Model):
@@ -159,7 +159,7 @@ class LayerResource(models.Model):
         db_table = "layer_resource"
 
     def __str__(self) -> str:
-        return f"resources of {self.layer_id}"
+        return f"resources of layer {self.layer.str_name}"
 
 
 class LayerStat(models.Model):

@@ -100,7 +100,8 @@ class Subscription(models.Model):
         triggers = accounting_triggers.subscription_triggers()
 
     def __str__(self) -> str:
-        return f"{self.show_id}:{self.alloc_id}"
+        # Names, not ids: this is the title of the record on every admin page and message.
+        return f"{self.show.str_name} @ {self.alloc.str_name}"
 
 
 class Point(models.Model):
@@ -174,4 +175,4 @@ class FolderResource(models.Model):
         triggers = accounting_triggers.folder_resource_triggers()
 
     def __str__(self) -> str:
-        return f"resources of {self.folder_id}"
+        return f"caps of folder {self.folder.str_name}"
