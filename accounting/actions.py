@@ -121,7 +121,8 @@ def validate_burst(cores: Any, what: str = "burst") -> int:
     """Burst/size in whole cores, 0..MAX_CAP_CORES (0 rejects every booking); returns centicores."""
     cores = _whole(cores, what)
     if cores < 0:
-        raise ValidationError(f"{what} cannot be negative (0 stops every booking)", code="negative")
+        hint = " (0 stops every booking)" if what == "burst" else ""
+        raise ValidationError(f"{what} cannot be negative{hint}", code="negative")
     return _bounded(cores, what, MAX_CAP_CORES, "cores") * CENTICORES_PER_CORE
 
 

@@ -334,9 +334,18 @@ def _matching(kind: str, q: str) -> Q:
 
 
 def audit_events(
-    kind: str = "", who: str = "", q: str = "", days: int | None = None, limit: int = 200
+    kind: str = "",
+    who: str = "",
+    q: str = "",
+    days: int | None = None,
+    limit: int = 200,
+    people: bool = False,
 ) -> list[dict[str, Any]]:
-    """The merged audit trail, newest first: one entry per changed column."""
+    """The merged audit trail, newest first: one entry per changed column, the first `limit`.
+
+    `people`: only the changes someone asked for by name (console, CLI, API), not those of
+    scripts and seeders that write the tables directly (recorded with their database role).
+    """
     out: list[dict[str, Any]] = []
     for name, (model, columns) in EVENT_KINDS.items():
         if kind and kind != name:
@@ -348,6 +357,8 @@ def audit_events(
             qs = qs.filter(_matching(name, q))
         if days:
             qs = qs.filter(pgh_created_at__gte=timezone.now() - dt.timedelta(days=days))
+        if people:
+            qs = qs.filter(pgh_context__metadata__has_key="username")
         events = list(qs.order_by("-pgh_created_at", "-pgh_id")[:limit])
         names = target_names(name, events)
         for event in events:
@@ -375,10 +386,38 @@ def audit_events(
     return out[:limit]
 
 
+AUDIT_PAGE_SIZE = 200
+AUDIT_MAX_PAGE = 500  # 100,000 entries back; older ones are reached with the filters
+
+
+def audit_page(filters: dict[str, Any], page: int, per_page: int = AUDIT_PAGE_SIZE) -> dict[str, Any]:
+    """One page of the trail, newest first, and whether older entries exist.
+
+    Every page is read fresh from the newest entry (each table's first page x per_page + 1
+    rows): an entry recorded meanwhile shifts the pages by one rather than hiding any, and the
+    page says which entries it shows, so nothing drops off silently.
+    """
+    upto = page * per_page
+    entries = audit_events(**filters, limit=upto + 1)
+    shown = entries[upto - per_page : upto]
+    return {
+        "events": shown,
+        "page": page,
+        "first": upto - per_page + 1 if shown else 0,
+        "last": upto - per_page + len(shown),
+        "has_next": len(entries) > upto,
+        "has_previous": page > 1,
+    }
+
+
 def audit(request: HttpRequest) -> HttpResponse:
     form = AuditFilterForm(request.GET or None)
     filters: dict[str, Any] = {}
     if form.is_valid():
-        filters = {k: v for k, v in form.cleaned_data.items() if v}
-    context = _context(request, "Audit trail", form=form, events=audit_events(**filters))
+        filters = {k: v for k, v in form.cleaned_data.items() if v and k != "page"}
+    page = form.cleaned_data.get("page") if form.is_valid() else None
+    paging = audit_page(filters, min(page or 1, AUDIT_MAX_PAGE))
+    query = request.GET.copy()
+    query.pop("page", None)
+    context = _context(request, "Audit trail", form=form, query=query.urlencode(), **paging)
     return render(request, "ops/audit.html", context)
