@@ -1,0 +1,57 @@
+"""Issue 20 problem 2 outside the console: one meaning of 0 (books nothing), and every writer
+asks before it writes one. The job CLI turned `max-cores JOB 0` into unlimited; the API did too."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
+from django.test import Client
+
+from dispatch.jobs.actions import submit_job
+from dispatch.models import JobResource
+from tests.integration.submit_support import make_spec
+from tests.integration.test_api import farm, post, tokens  # noqa: F401  (fixtures and helper)
+
+pytestmark = pytest.mark.django_db
+
+
+def _run(*args: str) -> str:
+    out = io.StringIO()
+    call_command("job", *args, stdout=out)
+    return out.getvalue().strip()
+
+
+def test_the_job_cli_refuses_a_max_of_zero_without_yes_and_then_books_nothing(farm) -> None:  # noqa: F811
+    job = submit_job(make_spec(), user="alice").job_id
+    before = JobResource.objects.get(job_id=job).int_max_cores
+    with pytest.raises(CommandError, match="max cores 0 books nothing for this job"):
+        _run("max-cores", job, "0")
+    assert JobResource.objects.get(job_id=job).int_max_cores == before
+    text = _run("max-cores", job, "0", "--yes")
+    assert "max cores 0" in text and "stops every new booking of this job" in text
+    assert JobResource.objects.get(job_id=job).int_max_cores == 0
+    _run("max-cores", job, "-1")
+    assert JobResource.objects.get(job_id=job).int_max_cores == -1
+    with pytest.raises(CommandError, match="above the limit of 1,000,000 cores"):
+        _run("max-cores", job, "999999999")
+
+
+def test_the_api_needs_confirm_for_a_max_of_zero(client: Client, tokens) -> None:  # noqa: F811
+    job = submit_job(make_spec(), user="alice").job_id
+    token = tokens["alice"]
+    url = f"/api/jobs/{job}/max-cores"
+    before = JobResource.objects.get(job_id=job).int_max_cores
+    response = post(client, url, {"max_cores": 0}, token=token)
+    assert response.status_code == 400
+    assert "books nothing" in response.json()["errors"][0]
+    assert post(client, url, {"max_cores": 0, "confirm": "yes"}, token=token).status_code == 400
+    assert JobResource.objects.get(job_id=job).int_max_cores == before
+    response = post(client, url, {"max_cores": 0, "confirm": True}, token=token)
+    assert response.status_code == 200, response.content
+    assert response.json()["max_cores"] == 0
+    assert JobResource.objects.get(job_id=job).int_max_cores == 0
+    shown = client.get(f"/api/jobs/{job}", HTTP_AUTHORIZATION=f"Bearer {token}").json()
+    assert shown["max_cores"] == 0  # not reported as unlimited (-1)
