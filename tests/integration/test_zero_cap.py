@@ -55,3 +55,26 @@ def test_the_api_needs_confirm_for_a_max_of_zero(client: Client, tokens) -> None
     assert JobResource.objects.get(job_id=job).int_max_cores == 0
     shown = client.get(f"/api/jobs/{job}", HTTP_AUTHORIZATION=f"Bearer {token}").json()
     assert shown["max_cores"] == 0  # not reported as unlimited (-1)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_managed_folder_max_of_zero_reaches_the_store_as_zero_and_books_nothing() -> None:
+    """The Store and the triggers agree: the notified 0 is "nothing" in the running scheduler too."""
+    from accounting import actions
+    from accounting.store import Applied, BookingDelta, LimitExceeded
+    from tests.integration.runtime_support import autocommit_conn, make_farm, running_scheduler, wait_for
+
+    with autocommit_conn() as conn:
+        farm = make_farm(conn, "zerostore", managed=True, burst_cores=100, folder_max_cores=50)
+    delta = BookingDelta(farm.show, farm.alloc, farm.folder, farm.jobs[0], 1, 0)
+    with running_scheduler(publish_interval=0.2) as proc:
+        store = proc.service.store
+        actions.set_folder_caps(farm.folder, max_cores=0, actor="zero-test")
+        wait_for(lambda: store.caps().folder.get(farm.folder, (None,))[0] == 0, what="the Store's folder cap of 0")
+        wait_for(lambda: farm.jobs[0] in store.caps().job, what="the job's caps in the Store")
+        refused = store.book(delta)
+        assert isinstance(refused, LimitExceeded) and refused.table == "folder", refused
+        actions.set_folder_caps(farm.folder, max_cores=-1, actor="zero-test")
+        wait_for(lambda: store.caps().folder.get(farm.folder, (None,))[0] == -1, what="the Store's unlimited cap")
+        assert isinstance(store.book(delta), Applied)
+        store.book(BookingDelta(farm.show, farm.alloc, farm.folder, farm.jobs[0], -1, 0))  # leave it as found
