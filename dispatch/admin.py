@@ -278,6 +278,9 @@ class JobResourceAdmin(CapsAdminMixin, FarmAdmin):
     def cap_show(self, obj: JobResource) -> Show:
         return obj.job.show
 
+    def cap_finished(self, obj: JobResource) -> bool:
+        return obj.job.str_state == "FINISHED"
+
     def apply_caps(self, obj: JobResource, cores: dict[str, int], actor: Any) -> actions.ActionResult:
         return actions.set_job_caps(
             obj.job_id, max_cores=cores.get("int_max_cores"), max_gpus=cores.get("int_max_gpus"), actor=actor

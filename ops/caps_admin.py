@@ -139,6 +139,10 @@ class CapsAdminMixin:
     def apply_caps(self, obj: Any, cores: dict[str, int], actor: Any) -> actions.ActionResult:
         raise NotImplementedError
 
+    def cap_finished(self, obj: Any) -> bool:
+        """Whether the row's job is FINISHED (only job caps: the Store drops those)."""
+        return False
+
     def cap_capacity(self, obj: Any) -> tuple[int, str]:
         """The whole cores any host that could book for this row has, and where they are."""
         return host_cores(), "the farm's hosts"
@@ -372,6 +376,7 @@ class CapsAdminMixin:
                     db_value=getattr(obj, column),
                     show_id=show.pk,
                     show_managed=show.b_scheduler_managed,
+                    finished=self.cap_finished(obj),
                 ),
             )
             for column in self.cap_columns

@@ -17,7 +17,7 @@ from accounting import actions
 from accounting.models import AccountingSettings
 from dispatch.models import FolderResource, JobResource, Subscription
 from ops import permissions
-from tests.integration.runtime_support import autocommit_conn, make_farm
+from tests.integration.runtime_support import autocommit_conn, make_farm, running_scheduler
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
@@ -210,3 +210,36 @@ def test_the_audit_trail_pages_back_to_the_oldest_entry(
     expect(rows).to_have_count(1)
     expect(rows.first).to_contain_text("first-operator")
     expect(rows.first).to_contain_text("7 cores")
+
+
+def test_a_finished_jobs_cap_is_not_left_pending(
+    page: Page, live_server: Any, operator_login: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The "Smaller" list: a FINISHED job's cap stayed "pending" forever (the Store drops it)."""
+    monkeypatch.setenv("CUESCHED_OPS_REFRESH_SECONDS", "1")
+    monkeypatch.setenv("CUESCHED_MANAGED_SHOWS_TTL", "0.5")
+    with autocommit_conn() as conn:
+        farm = make_farm(conn, "brdone", managed=True, jobs=2)
+        conn.execute("UPDATE job SET str_state = 'FINISHED' WHERE pk_job = %s", (farm.jobs[0],))
+    with running_scheduler(publish_interval=0.2):
+        log_in(page, live_server, operator_login)
+        page.goto(f"{live_server.url}/admin/dispatch/jobresource/?q=brdone_job")
+        done = page.locator("#result_list tbody tr", has_text="brdone_job0").locator('[id^="cap-status-"]')
+        live = page.locator("#result_list tbody tr", has_text="brdone_job1").locator('[id^="cap-status-"]')
+        expect(live).to_contain_text("max cores: enforces 10000", timeout=15_000)  # the scheduler is up
+        expect(done).to_contain_text("max cores: job finished")
+        expect(done.locator(".badge.pending")).to_have_count(0)
+
+
+def test_the_403_page_is_the_consoles_and_says_which_role_is_needed(
+    page: Page, live_server: Any, viewer_login: tuple[str, str]
+) -> None:
+    """The "Smaller" list: the 403 page was Django's bare "403 Forbidden"."""
+    log_in(page, live_server, viewer_login)
+    response = page.goto(f"{live_server.url}/admin/ops/console/notifications/")
+    assert response is not None and response.status == 403
+    expect(page.locator("#site-name")).to_contain_text("cuesched ops")
+    forbidden = page.locator("#ops-forbidden")
+    expect(forbidden).to_contain_text("vera may not do this here")
+    expect(forbidden).to_contain_text("operators")
+    assert AccountingSettings.notifications_enabled() is True
