@@ -27,6 +27,7 @@ from cuesched_project import conf
 from dispatch.models import Folder, Job, Show, Subscription
 from ops import counters, permissions, status, why
 from ops.forms import AuditFilterForm, FlipForm, KillSwitchForm
+from ops.fullest import fullest_folders
 from ops.models import FolderCapEvent, JobCapEvent, KillSwitchEvent, ShowManagedEvent, SubscriptionCapEvent
 
 
@@ -83,7 +84,9 @@ def overview(request: HttpRequest) -> HttpResponse:
     view = status.view_for(request)
     shows = counters.farm_overview(view)
     published = (view or {}).get("managed_shows") or {}
+    fullest = fullest_folders()
     for show in shows:
+        show.fullest_folder = fullest.get(show.pk)  # type: ignore[attr-defined]
         show.flip = status.flip_status(view, show.pk, show.managed)  # type: ignore[attr-defined]
         show.published = show.pk in published  # type: ignore[attr-defined]
     context = _context(

@@ -243,3 +243,20 @@ def test_the_403_page_is_the_consoles_and_says_which_role_is_needed(
     expect(forbidden).to_contain_text("vera may not do this here")
     expect(forbidden).to_contain_text("operators")
     assert AccountingSettings.notifications_enabled() is True
+
+
+def test_the_overview_shows_a_full_folder_beside_the_burst_bars(
+    page: Page, live_server: Any, operator_login: tuple[str, str]
+) -> None:
+    """The "Smaller" list: the utilization bars showed only the burst while a folder was at 100 %."""
+    with autocommit_conn() as conn:
+        farm = make_farm(conn, "brfull", managed=False, burst_cores=100, folder_max_cores=8)
+        farm.add_proc(conn, cores=4)
+        farm.add_proc(conn, cores=4)
+    log_in(page, live_server, operator_login)
+    page.goto(f"{live_server.url}/admin/ops/console/")
+    cell = page.locator(f'tr[data-show="{farm.show}"] td').nth(7)
+    expect(cell).to_contain_text("8%")  # 8 of the 100-core burst
+    fullest = cell.locator(".ops-fullest")
+    expect(fullest).to_contain_text("folder brfull_folder")
+    expect(fullest).to_contain_text("100%")
