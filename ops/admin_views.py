@@ -27,7 +27,7 @@ from cuesched_project import conf
 from dispatch.models import Folder, Job, Show, Subscription
 from ops import counters, permissions, status, why
 from ops.forms import AuditFilterForm, FlipForm, KillSwitchForm
-from ops.fullest import fullest_folders
+from ops.fullest import RECENT_RUNS_MINUTES, fullest_folders, recent_frame_ends
 from ops.models import FolderCapEvent, JobCapEvent, KillSwitchEvent, ShowManagedEvent, SubscriptionCapEvent
 
 
@@ -65,6 +65,8 @@ def _scheduler_context(view: dict[str, Any] | None) -> dict[str, Any]:
         else "never",
         "loops": [{"name": k, **v, "ago": status.ago(v.get("last_run"))} for k, v in sorted(loops.items())],
         "dispatch": dispatch,
+        "frames_ended": recent_frame_ends(),
+        "frames_ended_minutes": RECENT_RUNS_MINUTES,
         "started_ago": status.ago((view or {}).get("started_at")),
     }
 

@@ -1,4 +1,7 @@
-"""The fullest capped folder of each show, for the overview's utilization column.
+"""Figures of the overview read from the database, whoever wrote them.
+
+The fullest capped folder of each show, for the overview's utilization column, and the frame
+runs that ended lately, for the Dispatch card.
 
 A show's allocation bars measure its bookings against the burst only. A folder at its max
 books nothing more while those bars read 30 %, so the operator looking for why work waits is
@@ -51,3 +54,20 @@ def fullest_folders() -> dict[str, Row]:
         )
         for show, folder, name, cc, procs, max_cc in rows
     }
+
+
+RECENT_RUNS_MINUTES = 5
+RECENT_RUNS_SQL = "SELECT count(*) FROM frame WHERE ts_stopped >= now() - make_interval(mins => %s)"
+
+
+def recent_frame_ends(minutes: int = RECENT_RUNS_MINUTES) -> int:
+    """Frames whose last run ended within `minutes`, from `frame.ts_stopped`.
+
+    The loop's own "completed" counts only what its launcher hands back: with the q2 or remote
+    launchers the agents write every frame's end themselves and the loop counts 0 while frames
+    complete. The database sees every end, whichever process wrote it.
+    """
+    with connection.cursor() as cur:
+        cur.execute(RECENT_RUNS_SQL, [minutes])
+        (count,) = cur.fetchone()
+    return int(count)

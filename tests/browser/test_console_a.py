@@ -260,3 +260,19 @@ def test_the_overview_shows_a_full_folder_beside_the_burst_bars(
     fullest = cell.locator(".ops-fullest")
     expect(fullest).to_contain_text("folder brfull_folder")
     expect(fullest).to_contain_text("100%")
+
+
+def test_the_dispatch_card_counts_frame_ends_written_by_agents(
+    page: Page, live_server: Any, operator_login: tuple[str, str]
+) -> None:
+    """The "Smaller" list: with the q2 launcher the agents write each frame's end, and the card,
+    which counted only what the loop's launcher handed back, read "0 completed"."""
+    from dispatch.engine.completion import Completion, complete
+
+    with autocommit_conn() as conn:
+        farm = make_farm(conn, "brends", managed=False)
+        procs = [farm.add_proc(conn, cores=1) for _ in range(3)]
+        complete(conn, [Completion(p, 0) for p in procs])  # what an agent does at each frame's end
+    log_in(page, live_server, operator_login)
+    page.goto(f"{live_server.url}/admin/ops/console/")
+    expect(page.locator("#ops-frames-ended")).to_have_text("3 frame runs ended in the last 5 min")
