@@ -271,6 +271,15 @@ def _cap_reason(why: Why, vertex: str, label: str, used: int, max_cc: int, need:
     if used + need <= cap:
         return
     figures = f"{used}/{cap} cores" + ("" if used == db else f" (SUM(proc): {db})")
+    if cap == 0:  # 0 books nothing: waiting never clears it
+        why.reasons.append(
+            Reason(
+                f"{vertex}_max_cores",
+                f"The {label}'s {what} is 0: it books nothing ({figures}).",
+                f"Set the {vertex}'s max cores above 0, or to -1 for unlimited; waiting does not help.",
+            )
+        )
+        return
     if used >= cap:
         message = f"The {label} is at its {what}: {figures}."
     else:

@@ -78,3 +78,21 @@ def test_a_managed_folder_max_of_zero_reaches_the_store_as_zero_and_books_nothin
         wait_for(lambda: store.caps().folder.get(farm.folder, (None,))[0] == -1, what="the Store's unlimited cap")
         assert isinstance(store.book(delta), Applied)
         store.book(BookingDelta(farm.show, farm.alloc, farm.folder, farm.jobs[0], -1, 0))  # leave it as found
+
+
+def test_why_not_booking_says_a_zero_max_never_clears_by_waiting() -> None:
+    """A folder max of 0 is not "wait for running frames": nothing books until it is raised."""
+    from django.urls import reverse
+
+    from dispatch.models import FolderResource
+    from ops import permissions
+    from tests.integration.farm_fixtures import tiny_farm
+    from tests.integration.ops_support import make_user
+
+    small = tiny_farm(managed=False, int_burst=10_000)
+    FolderResource.objects.filter(folder=small.folder).update(int_max_cores=0)
+    client = Client()
+    client.force_login(make_user("olga", permissions.OPERATORS))
+    page = client.get(reverse("admin:ops_job_why", args=[small.job.pk])).content.decode()
+    assert "max cores is 0: it books nothing" in page
+    assert "waiting does not help" in page
