@@ -7,9 +7,13 @@ the audit trail's triggers record who asked for the change (the database role is
 for every writer, this one or any other).
 
 Units: callers pass WHOLE cores (what ops see on screen); the database stores centicores
-(cores x 100). GPUs are counts. For folder and job max cores/GPUs, -1 means unlimited (any
-value <= 0 does, for Cuebot and the Store; -1 is what we write). A subscription burst of 0
-rejects every booking of that (show, allocation); a negative burst is refused here.
+(cores x 100). GPUs are counts. One meaning of 0 for every cap: it books nothing. A
+subscription burst of 0 rejects every booking of that (show, allocation); a folder or job max
+cores/GPUs of 0 rejects every booking of that folder or job, in the Store and in the triggers
+alike (Cuebot's convention: an operator typing 0 to stop a folder must not lift its cap). -1
+(any negative value, for Cuebot) is unlimited for folder and job caps; a negative burst is
+refused. No cap may exceed MAX_CAP_CORES / MAX_CAP_GPUS: a typo of a few extra digits is
+refused with the limit in cores, not saved.
 Validation lives in this module only; forms call `validate_*` to show the same messages.
 """
 
@@ -97,32 +101,49 @@ def _whole(value: Any, what: str) -> int:
     return value
 
 
+MAX_CAP_CORES = 1_000_000
+"""The largest cap in whole cores any action accepts: ten times a 100,000-core farm. Above it a
+value is a typo (999,999,999), not a plan; -1 says "unlimited" for folder and job caps."""
+MAX_CAP_GPUS = 100_000
+
+
+def _bounded(value: int, what: str, ceiling: int, unit: str) -> int:
+    if value > ceiling:
+        raise ValidationError(
+            f"{what} of {value:,} {unit} is above the limit of {ceiling:,} {unit}"
+            + ("; use -1 for unlimited" if what.startswith("max") else ""),
+            code="too_large",
+        )
+    return value
+
+
 def validate_burst(cores: Any, what: str = "burst") -> int:
-    """Burst/size in whole cores, >= 0 (0 rejects every booking); returns centicores."""
+    """Burst/size in whole cores, 0..MAX_CAP_CORES (0 rejects every booking); returns centicores."""
     cores = _whole(cores, what)
     if cores < 0:
-        raise ValidationError(f"{what} cannot be negative (0 stops every booking)", code="negative")
-    return cores * CENTICORES_PER_CORE
+        hint = " (0 stops every booking)" if what == "burst" else ""
+        raise ValidationError(f"{what} cannot be negative{hint}", code="negative")
+    return _bounded(cores, what, MAX_CAP_CORES, "cores") * CENTICORES_PER_CORE
 
 
 def validate_max_cores(cores: Any, what: str = "max cores") -> int:
-    """Folder/job max cores in whole cores, -1 for unlimited; returns what the column stores."""
+    """Folder/job max cores in whole cores: -1 unlimited, 0 books nothing; returns the column's value."""
     cores = _whole(cores, what)
     if cores == UNLIMITED:
         return UNLIMITED
     if cores < 0:
-        raise ValidationError(f"{what} cannot be negative: use -1 for unlimited", code="negative")
-    return cores * CENTICORES_PER_CORE
+        raise ValidationError(f"{what} cannot be negative: use -1 for unlimited (0 books nothing)", code="negative")
+    return _bounded(cores, what, MAX_CAP_CORES, "cores") * CENTICORES_PER_CORE
 
 
 def validate_max_gpus(gpus: Any, what: str = "max GPUs") -> int:
-    """Folder/job max GPUs (a count), -1 for unlimited."""
+    """Folder/job max GPUs (a count): -1 unlimited, 0 books no GPU."""
     gpus = _whole(gpus, what)
     if gpus == UNLIMITED:
         return UNLIMITED
     if gpus < 0:
-        raise ValidationError(f"{what} cannot be negative: use -1 for unlimited", code="negative")
-    return gpus
+        raise ValidationError(f"{what} cannot be negative: use -1 for unlimited (0 books nothing)", code="negative")
+    return _bounded(gpus, what, MAX_CAP_GPUS, "GPUs")
 
 
 def cores(centicores: int) -> int:
@@ -217,7 +238,7 @@ def set_subscription(
 def _max_warning(kind: str, booked_cc: int, booked_gpus: int, new: dict[str, int]) -> list[str]:
     out = []
     mc = new.get("int_max_cores")
-    if mc is not None and mc > 0 and booked_cc > mc:
+    if mc is not None and mc > 0 and booked_cc > mc:  # (0 has its own warning below)
         out.append(
             f"The {kind} books {cores(booked_cc)} cores now, above the new max of {cores(mc)}: it starts no new "
             f"frame until {cores(booked_cc - mc)} cores of running frames finish. Nothing running is stopped."
@@ -228,9 +249,13 @@ def _max_warning(kind: str, booked_cc: int, booked_gpus: int, new: dict[str, int
             f"The {kind} books {booked_gpus} GPUs now, above the new max of {mg}: it starts no new GPU frame "
             f"until {booked_gpus - mg} GPUs are released. Nothing running is stopped."
         )
-    for column, label in (("int_max_cores", "max cores"), ("int_max_gpus", "max GPUs")):
-        if new.get(column) == 0:
-            out.append(f"A {kind} {label} of 0 means unlimited (as -1), not 'nothing'.")
+    if new.get("int_max_cores") == 0:
+        out.append(
+            f"A max cores of 0 stops every new booking of this {kind}; the {cores(booked_cc)} cores running now "
+            "keep running (-1 is unlimited)."
+        )
+    if new.get("int_max_gpus") == 0:
+        out.append(f"A max GPUs of 0 stops every new GPU booking of this {kind} (-1 is unlimited).")
     return out
 
 

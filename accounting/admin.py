@@ -1,16 +1,19 @@
 """The accounting kill switch in the admin: one row, editable, never deleted.
 
-Kept small on purpose; the ops console (a later issue) builds its pages on top of it.
+The switch itself is read-only here: it changes only through the console's confirmation page
+(`ops_kill_switch`), which says what turning it off means before anything is written. A plain
+change form would let one unticked box and "Save" silence release notifications farm-wide.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from django.contrib import admin, messages
-from django.http import HttpRequest, HttpResponse
+from django.contrib import admin
+from django.http import HttpRequest
+from django.urls import reverse
+from django.utils.html import format_html
 
-from accounting import actions
 from accounting.models import AccountingSettings
 
 OFF_MEANS = (
@@ -26,8 +29,25 @@ OFF_MEANS = (
 @admin.register(AccountingSettings)
 class AccountingSettingsAdmin(admin.ModelAdmin):
     list_display = ("__str__", "notify_enabled", "ts_updated")
-    readonly_fields = ("ts_updated",)
-    fieldsets = ((None, {"fields": ("notify_enabled", "ts_updated"), "description": OFF_MEANS}),)
+    readonly_fields = ("notify_enabled", "ts_updated", "change_it")
+    fieldsets = ((None, {"fields": ("notify_enabled", "ts_updated", "change_it"), "description": OFF_MEANS}),)
+
+    @admin.display(description="change it")
+    def change_it(self, obj: AccountingSettings) -> str:
+        """The only way to flip the switch: the confirmation page (which the console gates by role)."""
+        target = "false" if obj.notify_enabled else "true"
+        url = reverse("admin:ops_kill_switch") + f"?enabled={target}"
+        label = "Turn notifications off…" if obj.notify_enabled else "Turn notifications on…"
+        return format_html('<a href="{}" id="kill-switch-confirm-link" class="button">{}</a>', url, label)
+
+    def get_readonly_fields(self, request: HttpRequest, obj: AccountingSettings | None = None) -> tuple[str, ...]:
+        # When the row is being re-created (someone deleted it), the switch is a field of the form.
+        return self.readonly_fields if obj is not None else ("ts_updated",)
+
+    def get_fieldsets(self, request: HttpRequest, obj: AccountingSettings | None = None) -> Any:
+        if obj is None:
+            return ((None, {"fields": ("notify_enabled",), "description": OFF_MEANS}),)
+        return self.fieldsets
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         # The migration creates the row; offer "add" only if someone removed it behind our back.
@@ -37,19 +57,7 @@ class AccountingSettingsAdmin(admin.ModelAdmin):
         return False
 
     def save_model(self, request: HttpRequest, obj: AccountingSettings, form: object, change: bool) -> None:
-        if change:
-            # Through accounting.actions (audit context, only the switch written), once the admin's own
-            # transaction has committed: the action is a durable transaction of its own.
-            request._ops_notify_enabled = obj.notify_enabled  # type: ignore[attr-defined]
-        else:
+        # On an existing row nothing here is editable (the switch goes through its confirmation);
+        # a posted form must not write the row back, not even its own copy of the switch.
+        if not change:
             super().save_model(request, obj, form, change)
-
-    def changeform_view(
-        self, request: HttpRequest, object_id: str | None = None, form_url: str = "", extra_context: Any = None
-    ) -> HttpResponse:
-        response = super().changeform_view(request, object_id, form_url, extra_context)
-        enabled = request.__dict__.pop("_ops_notify_enabled", None)
-        if enabled is not None:
-            for warning in actions.set_notifications(enabled, actor=request.user).warnings:
-                messages.warning(request, warning)
-        return response

@@ -191,7 +191,7 @@ def _store_matches_db(service: AccountingService, conn: psycopg.Connection, jobs
     store = service.store
     for job, max_cores, booked in rows:
         cap = store.job_cap(job)
-        if cap is None or cap[0] != (max_cores // 100 if max_cores > 0 else -1):
+        if cap is None or cap[0] != (max_cores // 100 if max_cores >= 0 else -1):
             return False
         if store.job_cores_in_use(job) != booked // 100:
             return False

@@ -198,7 +198,7 @@ class LimitKind(enum.Enum):
 class LimitChange:
     """One cap change: `key` is (show, alloc) for SUB_*, else the folder or job id.
 
-    `value` is in whole cores or GPUs; -1 (any value <= 0 for folder/job) means unlimited. The
+    `value` is in whole cores or GPUs; -1 (any negative value for folder/job) means unlimited and 0 means nothing. The
     *_CAPS kinds carry (max_cores, max_gpus); the *_REMOVED kinds carry nothing (0).
     """
 
@@ -353,7 +353,8 @@ class Store:
         Order: cores (only if > 0) against burst; a folder, then a job, whose caps the Store does
         not hold (fails closed); then cores against folder, job; then GPUs (only if > 0) against
         folder, job. A missing, zero or negative burst rejects every positive core booking; a
-        folder/job cap <= 0 is unlimited. Reaching a cap exactly is allowed. On rejection
+        folder/job cap of 0 books nothing (as a burst of 0), a negative one (-1) is unlimited.
+        Reaching a cap exactly is allowed. On rejection
         nothing is mutated.
         """
         dc = delta.cores
@@ -379,23 +380,23 @@ class Store:
                     return LimitExceeded(JOB_UNSEEDED, 0 if jc is None else jc[0], 0)
                 if dc > 0:
                     limit = fcap[0]
-                    if limit > 0:
+                    if limit >= 0:
                         cur = 0 if fc is None else fc[0]
                         if cur + dc > limit:
                             return LimitExceeded(FOLDER, cur, limit)
                     limit = jcap[0]
-                    if limit > 0:
+                    if limit >= 0:
                         cur = 0 if jc is None else jc[0]
                         if cur + dc > limit:
                             return LimitExceeded(JOB, cur, limit)
                 if dg > 0:
                     limit = fcap[1]
-                    if limit > 0:
+                    if limit >= 0:
                         cur = 0 if fc is None else fc[1]
                         if cur + dg > limit:
                             return LimitExceeded(FOLDER_GPUS, cur, limit)
                     limit = jcap[1]
-                    if limit > 0:
+                    if limit >= 0:
                         cur = 0 if jc is None else jc[1]
                         if cur + dg > limit:
                             return LimitExceeded(JOB_GPUS, cur, limit)

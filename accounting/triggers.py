@@ -431,7 +431,7 @@ DB_APPLY = f"""
             'folder has exceeded max cores: folder=%s cores=%s max_cores=%s (centicores)',
             u.pk_folder, u.int_cores, u.int_max_cores)
         FROM folder_d d JOIN folder_u u ON u.pk_folder = d.pk_folder
-        WHERE d.cc > 0 AND u.int_max_cores > 0 AND u.int_cores > u.int_max_cores
+        WHERE d.cc > 0 AND u.int_max_cores >= 0 AND u.int_cores > u.int_max_cores
         UNION ALL
         SELECT 5, '{CAP_JOB_MISSING}', format(
             'no job_resource row for job=%s: cannot book %s centicores', d.pk_job, d.cc)
@@ -442,19 +442,19 @@ DB_APPLY = f"""
             'job has exceeded max cores: job=%s cores=%s max_cores=%s (centicores)',
             u.pk_job, u.int_cores, u.int_max_cores)
         FROM job_d d JOIN job_u u ON u.pk_job = d.pk_job
-        WHERE d.cc > 0 AND u.int_max_cores > 0 AND u.int_cores > u.int_max_cores
+        WHERE d.cc > 0 AND u.int_max_cores >= 0 AND u.int_cores > u.int_max_cores
         UNION ALL
         SELECT 7, '{CAP_FOLDER_MAX_GPUS}', format(
             'folder has exceeded max GPUs: folder=%s gpus=%s max_gpus=%s',
             u.pk_folder, u.int_gpus, u.int_max_gpus)
         FROM folder_d d JOIN folder_u u ON u.pk_folder = d.pk_folder
-        WHERE d.g > 0 AND u.int_max_gpus > 0 AND u.int_gpus > u.int_max_gpus
+        WHERE d.g > 0 AND u.int_max_gpus >= 0 AND u.int_gpus > u.int_max_gpus
         UNION ALL
         SELECT 8, '{CAP_JOB_MAX_GPUS}', format(
             'job has exceeded max GPUs: job=%s gpus=%s max_gpus=%s',
             u.pk_job, u.int_gpus, u.int_max_gpus)
         FROM job_d d JOIN job_u u ON u.pk_job = d.pk_job
-        WHERE d.g > 0 AND u.int_max_gpus > 0 AND u.int_gpus > u.int_max_gpus
+        WHERE d.g > 0 AND u.int_max_gpus >= 0 AND u.int_gpus > u.int_max_gpus
     ) v
     ORDER BY v.ord, v.msg
     LIMIT 1;"""

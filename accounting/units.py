@@ -18,7 +18,7 @@ CENTICORES_PER_CORE = 100
 """Cuebot's `CENTICORES_PER_CORE` and the scheduler's default `queue.core_multiplier`."""
 
 UNLIMITED = -1
-"""The cap sentinel Cuebot writes for "no limit" (the Store treats any value <= 0 as unlimited)."""
+"""The cap sentinel Cuebot writes for "no limit" (any negative folder/job cap is unlimited; 0 books nothing)."""
 
 
 def _as_int(value: int | Decimal) -> int:

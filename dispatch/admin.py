@@ -170,6 +170,12 @@ class SubscriptionAdmin(CapsAdminMixin, FarmAdmin):
     def cap_show(self, obj: Subscription) -> Show:
         return obj.show
 
+    def cap_capacity(self, obj: Subscription) -> tuple[int, str]:
+        """A burst binds only on the allocation's hosts: above their cores it is no cap at all."""
+        from ops.caps_admin import host_cores
+
+        return host_cores(obj.alloc_id), f"the hosts of allocation {obj.alloc.str_name}"
+
     def apply_caps(self, obj: Subscription, cores: dict[str, int], actor: Any) -> actions.ActionResult:
         return actions.set_subscription(
             obj.pk, burst_cores=cores.get("int_burst"), size_cores=cores.get("int_size"), actor=actor
@@ -278,6 +284,9 @@ class JobResourceAdmin(CapsAdminMixin, FarmAdmin):
 
     def cap_show(self, obj: JobResource) -> Show:
         return obj.job.show
+
+    def cap_finished(self, obj: JobResource) -> bool:
+        return obj.job.str_state == "FINISHED"
 
     def apply_caps(self, obj: JobResource, cores: dict[str, int], actor: Any) -> actions.ActionResult:
         return actions.set_job_caps(

@@ -27,6 +27,7 @@ from cuesched_project import conf
 from dispatch.models import Folder, Job, Show, Subscription
 from ops import counters, freshness, permissions, status, why
 from ops.forms import AuditFilterForm, FlipForm, KillSwitchForm
+from ops.fullest import RECENT_RUNS_MINUTES, fullest_folders, recent_frame_ends
 from ops.models import (
     FolderCapEvent,
     JobCapEvent,
@@ -71,6 +72,8 @@ def _scheduler_context(view: dict[str, Any] | None) -> dict[str, Any]:
         else "never",
         "loops": [{"name": k, **v, "ago": status.ago(v.get("last_run"))} for k, v in sorted(loops.items())],
         "dispatch": dispatch,
+        "frames_ended": recent_frame_ends(),
+        "frames_ended_minutes": RECENT_RUNS_MINUTES,
         "started_ago": status.ago((view or {}).get("started_at")),
         **freshness.scheduler_ages(view),
     }
@@ -91,7 +94,9 @@ def overview(request: HttpRequest) -> HttpResponse:
     view = status.view_for(request)
     shows = counters.farm_overview(view)
     published = (view or {}).get("managed_shows") or {}
+    fullest = fullest_folders()
     for show in shows:
+        show.fullest_folder = fullest.get(show.pk)  # type: ignore[attr-defined]
         show.flip = status.flip_status(view, show.pk, show.managed)  # type: ignore[attr-defined]
         show.published = show.pk in published  # type: ignore[attr-defined]
     context = _context(
@@ -296,8 +301,8 @@ def shown_value(column: str, value: Any) -> str:
         return f"{centicores_to_cores(value)} cores"
     if column == "int_max_cores":
         cores = centicores_to_cores_cap(value)
-        return "unlimited" if cores <= 0 else f"{cores} cores"
-    return "unlimited" if value <= 0 else f"{value} GPUs"
+        return "unlimited" if cores < 0 else f"{cores} cores"
+    return "unlimited" if value < 0 else f"{value} GPUs"
 
 
 def target_names(kind: str, events: list[Any]) -> dict[str, str]:
@@ -353,9 +358,18 @@ def _matching(kind: str, q: str) -> Q:
 
 
 def audit_events(
-    kind: str = "", who: str = "", q: str = "", days: int | None = None, limit: int = 200
+    kind: str = "",
+    who: str = "",
+    q: str = "",
+    days: int | None = None,
+    limit: int = 200,
+    people: bool = False,
 ) -> list[dict[str, Any]]:
-    """The merged audit trail, newest first: one entry per changed column."""
+    """The merged audit trail, newest first: one entry per changed column, the first `limit`.
+
+    `people`: only the changes someone asked for by name (console, CLI, API), not those of
+    scripts and seeders that write the tables directly (recorded with their database role).
+    """
     out: list[dict[str, Any]] = []
     for name, (model, columns) in EVENT_KINDS.items():
         if kind and kind != name:
@@ -367,6 +381,8 @@ def audit_events(
             qs = qs.filter(_matching(name, q))
         if days:
             qs = qs.filter(pgh_created_at__gte=timezone.now() - dt.timedelta(days=days))
+        if people:
+            qs = qs.filter(pgh_context__metadata__has_key="username")
         events = list(qs.order_by("-pgh_created_at", "-pgh_id")[:limit])
         names = target_names(name, events)
         for event in events:
@@ -394,10 +410,38 @@ def audit_events(
     return out[:limit]
 
 
+AUDIT_PAGE_SIZE = 200
+AUDIT_MAX_PAGE = 500  # 100,000 entries back; older ones are reached with the filters
+
+
+def audit_page(filters: dict[str, Any], page: int, per_page: int = AUDIT_PAGE_SIZE) -> dict[str, Any]:
+    """One page of the trail, newest first, and whether older entries exist.
+
+    Every page is read fresh from the newest entry (each table's first page x per_page + 1
+    rows): an entry recorded meanwhile shifts the pages by one rather than hiding any, and the
+    page says which entries it shows, so nothing drops off silently.
+    """
+    upto = page * per_page
+    entries = audit_events(**filters, limit=upto + 1)
+    shown = entries[upto - per_page : upto]
+    return {
+        "events": shown,
+        "page": page,
+        "first": upto - per_page + 1 if shown else 0,
+        "last": upto - per_page + len(shown),
+        "has_next": len(entries) > upto,
+        "has_previous": page > 1,
+    }
+
+
 def audit(request: HttpRequest) -> HttpResponse:
     form = AuditFilterForm(request.GET or None)
     filters: dict[str, Any] = {}
     if form.is_valid():
-        filters = {k: v for k, v in form.cleaned_data.items() if v}
-    context = _context(request, "Audit trail", form=form, events=audit_events(**filters))
+        filters = {k: v for k, v in form.cleaned_data.items() if v and k != "page"}
+    page = form.cleaned_data.get("page") if form.is_valid() else None
+    paging = audit_page(filters, min(page or 1, AUDIT_MAX_PAGE))
+    query = request.GET.copy()
+    query.pop("page", None)
+    context = _context(request, "Audit trail", form=form, query=query.urlencode(), **paging)
     return render(request, "ops/audit.html", context)

@@ -85,7 +85,7 @@ class Row:
     db_cores: int
     db_gpus: int
     procs: int
-    cap_cores: int | None  # None: the Store has no cap yet; -1 (or <= 0 for max): unlimited
+    cap_cores: int | None  # None: the Store has no cap yet; -1 (any negative max): unlimited
     cap_gpus: int | None = None
     inflight_cores: int = 0
     inflight_gpus: int = 0
@@ -105,7 +105,7 @@ class Row:
 
     @property
     def unlimited(self) -> bool:
-        return self.cap_cores is None or (not self.cap_is_burst and self.cap_cores <= 0)
+        return self.cap_cores is None or (not self.cap_is_burst and self.cap_cores < 0)
 
     @property
     def shown_cores(self) -> int:
@@ -113,7 +113,7 @@ class Row:
 
     @property
     def percent(self) -> int | None:
-        """Utilization of the cores cap, 0..100+ (a burst of 0 reads as full)."""
+        """Utilization of the cores cap, 0..100+ (a cap of 0 reads as full)."""
         if self.unlimited:
             return None
         assert self.cap_cores is not None

@@ -2,9 +2,10 @@
 
 The cap fields keep their model names (`int_burst`, `int_max_cores`, ...) so they work both on
 change forms and as `list_editable` columns, but show and take whole cores. Validation is the
-one in `accounting.actions` (no negatives but -1 "unlimited", no fractions, burst >= 0), so the
-form and the action can never disagree. `has_changed` compares in database units, so an
-untouched row of an editable change list is not saved.
+one in `accounting.actions` (no negatives but -1 "unlimited", 0 books nothing, no fractions, at
+most `MAX_CAP_CORES`, limits in cores), so the form and the action can never disagree.
+`has_changed` compares in database units, so an untouched row of an editable change list is
+not saved.
 """
 
 from __future__ import annotations
@@ -70,24 +71,28 @@ class CapField(forms.IntegerField):
 
 
 def burst_field(label: str = "burst (cores)", **kw: Any) -> CapField:
-    kw.setdefault("help_text", "Whole cores. The hard cap of this show on this allocation; 0 stops every booking.")
+    kw.setdefault(
+        "help_text",
+        "Whole cores, at most 1,000,000. The hard cap of this show on this allocation; 0 = book nothing "
+        "(asks to confirm first).",
+    )
     return CapField(to_db=actions.validate_burst, cores=True, unlimited_ok=False, label=label, **kw)
 
 
 def size_field(**kw: Any) -> CapField:
-    kw.setdefault("help_text", "Whole cores. Informational (the scheduler enforces the burst).")
+    kw.setdefault("help_text", "Whole cores. Informational: the scheduler enforces the burst, not the size.")
     return CapField(
         to_db=lambda v: actions.validate_burst(v, "size"), cores=True, unlimited_ok=False, label="size (cores)", **kw
     )
 
 
 def max_cores_field(**kw: Any) -> CapField:
-    kw.setdefault("help_text", "Whole cores; -1 = unlimited.")
+    kw.setdefault("help_text", "Whole cores; -1 = unlimited, 0 = book nothing (asks to confirm first).")
     return CapField(to_db=actions.validate_max_cores, cores=True, unlimited_ok=True, label="max cores", **kw)
 
 
 def max_gpus_field(**kw: Any) -> CapField:
-    kw.setdefault("help_text", "GPUs; -1 = unlimited.")
+    kw.setdefault("help_text", "GPUs; -1 = unlimited, 0 = no GPU frame (asks to confirm first).")
     return CapField(to_db=actions.validate_max_gpus, cores=False, unlimited_ok=True, label="max GPUs", **kw)
 
 
@@ -135,3 +140,5 @@ class AuditFilterForm(forms.Form):
     who = forms.CharField(required=False, label="user or role")
     q = forms.CharField(required=False, label="object id or name")
     days = forms.IntegerField(required=False, min_value=1, max_value=3650, label="last N days")
+    people = forms.BooleanField(required=False, label="only people (console, CLI, API)")
+    page = forms.IntegerField(required=False, min_value=1, widget=forms.HiddenInput)

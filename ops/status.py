@@ -104,7 +104,7 @@ CAP_FIELDS = {
 
 @dataclass(frozen=True)
 class CapStatus:
-    state: str  # "applied", "pending", "database", "absent", "not-enforced"
+    state: str  # "applied", "pending", "database", "absent", "not-enforced", "finished"
     message: str
     at: float | None = None
     short: str = ""
@@ -119,8 +119,13 @@ def cap_status(
     db_value: int,
     show_id: str,
     show_managed: bool,
+    finished: bool = False,
 ) -> CapStatus:
-    """Whether the running scheduler enforces the cap the database holds now, and since when."""
+    """Whether the running scheduler enforces the cap the database holds now, and since when.
+
+    `finished`: the row's job is FINISHED. The Store drops a finished job's caps (it books
+    nothing more), so "not in the Store" is the expected state there, not a cap still pending.
+    """
     if (vertex, column) not in CAP_FIELDS:
         return CapStatus("not-enforced", "Not a cap the scheduler enforces (subscription size is informational).")
     if not show_managed:
@@ -145,6 +150,13 @@ def cap_status(
             short="show not published yet",
         )
     entry = (view.get(vertex) or {}).get(key)
+    if finished and (entry is None or entry.get(field) is None):
+        return CapStatus(
+            "finished",
+            "The job is FINISHED: it books nothing more, so the scheduler holds no cap for it. A retry reopens "
+            "the job and the scheduler loads this value before it books.",
+            short="job finished",
+        )
     if entry is None or entry.get(field) is None:
         return CapStatus(
             "pending", "Not in the scheduler's Store yet (seeded with the next limit reseed).", short="not in Store"

@@ -365,12 +365,21 @@ def _limit_reason(why: Why, ready_layers: list[tuple[Any, ...]]) -> None:
 
 
 def _cap_reason(why: Why, vertex: str, label: str, used: int, max_cc: int, need: int, db: int, what: str) -> None:
-    if max_cc <= 0:
+    if max_cc < 0:
         return
     cap = centicores_to_cores(max_cc)
     if used + need <= cap:
         return
     figures = f"{used}/{cap} cores" + ("" if used == db else f" (SUM(proc): {db})")
+    if cap == 0:  # 0 books nothing: waiting never clears it
+        why.reasons.append(
+            Reason(
+                f"{vertex}_max_cores",
+                f"The {label}'s {what} is 0: it books nothing ({figures}).",
+                f"Set the {vertex}'s max cores above 0, or to -1 for unlimited; waiting does not help.",
+            )
+        )
+        return
     if used >= cap:
         message = f"The {label} is at its {what}: {figures}."
     else:
@@ -385,7 +394,7 @@ def _cap_reason(why: Why, vertex: str, label: str, used: int, max_cc: int, need:
 
 
 def _gpu_reason(why: Why, vertex: str, label: str, used: int, cap: int, need: int) -> None:
-    if cap <= 0 or used + need <= cap:
+    if cap < 0 or used + need <= cap:
         return
     why.reasons.append(
         Reason(

@@ -141,8 +141,8 @@ WITH live_sub AS (
     -- Unmanaged shows: a core of room left on the job and its folder (the trigger-kept totals
     -- are live for them).
     AND (s.b_scheduler_managed OR (
-          (jr.int_max_cores <= 0 OR jr.int_max_cores - jr.int_cores >= 100)
-      AND (fr.int_max_cores <= 0 OR fr.int_max_cores - fr.int_cores >= 100)))
+          (jr.int_max_cores < 0 OR jr.int_max_cores - jr.int_cores >= 100)
+      AND (fr.int_max_cores < 0 OR fr.int_max_cores - fr.int_cores >= 100)))
     -- A job whose every layer backs off does not take a place in the limit.
     AND (cardinality(%(skip_layers)s::text[]) = 0 OR EXISTS (
           SELECT 1 FROM layer l WHERE l.pk_job = j.pk_job AND NOT (l.pk_layer = ANY(%(skip_layers)s::text[]))))
@@ -161,8 +161,8 @@ WHERE (l.ts_start_after IS NULL OR l.ts_start_after <= now())
   AND {LAYER_LIMITS_FILTER}
   AND NOT (l.pk_layer = ANY(%(skip_layers)s::text[]))
   AND (t.b_scheduler_managed OR (
-        (t.int_max_cores <= 0 OR t.int_cores + GREATEST(l.int_cores_min, 100) <= t.int_max_cores)
-    AND (t.folder_max_cores <= 0 OR t.folder_cores + GREATEST(l.int_cores_min, 100) <= t.folder_max_cores)))
+        (t.int_max_cores < 0 OR t.int_cores + GREATEST(l.int_cores_min, 100) <= t.int_max_cores)
+    AND (t.folder_max_cores < 0 OR t.folder_cores + GREATEST(l.int_cores_min, 100) <= t.folder_max_cores)))
 ORDER BY {_OUTER_ORDER}, l.int_dispatch_order, l.pk_layer
 """
 

@@ -598,7 +598,7 @@ class DispatchLoop:
         jobs = []
         for job, (least, since) in list(self._blocked_jobs.items()):
             cap = store.job_cap(job)
-            if now - since > 60 or cap is None or cap[0] <= 0 or store.job_cores_in_use(job) + least <= cap[0]:
+            if now - since > 60 or cap is None or cap[0] < 0 or store.job_cores_in_use(job) + least <= cap[0]:
                 del self._blocked_jobs[job]
             else:
                 jobs.append(job)
@@ -791,18 +791,18 @@ class DispatchLoop:
         # trigger-kept total for the others (the authority is still book / the trigger).
         if managed:
             cap = self.store.job_cap(job.pk)
-            job_cap = cap[0] if cap else 0
+            job_cap: int | None = cap[0] if cap and cap[0] >= 0 else None  # None: unlimited or unseeded
             job_used = self.store.job_cores_in_use(job.pk)
             folder_key: tuple[str, str] | None = None
         else:
-            job_cap = job.max_cores // CENTI if job.max_cores > 0 else 0
+            job_cap = job.max_cores // CENTI if job.max_cores >= 0 else None
             job_used = int(job.cores / CENTI)
             # The folder's room this cycle, shared by its jobs (the trigger has the last word).
             folder_key = ("folder", job.folder)
             if folder_key not in room:
                 room[folder_key] = (
                     int((job.folder_max_cores - job.folder_cores) / CENTI)
-                    if job.folder_max_cores > 0
+                    if job.folder_max_cores >= 0
                     else _UNLIMITED_ROOM
                 )
         least_skipped = 0
@@ -846,7 +846,7 @@ class DispatchLoop:
                         outcome = _NO_HOST
                         break
                     host, cores = found
-                    if job_cap > 0 and job_used + cores > job_cap:
+                    if job_cap is not None and job_used + cores > job_cap:
                         stats.rejected["job_precheck"] += 1
                         self._record_why(
                             job.pk,

@@ -411,12 +411,20 @@ def set_priority(job: Job | str, priority: int, *, actor: Any = None) -> JobActi
     return JobActionResult(job_id, "priority", changed, {"priority": priority})
 
 
-def set_max_cores(job: Job | str, cores: int, *, actor: Any = None) -> JobActionResult:
-    """The job's core cap in whole cores (-1 unlimited), via `accounting.actions.set_job_caps`.
+def set_max_cores(job: Job | str, cores: int, *, actor: Any = None, confirm_stop: bool = False) -> JobActionResult:
+    """The job's core cap in whole cores (-1 unlimited, 0 books nothing), via `accounting.actions.set_job_caps`.
 
     That action updates job_resource.int_max_cores (centicores), whose trigger notifies the
     Store for a managed show, records the audit event and warns when running frames exceed it.
+    0 stops the job booking, which an operator who meant "no limit" must not get by accident:
+    it is refused unless `confirm_stop` says the caller asked for it (the CLI's --yes, the API's
+    "confirm": true).
     """
+    if not confirm_stop and not isinstance(cores, bool) and cores == 0:
+        raise ValidationError(
+            "max cores 0 books nothing for this job (-1 is unlimited): confirm it to stop the job booking",
+            code="confirm_stop",
+        )
     job_id = _job_id(job)
     result = accounting_actions.set_job_caps(job_id, max_cores=cores, actor=actor)
     return JobActionResult(

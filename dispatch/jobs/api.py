@@ -13,7 +13,7 @@ full contract with examples is docs/api.md):
 | POST | /api/jobs/<id or name>/pause, resume, kill | none or {} | 200 {"job", "action", "changed", ...} |
 | POST | /api/jobs/<id or name>/retry, eat | none, or {"frames": [names or ids], "layer": name} | 200 |
 | POST | /api/jobs/<id or name>/priority | {"priority": n} | 200 |
-| POST | /api/jobs/<id or name>/max-cores | {"max_cores": whole cores, -1 unlimited} | 200 |
+| POST | /api/jobs/<id or name>/max-cores | {"max_cores": whole cores, -1 unlimited, 0 with "confirm": true} | 200 |
 | GET | /api/limits | | 200 {"limits": [{"id", "name", "max", "host_limit", "running", ...}]} |
 | POST | /api/limits | {"name": ..., "max": n (-1 unlimited), "host_limit": false} | 201 the limit |
 | GET | /api/limits/<id or name> | | 200 the limit and its use |
@@ -297,10 +297,10 @@ def _time(value: datetime | None) -> str | None:
 
 
 def _cores(centicores: int | None) -> int | None:
-    """Whole cores for the answer; -1 (unlimited) for any cap <= 0, as the columns mean it."""
+    """Whole cores for the answer; -1 (unlimited) for any negative cap, 0 (books nothing) for 0."""
     if centicores is None:
         return None
-    return centicores // 100 if centicores > 0 else -1
+    return centicores // 100 if centicores >= 0 else -1
 
 
 def list_jobs(request: HttpRequest) -> JsonResponse:
@@ -422,7 +422,7 @@ def describe_job(job: Job) -> dict[str, Any]:
         "state": job.str_state,
         "paused": job.b_paused,
         "priority": resource.int_priority if resource else None,
-        "max_cores": (max_cores // 100 if max_cores > 0 else -1) if max_cores is not None else None,
+        "max_cores": (max_cores // 100 if max_cores >= 0 else -1) if max_cores is not None else None,
         "max_gpus": resource.int_max_gpus if resource else None,
         "frames": _counts(JobStat.objects.filter(job=job).first()),
         "layers": layers,
@@ -448,6 +448,15 @@ def _one_field(body: dict[str, Any], key: str) -> Any:
     return body[key]
 
 
+def _set_max_cores(job: Job, body: dict[str, Any], user: AbstractBaseUser) -> actions.JobActionResult:
+    """{"max_cores": N}; 0 books nothing and needs {"max_cores": 0, "confirm": true} (one meaning of 0)."""
+    confirm = body.get("confirm", False)
+    if not isinstance(confirm, bool):
+        raise ApiError(400, '"confirm" must be true or false')
+    fields = {k: v for k, v in body.items() if k != "confirm"}
+    return actions.set_max_cores(job, _one_field(fields, "max_cores"), actor=user, confirm_stop=confirm)
+
+
 ACTIONS: dict[str, Callable[[Job, dict[str, Any], AbstractBaseUser], actions.JobActionResult]] = {
     "pause": lambda job, body, user: actions.pause_job(job, actor=user),
     "resume": lambda job, body, user: actions.resume_job(job, actor=user),
@@ -455,7 +464,7 @@ ACTIONS: dict[str, Callable[[Job, dict[str, Any], AbstractBaseUser], actions.Job
     "retry": lambda job, body, user: actions.retry_frames(job, actor=user, **_frames_args(body)),
     "eat": lambda job, body, user: actions.eat_frames(job, actor=user, **_frames_args(body)),
     "priority": lambda job, body, user: actions.set_priority(job, _one_field(body, "priority"), actor=user),
-    "max-cores": lambda job, body, user: actions.set_max_cores(job, _one_field(body, "max_cores"), actor=user),
+    "max-cores": lambda job, body, user: _set_max_cores(job, body, user),
 }
 _NO_BODY = {"pause", "resume", "kill"}
 _BODY_REQUIRED = {"priority", "max-cores"}

@@ -277,7 +277,7 @@ def _cap(reader: _Reader, key: str, *, centi: bool) -> int | None:
     if value is None:
         return None
     if value == 0:
-        reader.error(key, "must be -1 (unlimited) or a number >= 1; 0 would read as unlimited")
+        reader.error(key, "must be -1 (unlimited) or a number >= 1; 0 would book nothing, so the job would never run")
         return None
     if value < 0:
         return UNLIMITED

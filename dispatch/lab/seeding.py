@@ -72,7 +72,7 @@ class FarmSpec:
 
     Host and layer sizes are drawn uniformly from the `*_choices` tuples (whole cores, GB);
     the caps are written as stored, in centicores (cores x 100) or GPU counts, where any
-    value <= 0 means unlimited. Defaults are the stress suite's drain farm, small.
+    value -1 means unlimited and 0 books nothing. Defaults are the stress suite's drain farm, small.
     """
 
     prefix: str = "farm"

@@ -114,12 +114,12 @@ UNION ALL
 SELECT 'folder', x.pk_folder, x.c, fr.int_max_cores, EXTRACT(EPOCH FROM x.last)::float8
 FROM (SELECT pk_folder, SUM(c) AS c, max(decided) AS last FROM p GROUP BY 1) x
 JOIN folder_resource fr ON fr.pk_folder = x.pk_folder
-WHERE fr.int_max_cores > 0 AND x.c > fr.int_max_cores
+WHERE fr.int_max_cores >= 0 AND x.c > fr.int_max_cores
 UNION ALL
 SELECT 'job', x.pk_job, x.c, jr.int_max_cores, EXTRACT(EPOCH FROM x.last)::float8
 FROM (SELECT pk_job, SUM(c) AS c, max(decided) AS last FROM p GROUP BY 1) x
 JOIN job_resource jr ON jr.pk_job = x.pk_job
-WHERE jr.int_max_cores > 0 AND x.c > jr.int_max_cores
+WHERE jr.int_max_cores >= 0 AND x.c > jr.int_max_cores
 UNION ALL
 -- Licence limits span shows: every limit, counted from proc (frames, or hosts) against its max.
 SELECT 'limit', r.pk_limit_record, c.counted, r.int_max_value, EXTRACT(EPOCH FROM c.last)::float8
@@ -669,7 +669,7 @@ def audit_database(conn: psycopg.Connection, seed: FarmSeed) -> tuple[list[str],
         cap = caps.get(key)
         if cap is None:
             continue
-        if (key[0] == "sub" and cc > cap) or (key[0] != "sub" and cap > 0 and cc > cap):
+        if (key[0] == "sub" and cc > cap) or (key[0] != "sub" and cap >= 0 and cc > cap):
             failed.append(f"over cap {key[0]} {key[1]}: booked {cc} > cap {cap} centicores")
     return failed, booked
 

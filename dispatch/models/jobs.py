@@ -76,7 +76,7 @@ class JobResource(models.Model):
     int_gpus = models.IntegerField(db_default=0, default=0)
     int_min_cores = models.IntegerField(db_default=100, default=100)
     int_min_gpus = models.IntegerField(db_default=0, default=0)
-    # Caps; any value <= 0 means unlimited. The default caps a job at 100 cores.
+    # Caps; any negative value (-1) means unlimited, 0 books nothing. The default caps a job at 100 cores.
     int_max_cores = models.IntegerField(db_default=10000, default=10000)
     int_max_gpus = models.IntegerField(db_default=100, default=100)
     int_local_cores = models.IntegerField(db_default=0, default=0)
@@ -90,7 +90,7 @@ class JobResource(models.Model):
         triggers = accounting_triggers.job_resource_triggers()
 
     def __str__(self) -> str:
-        return f"resources of {self.job_id}"
+        return f"caps of job {self.job.str_name}"
 
 
 class JobStat(models.Model):
@@ -111,7 +111,7 @@ class JobStat(models.Model):
         db_table = "job_stat"
 
     def __str__(self) -> str:
-        return f"stats of {self.job_id}"
+        return f"stats of job {self.job.str_name}"
 
 
 class Layer(models.Model):
@@ -159,7 +159,7 @@ class LayerResource(models.Model):
         db_table = "layer_resource"
 
     def __str__(self) -> str:
-        return f"resources of {self.layer_id}"
+        return f"resources of layer {self.layer.str_name}"
 
 
 class LayerStat(models.Model):

@@ -100,7 +100,8 @@ class Subscription(models.Model):
         triggers = accounting_triggers.subscription_triggers()
 
     def __str__(self) -> str:
-        return f"{self.show_id}:{self.alloc_id}"
+        # Names, not ids: this is the title of the record on every admin page and message.
+        return f"{self.show.str_name} @ {self.alloc.str_name}"
 
 
 class Point(models.Model):
@@ -164,7 +165,7 @@ class FolderResource(models.Model):
     int_gpus = models.IntegerField(db_default=0, default=0)
     int_min_cores = models.IntegerField(db_default=0, default=0)
     int_min_gpus = models.IntegerField(db_default=0, default=0)
-    # Caps in centicores / GPUs; any value <= 0 means unlimited.
+    # Caps in centicores / GPUs; any negative value (-1) means unlimited, 0 books nothing.
     int_max_cores = models.IntegerField(db_default=-1, default=-1)
     int_max_gpus = models.IntegerField(db_default=-1, default=-1)
     float_tier = models.DecimalField(max_digits=16, decimal_places=2, db_default=0, default=0)
@@ -174,4 +175,4 @@ class FolderResource(models.Model):
         triggers = accounting_triggers.folder_resource_triggers()
 
     def __str__(self) -> str:
-        return f"resources of {self.folder_id}"
+        return f"caps of folder {self.folder.str_name}"

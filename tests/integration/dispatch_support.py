@@ -47,7 +47,7 @@ SMALL_FARM = {
 ONE_CORE = {"layer_cores_choices": (1,), "host_cores_choices": (16,), "hosts": 4, "layers": 1}
 
 # Every invariant the audit of issue 7 names that one consistent snapshot can show, as rows of
-# (what, key, seen, limit). Centicores throughout; caps <= 0 are unlimited (burst 0 is not).
+# (what, key, seen, limit). Centicores throughout; negative caps are unlimited, 0 books nothing.
 INVARIANTS_SQL = """
 WITH p AS (
   SELECT p.pk_proc, p.pk_show, h.pk_alloc, j.pk_folder, p.pk_job, p.pk_host, p.pk_frame, p.int_cores_reserved AS c
@@ -61,11 +61,11 @@ WHERE x.c > COALESCE(s.int_burst, 0)
 UNION ALL
 SELECT 'folder', x.pk_folder, x.c, fr.int_max_cores
 FROM (SELECT pk_folder, SUM(c) AS c FROM p GROUP BY 1) x JOIN folder_resource fr ON fr.pk_folder = x.pk_folder
-WHERE fr.int_max_cores > 0 AND x.c > fr.int_max_cores
+WHERE fr.int_max_cores >= 0 AND x.c > fr.int_max_cores
 UNION ALL
 SELECT 'job', x.pk_job, x.c, jr.int_max_cores
 FROM (SELECT pk_job, SUM(c) AS c FROM p GROUP BY 1) x JOIN job_resource jr ON jr.pk_job = x.pk_job
-WHERE jr.int_max_cores > 0 AND x.c > jr.int_max_cores
+WHERE jr.int_max_cores >= 0 AND x.c > jr.int_max_cores
 UNION ALL
 SELECT 'host_negative', h.pk_host, LEAST(h.int_cores_idle, h.int_mem_idle, h.int_gpus_idle, h.int_gpu_mem_idle), 0
 FROM host h WHERE LEAST(h.int_cores_idle, h.int_mem_idle, h.int_gpus_idle, h.int_gpu_mem_idle) < 0

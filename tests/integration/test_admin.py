@@ -65,6 +65,7 @@ def test_edit_writes_only_the_changed_field(farm_admin: Client, monkeypatch: pyt
     form = farm_admin.get(url).context["adminform"].form
     data = {name: form[name].value() for name in form.fields}
     data["int_burst"] = 1234  # whole cores on screen (the ops console's cap field), 123_400 centicores stored
+    data["_ops_confirmed"] = "1"  # above the test farm's hosts: the console's confirmation, given (issue 20)
 
     model_admin = admin.site._registry[Subscription]
     save_form = model_admin.save_form

@@ -190,12 +190,30 @@ class TestUnmanagedShowCaps:
         )
         assert totals(farm) == expect(400, 0, 1)
 
-    def test_zero_or_negative_max_is_unlimited(self) -> None:
+    def test_negative_max_is_unlimited(self) -> None:
         farm = ff.tiny_farm(managed=False)
-        JobResource.objects.filter(job=farm.job).update(int_max_cores=0, int_max_gpus=-1)
-        FolderResource.objects.filter(folder=farm.folder).update(int_max_cores=-1, int_max_gpus=0)
+        JobResource.objects.filter(job=farm.job).update(int_max_cores=-1, int_max_gpus=-1)
+        FolderResource.objects.filter(folder=farm.folder).update(int_max_cores=-100, int_max_gpus=-1)
         ff.create_proc(farm.host, farm.frames[0], cores=5000, gpus=8)
         assert totals(farm) == expect(5000, 8, 1)
+
+    def test_zero_max_books_nothing(self) -> None:
+        """Issue 20 problem 2: 0 used to be unlimited here and 'nothing' for a burst; now 0 books nothing."""
+        farm = ff.tiny_farm(managed=False)
+        FolderResource.objects.filter(folder=farm.folder).update(int_max_cores=0)
+        rejected(
+            lambda: ff.create_proc(farm.host, farm.frames[0], cores=100),
+            triggers.CAP_FOLDER_MAX_CORES,
+            "folder has exceeded max cores",
+        )
+        FolderResource.objects.filter(folder=farm.folder).update(int_max_cores=-1)
+        JobResource.objects.filter(job=farm.job).update(int_max_gpus=0)
+        rejected(
+            lambda: ff.create_proc(farm.host, farm.frames[0], cores=100, gpus=1),
+            triggers.CAP_JOB_MAX_GPUS,
+            "job has exceeded max GPUs",
+        )
+        assert totals(farm) == expect(0, 0, 0)
 
     def test_a_release_always_succeeds_even_over_a_lowered_cap(self) -> None:
         farm = ff.tiny_farm(managed=False, int_burst=2000)

@@ -122,14 +122,15 @@ def test_burst_below_what_is_booked_is_saved_with_the_consequence(operator: obje
     assert "stops every new booking" in zero.warnings[0]
 
 
-def test_job_max_below_booked_warns_and_zero_means_unlimited(operator: object) -> None:
+def test_job_max_below_booked_warns_and_zero_stops_booking(operator: object) -> None:
     farm = tiny_farm(managed=False)
     for frame in farm.frames[:2]:
         create_proc(farm.host, frame, cores=1000)
     result = actions.set_job_caps(farm.job.pk, max_cores=15, actor=operator)
     assert any("books 20 cores" in w and "max of 15" in w for w in result.warnings)
     zero = actions.set_job_caps(farm.job.pk, max_cores=0, actor=operator)
-    assert any("0 means unlimited" in w for w in zero.warnings)
+    assert any("max cores of 0 stops every new booking of this job" in w for w in zero.warnings)
+    assert JobResource.objects.get(job=farm.job).int_max_cores == 0
 
 
 def test_flip_show_both_ways_is_audited(operator: object) -> None:

@@ -159,7 +159,7 @@ def _layer(**fields: Any) -> dict[str, Any]:
         (make_spec(layers=[]), "job.layers: must be a list of at least one layer"),
         (make_spec(layers=[_layer(tags="a b")]), "'a b' is not a tag"),
         (make_spec(layers=[_layer(colour="red")]), "layer 'main': unknown field 'colour'"),
-        (make_spec(max_cores=0), "job.max_cores: must be -1 (unlimited) or a number >= 1"),
+        (make_spec(max_cores=0), "job.max_cores: must be -1 (unlimited) or a number >= 1; 0 would book nothing"),
         (make_spec(priority=-5), "job.priority: must be between 0 and 1000000"),
         (make_spec(paused="yes"), "job.paused: must be true or false"),
         (make_spec(name="my job"), "job.name: 'my job' may only contain letters, digits and _ . -"),

@@ -76,13 +76,18 @@ def test_the_kill_switch_row_cannot_be_deleted_or_doubled() -> None:
     assert AccountingSettings.objects.count() == 1
 
 
-def test_the_kill_switch_is_editable_in_the_admin_and_says_what_off_means(admin_client) -> None:
+def test_the_kill_switch_admin_says_what_off_means_and_only_links_to_its_confirmation(admin_client) -> None:
+    """Issue 20 problem 5: the plain change form used to turn the switch off with no confirmation
+    (an unchecked box posts nothing: off). The switch is read-only there now; the page links to
+    the console's confirmation page, the one way to change it."""
     AccountingSettings.objects.get_or_create(id=1)
     url = "/admin/accounting/accountingsettings/1/change/"
     page = admin_client.get(url)
     assert page.status_code == 200
-    assert "Off stops every release notification" in page.content.decode()
-    response = admin_client.post(url, {})  # an unchecked box posts nothing: off
-    assert response.status_code == 302
-    assert AccountingSettings.notifications_enabled() is False
+    body = page.content.decode()
+    assert "Off stops every release notification" in body
+    assert 'name="notify_enabled"' not in body
+    assert "/admin/ops/console/notifications/?enabled=false" in body
+    admin_client.post(url, {})  # what an unticked box posted before
+    assert AccountingSettings.notifications_enabled() is True
     assert admin_client.get("/admin/accounting/accountingsettings/1/delete/").status_code == 403

@@ -193,10 +193,22 @@ def test_zero_or_negative_burst_rejects_all_cores(burst: int) -> None:
     assert store.book(delta(1)) == LimitExceeded("subscription", -50, burst)
 
 
-@pytest.mark.parametrize("cap", [0, -1, -7])
-def test_folder_and_job_caps_at_or_below_zero_are_unlimited(cap: int) -> None:
+@pytest.mark.parametrize("cap", [-1, -7])
+def test_folder_and_job_caps_below_zero_are_unlimited(cap: int) -> None:
     store = store_with_caps(folder=(cap, cap), job=(cap, cap))
     assert isinstance(store.book(delta(999, 99)), Applied)
+
+
+def test_a_folder_or_job_cap_of_zero_books_nothing() -> None:
+    # Issue 20 problem 2: one meaning of 0 for every cap (as a burst of 0): typing 0 to stop a
+    # folder used to lift its cap. Cores and GPUs, folder and job, each on its own.
+    assert store_with_caps(folder=(0, -1)).book(delta(1)) == LimitExceeded("folder", 0, 0)
+    assert store_with_caps(job=(0, -1)).book(delta(1)) == LimitExceeded("job", 0, 0)
+    assert store_with_caps(folder=(-1, 0), job=(-1, -1)).book(delta(1, 1)) == LimitExceeded("folder_gpus", 0, 0)
+    assert store_with_caps(folder=(-1, -1), job=(-1, 0)).book(delta(1, 1)) == LimitExceeded("job_gpus", 0, 0)
+    # A zero-GPU booking is not refused by a GPU cap of 0; nothing was mutated by the refusals.
+    store = store_with_caps(folder=(-1, 0), job=(-1, 0))
+    assert isinstance(store.book(delta(1)), Applied)
 
 
 def test_missing_folder_and_job_caps_fail_closed() -> None:

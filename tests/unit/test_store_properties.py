@@ -132,7 +132,10 @@ def keys_of(delta: BookingDelta) -> tuple[tuple[str, str], str, str]:
 
 
 def expected_decision(audit: CounterSnapshot, caps, d: BookingDelta) -> Applied | LimitExceeded:
-    """The reference cap rules (design §1.3, §1.4), restated independently of the Store."""
+    """The reference cap rules (design §1.3, §1.4), restated independently of the Store.
+
+    Issue 20: a folder/job cap of 0 books nothing, as a burst of 0; a negative one is unlimited.
+    """
     skey, fkey, jkey = keys_of(d)
     sub = audit.sub.get(skey, (0, 0))
     fol = audit.folder.get(fkey, (0, 0))
@@ -144,11 +147,11 @@ def expected_decision(audit: CounterSnapshot, caps, d: BookingDelta) -> Applied 
         if burst <= 0 or sub[0] + d.cores > burst:
             return LimitExceeded("subscription", sub[0], burst)
         for table, cur, cap in (("folder", fol[0], fcap[0]), ("job", job[0], jcap[0])):
-            if cap > 0 and cur + d.cores > cap:
+            if cap >= 0 and cur + d.cores > cap:
                 return LimitExceeded(table, cur, cap)
     if d.gpus > 0:
         for table, cur, cap in (("folder_gpus", fol[1], fcap[1]), ("job_gpus", job[1], jcap[1])):
-            if cap > 0 and cur + d.gpus > cap:
+            if cap >= 0 and cur + d.gpus > cap:
                 return LimitExceeded(table, cur, cap)
     return Applied(d)
 
@@ -287,10 +290,10 @@ class StoreMachine(RuleBasedStateMachine):
         if cores > 0:
             assert truth.sub[skey][0] <= caps.sub[skey]
             for cur, cap in ((truth.folder[fkey][0], caps.folder[fkey][0]), (truth.job[jkey][0], caps.job[jkey][0])):
-                assert cap <= 0 or cur <= cap
+                assert cap < 0 or cur <= cap
         if gpus > 0:
             for cur, cap in ((truth.folder[fkey][1], caps.folder[fkey][1]), (truth.job[jkey][1], caps.job[jkey][1])):
-                assert cap <= 0 or cur <= cap
+                assert cap < 0 or cur <= cap
 
     def start(self, txn: Txn) -> None:
         if txn.kind == "insert":

@@ -4,7 +4,7 @@ job pause JOB | job resume JOB | job kill JOB
 job retry JOB [FRAME ...] [--layer L]     DEAD frames (all, or the named ones) run again
 job eat JOB [FRAME ...] [--layer L]       WAITING/DEAD/DEPEND frames done without running
 job priority JOB N
-job max-cores JOB N                       whole cores, -1 for unlimited
+job max-cores JOB N [--yes]               whole cores, -1 for unlimited; 0 books nothing (needs --yes)
 job show JOB                              state, counters and caps as JSON
 """
 
@@ -39,9 +39,10 @@ class Command(BaseCommand):
         p = sub.add_parser("priority", help="set the dispatch priority")
         p.add_argument("job", help="job id or name")
         p.add_argument("value", type=int)
-        p = sub.add_parser("max-cores", help="set the job's core cap in whole cores (-1 unlimited)")
+        p = sub.add_parser("max-cores", help="set the job's core cap in whole cores (-1 unlimited, 0 books nothing)")
         p.add_argument("job", help="job id or name")
         p.add_argument("value", type=int)
+        p.add_argument("--yes", action="store_true", help="confirm a max of 0: the job books nothing more")
 
     def handle(self, *args: Any, action: str, job: str, **options: Any) -> None:
         actor = f"cli:{getpass.getuser()}"
@@ -59,7 +60,9 @@ class Command(BaseCommand):
             elif action == "priority":
                 result = actions.set_priority(target, options["value"], actor=actor)
             else:
-                result = actions.set_max_cores(target, options["value"], actor=actor)
+                result = actions.set_max_cores(
+                    target, options["value"], actor=actor, confirm_stop=bool(options.get("yes"))
+                )
         except actions.JobNotFound as exc:
             raise CommandError(str(exc)) from None
         except ValidationError as exc:

@@ -114,7 +114,7 @@ class Command(BaseCommand):
         shapes.add_argument("--layer-gpus", type=int_list, default=d.layer_gpus_choices, help="GPUs per frame")
         shapes.add_argument("--layer-tags-max", type=int, default=d.layer_tags_max, help="1..N tags per layer")
         shapes.add_argument("--os", default=d.os, help=f"job and host OS (default {d.os})")
-        caps = parser.add_argument_group("caps (centicores / GPU counts; <= 0 means unlimited)")
+        caps = parser.add_argument_group("caps (centicores / GPU counts; -1 unlimited, 0 books nothing)")
         caps.add_argument("--sub-size", type=int, default=None, help="subscription size (default: the burst)")
         caps.add_argument("--sub-burst", type=int, default=d.sub_burst, help=f"(default {d.sub_burst})")
         caps.add_argument("--folder-max-cores", type=int, default=d.folder_max_cores)
