@@ -8,8 +8,10 @@ paths our own agents use, on the gateway's own psycopg connections:
 * **ReportRqdStartup** registers or updates the host with `agent.register_host` (name, cores,
   memory, GPUs, tags, OS; a new host joins `CUESCHED_RQD_DEFAULT_ALLOC`), records where its
   daemon answers (`host.str_rqd_address`: the peer's IP and its RQD port), and releases the
-  procs booked on it: a daemon that starts runs nothing (Python RQD 1.37 recovers no frame), so
-  they are runs of its previous life. They go through `completion.complete` (exit 399, frame
+  procs booked on it more than `CUESCHED_RQD_ORPHAN_GRACE` ago: a daemon that starts runs
+  nothing (Python RQD 1.37 recovers no frame), so they are runs of its previous life. A younger
+  proc may be a launch that landed on the new daemon (RQD serves LaunchFrame before it sends
+  this report): the status reports' orphan check decides it. They go through `completion.complete` (exit 399, frame
   back to WAITING, no retry counted), so each release is the proc delete's trigger, in the
   same transaction as the delete.
 * **ReportStatus** is the heartbeat: host_stat ping and free memory, each reported frame's
@@ -20,8 +22,9 @@ paths our own agents use, on the gateway's own psycopg connections:
   lost-host way (the grace covers a launch still on its way, not yet in the report).
 * **ReportRunningFrameCompletion** writes the end through the completion statements
   (`completion.complete_in_transaction`) and the run's max RSS on its frame, in one transaction,
-  keyed by proc (RQD's resource_id): a late report of a killed run is a
-  no-op. A signal death reads as 128 + signal, as our agents report it.
+  keyed by proc (RQD's resource_id): a late report of a killed run is a no-op; a report from
+  a host other than the proc's is refused (INVALID_ARGUMENT). A signal death reads as
+  128 + signal, as our agents report it.
 
 RQD keys its frames by `frame_id` (our pk_frame) and reports `resource_id` (our pk_proc), as
 Cuebot sets them. The report handlers are plain functions of a connection, so the rqd launcher's
@@ -140,7 +143,12 @@ def _rpc_reason(exc: grpc.RpcError) -> str:
 
 HOST_SQL = "SELECT pk_host, str_rqd_address FROM host WHERE str_name = %s"
 SET_ADDRESS_SQL = "UPDATE host SET str_rqd_address = %s WHERE pk_host = %s AND str_rqd_address IS DISTINCT FROM %s"
-HOST_PROCS_SQL = "SELECT pk_proc FROM proc WHERE pk_host = %s AND NOT b_local"
+# A proc booked within the grace may be a launch that landed on the new daemon (RQD serves
+# LaunchFrame before it sends its startup report): the status reports' orphan check decides it.
+HOST_PROCS_SQL = """
+SELECT pk_proc FROM proc
+WHERE pk_host = %s AND NOT b_local AND ts_dispatched < now() - make_interval(secs => %s)
+"""
 
 # The ping: like an agent's, with the free memory RQD measured. A host marked DOWN (a launch
 # found its RQD unreachable) comes back UP; an operator's REPAIR is left alone. RQD's own
@@ -182,7 +190,9 @@ WHERE pk_host = %(host)s AND (pk_proc = ANY(%(procs)s::text[]) OR pk_frame = ANY
 
 # The run's max RSS on the frame, after the release ended it, in the same transaction (the frame
 # row is already this transaction's: no version race with another completion).
-FRAME_OF_PROC_SQL = "SELECT pk_frame FROM proc WHERE pk_proc = %s"
+FRAME_OF_PROC_SQL = (
+    "SELECT p.pk_frame, h.str_name FROM proc p JOIN host h ON h.pk_host = p.pk_host WHERE p.pk_proc = %s"
+)
 COMPLETION_MEMORY_SQL = """
 UPDATE frame SET int_mem_max_used = GREATEST(int_mem_max_used, %(max_rss)s),
   int_gpu_mem_max_used = GREATEST(int_gpu_mem_max_used, %(max_gpu)s)
@@ -271,7 +281,7 @@ def report_startup(conn: psycopg.Connection, boot: report_pb2.BootReport, addres
     """ReportRqdStartup: register or update the host, release what its previous life left booked."""
     pk_host = _register(conn, boot.host, boot.core_info, address)
     out = StatusResult(pk_host)
-    procs = [r[0] for r in conn.execute(HOST_PROCS_SQL, (pk_host,)).fetchall()]
+    procs = [r[0] for r in conn.execute(HOST_PROCS_SQL, (pk_host, conf.rqd_orphan_grace())).fetchall()]
     if procs:
         out.completion = complete(conn, [Completion(pk, EXIT_STATUS_DOWN_HOST, requeue=True) for pk in procs])
         out.orphans_released = out.completion.released
@@ -357,6 +367,12 @@ def report_completion(conn: psycopg.Connection, report: report_pb2.FrameComplete
         raise ReportError("the completion report has no resource_id (the proc it ends)")
     with conn.transaction(), conn.cursor() as cur:
         row = cur.execute(FRAME_OF_PROC_SQL, (frame.resource_id,)).fetchone()
+        if row is not None and row[1] != report.host.name:
+            # A host ends only its own runs: releasing another host's proc would leave that
+            # run going uncounted until its own RQD's next status report kills it.
+            raise ReportError(
+                f"host {report.host.name!r} reports the end of proc {frame.resource_id}, which runs on {row[1]!r}"
+            )
         result = complete_in_transaction(cur, [Completion(frame.resource_id, exit_status_of(report))])
         if row is not None and result.released:
             cur.execute(
