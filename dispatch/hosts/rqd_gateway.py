@@ -31,8 +31,9 @@ Cuebot sets them. The report handlers are plain functions of a connection, so th
 active poll (`RqdLauncher.heartbeat`) applies a polled status report exactly as a pushed one.
 
 A database error answers UNAVAILABLE (RQD's client retries that code); bad input (a host
-unknown with no default allocation, a report without a host name) answers
-INVALID_ARGUMENT / FAILED_PRECONDITION with the reason, writes nothing, and the server goes on.
+unknown with no default allocation, a report without a host name, a value the database cannot
+hold such as a NUL byte) answers INVALID_ARGUMENT / FAILED_PRECONDITION with the reason, writes
+nothing, and the server goes on.
 """
 
 from __future__ import annotations
@@ -434,6 +435,10 @@ class ReportServicer(report_pb2_grpc.RqdReportInterfaceServicer):
             self._count("errors")
             logger.warning("rqd gateway: %s refused: %s", what, exc)
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except psycopg.DataError as exc:  # a value the database cannot hold (a NUL, too long): bad input
+            self._count("errors")
+            logger.warning("rqd gateway: %s refused: the database cannot store it (%s)", what, exc)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the report cannot be stored as sent: {exc}")
         except psycopg.Error as exc:
             self._count("errors")
             conn = self._local.conn

@@ -8,12 +8,15 @@ under test is what the gateway writes, not what RQD runs.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent import futures
 from contextlib import contextmanager
+from typing import Any
 
 import grpc
 import pytest
-from opencue_proto import report_pb2, report_pb2_grpc
+from opencue_proto import report_pb2, report_pb2_grpc, rqd_pb2, rqd_pb2_grpc
 
+from dispatch.hosts.launchers.rqd import RqdLauncher
 from dispatch.hosts.rqd_gateway import report_startup
 from tests.integration.dispatch_support import autocommit, fast_launcher, make_loop, scalar, seed, violations
 from tests.integration.rqd_support import gateway
@@ -89,4 +92,79 @@ def test_a_startup_report_keeps_a_proc_booked_so_recently_that_its_launch_may_be
         launcher.close()
         assert result.orphans_released == 1
         assert [r[0] for r in conn.execute("SELECT pk_proc FROM proc").fetchall()] == [fresh]
+        assert violations(conn) == []
+
+
+class _HostileRqd(rqd_pb2_grpc.RqdInterfaceServicer):
+    """An RQD (buggy or hostile) that accepts every launch and answers the scheduler's status
+    poll with a report the database cannot store (a NUL byte in a frame's resource_id)."""
+
+    def __init__(self, host: str) -> None:
+        self.host = host
+        self.launched = 0
+
+    def LaunchFrame(self, request: Any, context: Any) -> Any:
+        self.launched += 1
+        return rqd_pb2.RqdStaticLaunchFrameResponse()
+
+    def ReportStatus(self, request: Any, context: Any) -> Any:
+        report = report_pb2.HostReport(
+            host=report_pb2.RenderHost(name=self.host, total_mem=1 << 24, free_mem=1 << 23),
+            frames=[report_pb2.RunningFrameInfo(resource_id="bad\x00id", frame_id="f\x00")],
+        )
+        return rqd_pb2.RqdStaticReportStatusResponse(host_report=report)
+
+
+def test_one_rqd_answering_a_malformed_status_does_not_stop_the_loop_booking() -> None:
+    """The rqd launcher's status poll runs on the loop's thread before each lost-host sweep; a
+    report the database refuses (psycopg.DataError) propagated out of run_once before the sweep
+    time was recorded, so every cycle polled again and failed: one bad RQD stopped all booking
+    and every lost-host sweep, farm-wide. Bad input gets a clear error; the scheduler goes on."""
+    seed("rvh", hosts=2, jobs=1, layers=1, frames_per_layer=2)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    with autocommit() as conn:
+        hostile_name, good_name = [r[0] for r in conn.execute("SELECT str_name FROM host ORDER BY 1").fetchall()]
+        hostile = _HostileRqd(hostile_name)
+        rqd_pb2_grpc.add_RqdInterfaceServicer_to_server(hostile, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        try:
+            # Both hosts' RQD address is the hostile daemon (it answers for the first only).
+            conn.execute("UPDATE host SET str_rqd_address = %s", (f"127.0.0.1:{port}",))
+            with running_scheduler() as proc:
+                launcher = RqdLauncher(timeout=5, poll_hosts=True, poll_timeout=5)
+                try:
+                    with make_loop(proc.service, launcher, lost_host_sweep_interval=0.0) as loop:
+                        stats = loop.run_once()
+                    assert stats.booked == 2 and hostile.launched == 2
+                    # The bad report wrote nothing (the good host's ping is separate: no such report).
+                    assert scalar(conn, "SELECT count(*) FROM proc") == 2
+                finally:
+                    launcher.close()
+                # Leave nothing booked for a frame nobody runs.
+                from dispatch.engine.completion import Completion, complete
+
+                complete(conn, [Completion(pk, 0) for (pk,) in conn.execute("SELECT pk_proc FROM proc").fetchall()])
+                assert violations(conn) == []
+        finally:
+            server.stop(0)
+        assert good_name != hostile_name
+
+
+def test_a_pushed_status_report_the_database_refuses_is_answered_invalid_argument() -> None:
+    """A report that cannot be stored as sent is bad input, not a database outage: UNAVAILABLE
+    made RQD's client retry the same report (4 attempts) for nothing."""
+    seed("rvn", hosts=1, jobs=0)
+    with autocommit() as conn, _report_stub() as stub:
+        host = scalar(conn, "SELECT str_name FROM host")
+        report = report_pb2.HostReport(
+            host=report_pb2.RenderHost(name=host, total_mem=1 << 24, free_mem=1 << 23),
+            frames=[report_pb2.RunningFrameInfo(resource_id="bad\x00id", frame_id="f")],
+        )
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.ReportStatus(report_pb2.RqdReportStatusRequest(host_report=report), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # The gateway goes on: a good report from the same host is applied.
+        del report.frames[:]
+        stub.ReportStatus(report_pb2.RqdReportStatusRequest(host_report=report), timeout=10)
         assert violations(conn) == []

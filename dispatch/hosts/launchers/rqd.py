@@ -227,7 +227,9 @@ class RqdLauncher:
                 continue
             try:
                 result = report_status(conn, report, address)
-            except ReportError as exc:
+            except (ReportError, ValueError, psycopg.DataError) as exc:
+                # One RQD's bad report must not fail the cycle: the loop would poll again every
+                # cycle and never book nor sweep, farm-wide.
                 logger.warning("rqd host %s (%s): status not applied: %s", name, address, exc)
                 continue
             for frame_id, resource_id in result.to_kill:
