@@ -17,7 +17,7 @@ import pytest
 from opencue_proto import report_pb2, report_pb2_grpc, rqd_pb2, rqd_pb2_grpc
 
 from dispatch.hosts.launchers.rqd import RqdLauncher
-from dispatch.hosts.rqd_gateway import report_startup
+from dispatch.hosts.rqd_gateway import ReportError, report_startup, report_status
 from tests.integration.dispatch_support import autocommit, fast_launcher, make_loop, scalar, seed, violations
 from tests.integration.rqd_support import gateway
 from tests.integration.runtime_support import running_scheduler
@@ -168,3 +168,31 @@ def test_a_pushed_status_report_the_database_refuses_is_answered_invalid_argumen
         del report.frames[:]
         stub.ReportStatus(report_pb2.RqdReportStatusRequest(host_report=report), timeout=10)
         assert violations(conn) == []
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="not fixed: a status report is trusted for the host it names, whatever address it comes "
+    "from; two RQDs with the same OVERRIDE_HOSTNAME (a cloned image) release each other's procs while "
+    "those frames still run (uncounted), then kill them as strays, and flip host.str_rqd_address",
+)
+def test_a_status_report_from_another_address_than_the_hosts_rqd_does_not_release_its_procs() -> None:
+    """Host h's RQD answers at 10.0.0.1 (its startup recorded it) and runs a frame booked an
+    hour ago. A second daemon calling itself h reports from 10.0.0.2 with no frame: the proc
+    of the run still going on the real h must not be released on that report's word."""
+    seed("rvd", hosts=1, jobs=1, layers=1, frames_per_layer=1)
+    with running_scheduler() as proc, autocommit() as conn:
+        launcher = fast_launcher(runtime_min=600, runtime_max=600)
+        with make_loop(proc.service, launcher) as loop:
+            assert loop.run_once().booked == 1
+        launcher.close()
+        conn.execute("UPDATE proc SET ts_dispatched = now() - interval '1 hour'")
+        conn.execute("UPDATE host SET str_rqd_address = '10.0.0.1:8444'")
+        host = scalar(conn, "SELECT str_name FROM host")
+        report = report_pb2.HostReport(host=report_pb2.RenderHost(name=host, total_mem=1 << 24, free_mem=1 << 23))
+        try:
+            report_status(conn, report, "10.0.0.2:8444")
+        except ReportError:
+            pass  # refusing the report is one acceptable answer
+        assert scalar(conn, "SELECT count(*) FROM proc") == 1
+        assert scalar(conn, "SELECT str_rqd_address FROM host") == "10.0.0.1:8444"
