@@ -7,6 +7,7 @@ under test is what the gateway writes, not what RQD runs.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from concurrent import futures
 from contextlib import contextmanager
@@ -196,3 +197,49 @@ def test_a_status_report_from_another_address_than_the_hosts_rqd_does_not_releas
             pass  # refusing the report is one acceptable answer
         assert scalar(conn, "SELECT count(*) FROM proc") == 1
         assert scalar(conn, "SELECT str_rqd_address FROM host") == "10.0.0.1:8444"
+
+
+class _SlowRqd(rqd_pb2_grpc.RqdInterfaceServicer):
+    """An RQD that starts every frame it is sent but answers LaunchFrame after the caller's
+    deadline (an overloaded node): the run goes on although the call timed out."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self.started: list[str] = []
+        self.done = threading.Event()
+
+    def LaunchFrame(self, request: Any, context: Any) -> Any:
+        self.started.append(request.run_frame.resource_id)
+        self.done.wait(self.delay)
+        return rqd_pb2.RqdStaticLaunchFrameResponse()
+
+
+def test_a_launch_that_timed_out_keeps_its_proc_booked_since_rqd_may_run_it() -> None:
+    """DEADLINE_EXCEEDED says nothing about whether RQD started the frame. The launcher returned
+    it as a failure, so the loop's compensation deleted the proc (counters down, frame WAITING,
+    rebookable) while the frame ran on RQD, uncounted, until a status report killed it: a
+    counter reading low. Kept booked, the status reports decide it (kept while RQD reports the
+    run, released after CUESCHED_RQD_ORPHAN_GRACE if it does not); a host that never answers
+    again is swept the lost-host way."""
+    seed("rvt", hosts=1, jobs=1, layers=1, frames_per_layer=1)
+    slow = _SlowRqd(delay=5.0)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    rqd_pb2_grpc.add_RqdInterfaceServicer_to_server(slow, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with running_scheduler() as proc, autocommit() as conn:
+            conn.execute("UPDATE host SET str_rqd_address = %s", (f"127.0.0.1:{port}",))
+            launcher = RqdLauncher(timeout=0.3, poll_hosts=False)
+            try:
+                with make_loop(proc.service, launcher) as loop:
+                    loop.run_once()
+            finally:
+                slow.done.set()
+                launcher.close()
+            assert len(slow.started) == 1  # RQD runs it
+            assert scalar(conn, "SELECT count(*) FROM proc WHERE pk_proc = %s", (slow.started[0],)) == 1
+            assert scalar(conn, "SELECT str_state FROM frame") == "RUNNING"
+            assert violations(conn) == []
+    finally:
+        server.stop(0)

@@ -8,10 +8,12 @@ centicores. No uid is sent, so RQD runs the frame as its own user and never trie
 (RQD_BECOME_JOB_USER stays off, which also keeps a root RQD from becoming `daemon`).
 
 Launch failures - a host with no RQD address, an RQD that refuses (not UP, no idle cores, the
-frame already running there) or does not answer - are returned for the loop to compensate in
+frame already running there) or cannot be reached - are returned for the loop to compensate in
 the same cycle. A host whose RQD does not answer is marked DOWN, so it is not booked again
-until its RQD reports (its next status report sets it UP). After a timeout RQD may still have
-started the frame: the compensation deleted its proc, and the next status report kills the run.
+until its RQD reports (its next status report sets it UP). A launch that timed out
+(DEADLINE_EXCEEDED) is not a failure: RQD may have started the frame, so its proc stays booked
+(reads high, never low) and the host's status reports decide it (kept while RQD reports the run,
+released after CUESCHED_RQD_ORPHAN_GRACE if not), or the lost-host sweep if RQD stays silent.
 
 Completions come back through the gateway (RQD's ReportRunningFrameCompletion), so nothing
 comes back here: `poll_completions` is empty and `running` is 0. `kill` sends
@@ -161,6 +163,15 @@ class RqdLauncher:
                 fut.result()
             except grpc.RpcError as exc:
                 reason = f"RQD {address} of host {b.host.name}: {_rpc_reason(exc)}"
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    # Ambiguous: RQD may have started the frame. Releasing the proc would let it
+                    # run uncounted (a counter reading low); kept booked, the host's status
+                    # reports decide it (orphan grace), or the lost-host sweep if it stays silent.
+                    unreachable.add(b.host.pk)
+                    logger.warning("rqd launcher: launch of proc %s timed out (%s); kept booked", b.pk_proc, reason)
+                    with self._lock:
+                        self._launched[b.pk_proc] = (address, contexts[b.pk_proc].pk_frame)
+                    continue
                 if exc.code() in UNREACHABLE:
                     unreachable.add(b.host.pk)
                     reason += "; host marked DOWN"
