@@ -19,7 +19,7 @@ from opencue_proto import report_pb2, report_pb2_grpc, rqd_pb2, rqd_pb2_grpc
 
 from dispatch.hosts.launchers.rqd import RqdLauncher
 from dispatch.hosts.rqd_gateway import ReportError, report_startup, report_status
-from tests.integration.dispatch_support import autocommit, fast_launcher, make_loop, scalar, seed, violations
+from tests.integration.dispatch_support import autocommit, fast_launcher, make_loop, scalar, seed, violations, wait_for
 from tests.integration.rqd_support import gateway
 from tests.integration.runtime_support import running_scheduler
 
@@ -243,3 +243,54 @@ def test_a_launch_that_timed_out_keeps_its_proc_booked_since_rqd_may_run_it() ->
             assert violations(conn) == []
     finally:
         server.stop(0)
+
+
+class _StrayRqd(rqd_pb2_grpc.RqdInterfaceServicer):
+    """An RQD that reports frames cuesched never booked and does not answer KillRunningFrame
+    until released (a wedged daemon)."""
+
+    def __init__(self, host: str, strays: int) -> None:
+        self.host = host
+        self.strays = strays
+        self.kills: list[str] = []
+        self.release = threading.Event()
+
+    def ReportStatus(self, request: Any, context: Any) -> Any:
+        frames = [report_pb2.RunningFrameInfo(resource_id=f"stray-{i}", frame_id=f"sf-{i}") for i in range(self.strays)]
+        report = report_pb2.HostReport(
+            host=report_pb2.RenderHost(name=self.host, total_mem=1 << 24, free_mem=1 << 23), frames=frames
+        )
+        return rqd_pb2.RqdStaticReportStatusResponse(host_report=report)
+
+    def KillRunningFrame(self, request: Any, context: Any) -> Any:
+        self.kills.append(request.frame_id)
+        self.release.wait(60)
+        return rqd_pb2.RqdStaticKillRunningFrameResponse()
+
+
+def test_the_status_poll_does_not_wait_on_the_kills_of_stray_frames() -> None:
+    """The rqd launcher's heartbeat runs on the loop's thread and sent each stray's
+    KillRunningFrame synchronously, one after the other, each up to CUESCHED_RQD_TIMEOUT: one
+    wedged RQD reporting N strays held the whole dispatch loop (no booking, no completion, no
+    sweep) for N times the timeout. The kills go to the launcher's pool, as `kill` sends them."""
+    seed("rvk", hosts=1, jobs=0)
+    with autocommit() as conn:
+        host = scalar(conn, "SELECT str_name FROM host")
+        wedged = _StrayRqd(host, strays=3)
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+        rqd_pb2_grpc.add_RqdInterfaceServicer_to_server(wedged, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        launcher = RqdLauncher(timeout=60, poll_hosts=True, poll_timeout=5)
+        try:
+            conn.execute("UPDATE host SET str_rqd_address = %s", (f"127.0.0.1:{port}",))
+            poll = threading.Thread(target=launcher.heartbeat, args=(conn,), daemon=True)
+            poll.start()
+            # The poll must return while the kills are still unanswered.
+            wait_for(lambda: not poll.is_alive(), 15, "the status poll to return")
+            wait_for(lambda: len(wedged.kills) == 3, 15, "RQD to receive the three kills")
+        finally:
+            wedged.release.set()
+            launcher.close()
+            server.stop(0)
+        assert sorted(wedged.kills) == ["sf-0", "sf-1", "sf-2"]

@@ -116,6 +116,10 @@ class RqdLauncher:
         self.poll_timeout = min(1.0, self.timeout) if poll_timeout is None else poll_timeout
         self.clients = RqdClients()
         self._pool = futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rqd-launch")
+        # The status poll's stray kills have their own threads, one call per (address, frame) at a
+        # time: a wedged RQD reporting many strays at every poll must not queue ahead of launches.
+        self._kill_pool = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="rqd-stray-kill")
+        self._stray_kills: set[tuple[str, str]] = set()
         self._conn: psycopg.Connection | None = None
         self._lock = threading.Lock()
         self._launched: dict[str, tuple[str, str]] = {}  # pk_proc -> (address, pk_frame), for kill
@@ -245,10 +249,27 @@ class RqdLauncher:
                 continue
             for frame_id, resource_id in result.to_kill:
                 logger.warning("rqd host %s runs frame %s with no proc (%s): killing it", name, frame_id, resource_id)
-                self.clients.kill(address, frame_id, "cuesched: this run has no proc", self.timeout)
+                # Not on the loop's thread: a wedged RQD would hold it for the timeout per stray.
+                self._kill_stray(address, frame_id)
         if silent:
             conn.execute(MARK_DOWN_SQL, (silent,))
         self._prune(conn)
+
+    def _kill_stray(self, address: str, frame_id: str) -> None:
+        key = (address, frame_id)
+        with self._lock:
+            if key in self._stray_kills:
+                return  # the previous poll's kill is still on its way
+            self._stray_kills.add(key)
+
+        def send() -> None:
+            try:
+                self.clients.kill(address, frame_id, "cuesched: this run has no proc", self.timeout)
+            finally:
+                with self._lock:
+                    self._stray_kills.discard(key)
+
+        self._kill_pool.submit(send)
 
     def _status(self, address: str) -> rqd_pb2.RqdStaticReportStatusResponse:
         return (
@@ -281,4 +302,6 @@ class RqdLauncher:
         self.close_connection()
         self._pool.shutdown(wait=True, cancel_futures=False)
         self._pool = futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="rqd-launch")
+        self._kill_pool.shutdown(wait=True, cancel_futures=False)
+        self._kill_pool = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="rqd-stray-kill")
         self.clients.close()
