@@ -410,6 +410,11 @@ class ReportServicer(report_pb2_grpc.RqdReportInterfaceServicer):
         self.counts: dict[str, int] = {"startup": 0, "status": 0, "completion": 0, "errors": 0, "killed": 0}
         self._counts_lock = threading.Lock()
         self._all: list[psycopg.Connection] = []  # every worker's, to close them at stop
+        # Stray kills leave the report's worker: a wedged RQD would hold it for the timeout per
+        # stray, and enough such reports starve every RQD's completions of workers. One call per
+        # (address, frame) at a time: the next report does not queue it again.
+        self._kill_pool = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="rqd-gateway-kill")
+        self._pending_kills: set[tuple[str, str]] = set()
 
     def _conn(self) -> psycopg.Connection:
         conn = self._local.conn
@@ -454,8 +459,24 @@ class ReportServicer(report_pb2_grpc.RqdReportInterfaceServicer):
             logger.warning(
                 "rqd %s runs frame %s (proc %s) that has no proc here: killing it", address, frame_id, resource_id
             )
-            if self.clients.kill(address, frame_id, "cuesched: this run has no proc (killed or released)"):
+            key = (address, frame_id)
+            with self._counts_lock:
+                if key in self._pending_kills:
+                    continue
+                self._pending_kills.add(key)
+            try:
+                self._kill_pool.submit(self._kill_one, key)
+            except RuntimeError:  # the gateway is stopping
+                with self._counts_lock:
+                    self._pending_kills.discard(key)
+
+    def _kill_one(self, key: tuple[str, str]) -> None:
+        try:
+            if self.clients.kill(key[0], key[1], "cuesched: this run has no proc (killed or released)"):
                 self._count("killed")
+        finally:
+            with self._counts_lock:
+                self._pending_kills.discard(key)
 
     def ReportRqdStartup(
         self, request: report_pb2.RqdReportRqdStartupRequest, context: grpc.ServicerContext
@@ -485,6 +506,7 @@ class ReportServicer(report_pb2_grpc.RqdReportInterfaceServicer):
         return report_pb2.RqdReportRunningFrameCompletionResponse()
 
     def close(self) -> None:
+        self._kill_pool.shutdown(wait=False, cancel_futures=True)
         self.clients.close()
         with self._counts_lock:
             conns, self._all = self._all, []

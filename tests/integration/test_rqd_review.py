@@ -294,3 +294,37 @@ def test_the_status_poll_does_not_wait_on_the_kills_of_stray_frames() -> None:
             launcher.close()
             server.stop(0)
         assert sorted(wedged.kills) == ["sf-0", "sf-1", "sf-2"]
+
+
+def test_a_pushed_status_report_is_answered_without_waiting_on_the_kills_of_its_strays() -> None:
+    """The gateway killed a report's strays in the gRPC handler, one synchronous call each (up
+    to CUESCHED_RQD_TIMEOUT): a wedged RQD pushing N strays every 5 to 30 s held a gateway
+    worker for N times the timeout per report, and enough of them starve every RQD's
+    completions of workers. The report is answered first; the kills go on meanwhile."""
+    seed("rvg", hosts=1, jobs=0)
+    with autocommit() as conn:
+        host = scalar(conn, "SELECT str_name FROM host")
+        wedged = _StrayRqd(host, strays=3)
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+        rqd_pb2_grpc.add_RqdInterfaceServicer_to_server(wedged, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        try:
+            frames = [report_pb2.RunningFrameInfo(resource_id=f"stray-{i}", frame_id=f"sf-{i}") for i in range(3)]
+            report = report_pb2.HostReport(
+                host=report_pb2.RenderHost(
+                    name=host, total_mem=1 << 24, free_mem=1 << 23, tags=[f"rqdport-{port}"]
+                ),
+                frames=frames,
+            )
+            with _report_stub() as stub:
+                # Answered although RQD has not answered a single kill.
+                stub.ReportStatus(report_pb2.RqdReportStatusRequest(host_report=report), timeout=10)
+                assert wedged.release.is_set() is False
+                wait_for(lambda: len(wedged.kills) >= 1, 15, "RQD to receive a kill")
+                wedged.release.set()
+                wait_for(lambda: len(wedged.kills) == 3, 15, "RQD to receive the three kills")
+        finally:
+            wedged.release.set()
+            server.stop(0)
+        assert sorted(wedged.kills) == ["sf-0", "sf-1", "sf-2"]
