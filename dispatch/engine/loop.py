@@ -794,9 +794,13 @@ class DispatchLoop:
             job_cap: int | None = cap[0] if cap and cap[0] >= 0 else None  # None: unlimited or unseeded
             job_used = self.store.job_cores_in_use(job.pk)
             folder_key: tuple[str, str] | None = None
+            booked_key: tuple[str, str] | None = None
         else:
             job_cap = job.max_cores // CENTI if job.max_cores >= 0 else None
-            job_used = int(job.cores / CENTI)
+            # Plus what this cycle booked for the job already: _book_job runs once per pass (share,
+            # then borrowing), and job.cores is the cycle-start total.
+            booked_key = ("job_booked", job.pk)
+            job_used = int(job.cores / CENTI) + room.get(booked_key, 0)
             # The folder's room this cycle, shared by its jobs (the trigger has the last word).
             folder_key = ("folder", job.folder)
             if folder_key not in room:
@@ -931,6 +935,8 @@ class DispatchLoop:
                         share[(show, host.alloc)] -= cores
                     if folder_key is not None:
                         room[folder_key] -= cores
+                    if booked_key is not None:
+                        room[booked_key] = room.get(booked_key, 0) + cores
                     job_used += cores
                     break
                 if booking is None:

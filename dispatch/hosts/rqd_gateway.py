@@ -8,8 +8,10 @@ paths our own agents use, on the gateway's own psycopg connections:
 * **ReportRqdStartup** registers or updates the host with `agent.register_host` (name, cores,
   memory, GPUs, tags, OS; a new host joins `CUESCHED_RQD_DEFAULT_ALLOC`), records where its
   daemon answers (`host.str_rqd_address`: the peer's IP and its RQD port), and releases the
-  procs booked on it: a daemon that starts runs nothing (Python RQD 1.37 recovers no frame), so
-  they are runs of its previous life. They go through `completion.complete` (exit 399, frame
+  procs booked on it more than `CUESCHED_RQD_ORPHAN_GRACE` ago: a daemon that starts runs
+  nothing (Python RQD 1.37 recovers no frame), so they are runs of its previous life. A younger
+  proc may be a launch that landed on the new daemon (RQD serves LaunchFrame before it sends
+  this report): the status reports' orphan check decides it. They go through `completion.complete` (exit 399, frame
   back to WAITING, no retry counted), so each release is the proc delete's trigger, in the
   same transaction as the delete.
 * **ReportStatus** is the heartbeat: host_stat ping and free memory, each reported frame's
@@ -20,16 +22,18 @@ paths our own agents use, on the gateway's own psycopg connections:
   lost-host way (the grace covers a launch still on its way, not yet in the report).
 * **ReportRunningFrameCompletion** writes the end through the completion statements
   (`completion.complete_in_transaction`) and the run's max RSS on its frame, in one transaction,
-  keyed by proc (RQD's resource_id): a late report of a killed run is a
-  no-op. A signal death reads as 128 + signal, as our agents report it.
+  keyed by proc (RQD's resource_id): a late report of a killed run is a no-op; a report from
+  a host other than the proc's is refused (INVALID_ARGUMENT). A signal death reads as
+  128 + signal, as our agents report it.
 
 RQD keys its frames by `frame_id` (our pk_frame) and reports `resource_id` (our pk_proc), as
 Cuebot sets them. The report handlers are plain functions of a connection, so the rqd launcher's
 active poll (`RqdLauncher.heartbeat`) applies a polled status report exactly as a pushed one.
 
 A database error answers UNAVAILABLE (RQD's client retries that code); bad input (a host
-unknown with no default allocation, a report without a host name) answers
-INVALID_ARGUMENT / FAILED_PRECONDITION with the reason, writes nothing, and the server goes on.
+unknown with no default allocation, a report without a host name, a value the database cannot
+hold such as a NUL byte) answers INVALID_ARGUMENT / FAILED_PRECONDITION with the reason, writes
+nothing, and the server goes on.
 """
 
 from __future__ import annotations
@@ -140,7 +144,12 @@ def _rpc_reason(exc: grpc.RpcError) -> str:
 
 HOST_SQL = "SELECT pk_host, str_rqd_address FROM host WHERE str_name = %s"
 SET_ADDRESS_SQL = "UPDATE host SET str_rqd_address = %s WHERE pk_host = %s AND str_rqd_address IS DISTINCT FROM %s"
-HOST_PROCS_SQL = "SELECT pk_proc FROM proc WHERE pk_host = %s AND NOT b_local"
+# A proc booked within the grace may be a launch that landed on the new daemon (RQD serves
+# LaunchFrame before it sends its startup report): the status reports' orphan check decides it.
+HOST_PROCS_SQL = """
+SELECT pk_proc FROM proc
+WHERE pk_host = %s AND NOT b_local AND ts_dispatched < now() - make_interval(secs => %s)
+"""
 
 # The ping: like an agent's, with the free memory RQD measured. A host marked DOWN (a launch
 # found its RQD unreachable) comes back UP; an operator's REPAIR is left alone. RQD's own
@@ -182,7 +191,9 @@ WHERE pk_host = %(host)s AND (pk_proc = ANY(%(procs)s::text[]) OR pk_frame = ANY
 
 # The run's max RSS on the frame, after the release ended it, in the same transaction (the frame
 # row is already this transaction's: no version race with another completion).
-FRAME_OF_PROC_SQL = "SELECT pk_frame FROM proc WHERE pk_proc = %s"
+FRAME_OF_PROC_SQL = (
+    "SELECT p.pk_frame, h.str_name FROM proc p JOIN host h ON h.pk_host = p.pk_host WHERE p.pk_proc = %s"
+)
 COMPLETION_MEMORY_SQL = """
 UPDATE frame SET int_mem_max_used = GREATEST(int_mem_max_used, %(max_rss)s),
   int_gpu_mem_max_used = GREATEST(int_gpu_mem_max_used, %(max_gpu)s)
@@ -271,7 +282,7 @@ def report_startup(conn: psycopg.Connection, boot: report_pb2.BootReport, addres
     """ReportRqdStartup: register or update the host, release what its previous life left booked."""
     pk_host = _register(conn, boot.host, boot.core_info, address)
     out = StatusResult(pk_host)
-    procs = [r[0] for r in conn.execute(HOST_PROCS_SQL, (pk_host,)).fetchall()]
+    procs = [r[0] for r in conn.execute(HOST_PROCS_SQL, (pk_host, conf.rqd_orphan_grace())).fetchall()]
     if procs:
         out.completion = complete(conn, [Completion(pk, EXIT_STATUS_DOWN_HOST, requeue=True) for pk in procs])
         out.orphans_released = out.completion.released
@@ -357,6 +368,12 @@ def report_completion(conn: psycopg.Connection, report: report_pb2.FrameComplete
         raise ReportError("the completion report has no resource_id (the proc it ends)")
     with conn.transaction(), conn.cursor() as cur:
         row = cur.execute(FRAME_OF_PROC_SQL, (frame.resource_id,)).fetchone()
+        if row is not None and row[1] != report.host.name:
+            # A host ends only its own runs: releasing another host's proc would leave that
+            # run going uncounted until its own RQD's next status report kills it.
+            raise ReportError(
+                f"host {report.host.name!r} reports the end of proc {frame.resource_id}, which runs on {row[1]!r}"
+            )
         result = complete_in_transaction(cur, [Completion(frame.resource_id, exit_status_of(report))])
         if row is not None and result.released:
             cur.execute(
@@ -393,6 +410,11 @@ class ReportServicer(report_pb2_grpc.RqdReportInterfaceServicer):
         self.counts: dict[str, int] = {"startup": 0, "status": 0, "completion": 0, "errors": 0, "killed": 0}
         self._counts_lock = threading.Lock()
         self._all: list[psycopg.Connection] = []  # every worker's, to close them at stop
+        # Stray kills leave the report's worker: a wedged RQD would hold it for the timeout per
+        # stray, and enough such reports starve every RQD's completions of workers. One call per
+        # (address, frame) at a time: the next report does not queue it again.
+        self._kill_pool = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="rqd-gateway-kill")
+        self._pending_kills: set[tuple[str, str]] = set()
 
     def _conn(self) -> psycopg.Connection:
         conn = self._local.conn
@@ -418,6 +440,10 @@ class ReportServicer(report_pb2_grpc.RqdReportInterfaceServicer):
             self._count("errors")
             logger.warning("rqd gateway: %s refused: %s", what, exc)
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except psycopg.DataError as exc:  # a value the database cannot hold (a NUL, too long): bad input
+            self._count("errors")
+            logger.warning("rqd gateway: %s refused: the database cannot store it (%s)", what, exc)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the report cannot be stored as sent: {exc}")
         except psycopg.Error as exc:
             self._count("errors")
             conn = self._local.conn
@@ -433,8 +459,24 @@ class ReportServicer(report_pb2_grpc.RqdReportInterfaceServicer):
             logger.warning(
                 "rqd %s runs frame %s (proc %s) that has no proc here: killing it", address, frame_id, resource_id
             )
-            if self.clients.kill(address, frame_id, "cuesched: this run has no proc (killed or released)"):
+            key = (address, frame_id)
+            with self._counts_lock:
+                if key in self._pending_kills:
+                    continue
+                self._pending_kills.add(key)
+            try:
+                self._kill_pool.submit(self._kill_one, key)
+            except RuntimeError:  # the gateway is stopping
+                with self._counts_lock:
+                    self._pending_kills.discard(key)
+
+    def _kill_one(self, key: tuple[str, str]) -> None:
+        try:
+            if self.clients.kill(key[0], key[1], "cuesched: this run has no proc (killed or released)"):
                 self._count("killed")
+        finally:
+            with self._counts_lock:
+                self._pending_kills.discard(key)
 
     def ReportRqdStartup(
         self, request: report_pb2.RqdReportRqdStartupRequest, context: grpc.ServicerContext
@@ -464,6 +506,7 @@ class ReportServicer(report_pb2_grpc.RqdReportInterfaceServicer):
         return report_pb2.RqdReportRunningFrameCompletionResponse()
 
     def close(self) -> None:
+        self._kill_pool.shutdown(wait=False, cancel_futures=True)
         self.clients.close()
         with self._counts_lock:
             conns, self._all = self._all, []

@@ -50,7 +50,7 @@ from urllib.parse import urlencode
 
 from django.contrib.auth.models import AbstractBaseUser
 from django.core.exceptions import SuspiciousOperation, ValidationError
-from django.db import OperationalError
+from django.db import DataError, OperationalError
 from django.db.models import QuerySet
 from django.http import HttpRequest, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
@@ -153,6 +153,9 @@ def unexpected_error(request: HttpRequest, exc: BaseException) -> JsonResponse:
     if isinstance(exc, SuspiciousOperation):  # e.g. a body over DATA_UPLOAD_MAX_MEMORY_SIZE: the client's fault
         logger.warning("api: %s %s: refused: %s", request.method, request.path, exc)
         return error_response(ApiError(400, f"the request was refused: {exc}"))
+    if isinstance(exc, DataError):  # a value PostgreSQL cannot hold (a NUL byte, out of range): bad input
+        logger.warning("api: %s %s: refused: %s", request.method, request.path, exc)
+        return error_response(ApiError(400, f"the request holds a value the database cannot store: {exc}"))
     if isinstance(exc, OperationalError):
         logger.warning("api: %s %s: the database is unavailable: %s", request.method, request.path, exc)
         return error_response(ApiError(503, "the database is unavailable: try again shortly"))

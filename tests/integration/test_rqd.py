@@ -241,6 +241,9 @@ def test_a_restarted_rqd_has_its_stale_procs_released_at_its_startup_report(
 ) -> None:
     show, tags = _farm("rqr", monkeypatch)
     monkeypatch.setenv("CUESCHED_RQD_LOG_DIR", str(tmp_path / "logs"))
+    # A startup releases the procs booked more than the grace ago (a younger one may be a launch
+    # that landed on the new daemon): the test's proc is made older than a 1 s grace below.
+    monkeypatch.setenv("CUESCHED_RQD_ORPHAN_GRACE", "1")
     marker = f"rqr-{os.getpid()}"
     spec = {
         "show": show,
@@ -261,6 +264,11 @@ def test_a_restarted_rqd_has_its_stale_procs_released_at_its_startup_report(
                 for pid in pids_of(marker):
                     os.kill(pid, signal.SIGKILL)
                 assert scalar(conn, "SELECT count(*) FROM proc") == 1  # nothing noticed yet (timeout 300 s)
+                wait_for(
+                    lambda: scalar(conn, "SELECT bool_and(ts_dispatched < now() - interval '1 second') FROM proc"),
+                    10,
+                    "the proc to be older than the grace",
+                )
                 rqd.start()
                 wait_registered(conn, rqd, 30)
                 wait_for(lambda: scalar(conn, "SELECT count(*) FROM proc") == 0, 10, "the startup report's release")

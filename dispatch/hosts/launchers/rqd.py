@@ -8,10 +8,12 @@ centicores. No uid is sent, so RQD runs the frame as its own user and never trie
 (RQD_BECOME_JOB_USER stays off, which also keeps a root RQD from becoming `daemon`).
 
 Launch failures - a host with no RQD address, an RQD that refuses (not UP, no idle cores, the
-frame already running there) or does not answer - are returned for the loop to compensate in
+frame already running there) or cannot be reached - are returned for the loop to compensate in
 the same cycle. A host whose RQD does not answer is marked DOWN, so it is not booked again
-until its RQD reports (its next status report sets it UP). After a timeout RQD may still have
-started the frame: the compensation deleted its proc, and the next status report kills the run.
+until its RQD reports (its next status report sets it UP). A launch that timed out
+(DEADLINE_EXCEEDED) is not a failure: RQD may have started the frame, so its proc stays booked
+(reads high, never low) and the host's status reports decide it (kept while RQD reports the run,
+released after CUESCHED_RQD_ORPHAN_GRACE if not), or the lost-host sweep if RQD stays silent.
 
 Completions come back through the gateway (RQD's ReportRunningFrameCompletion), so nothing
 comes back here: `poll_completions` is empty and `running` is 0. `kill` sends
@@ -114,6 +116,10 @@ class RqdLauncher:
         self.poll_timeout = min(1.0, self.timeout) if poll_timeout is None else poll_timeout
         self.clients = RqdClients()
         self._pool = futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rqd-launch")
+        # The status poll's stray kills have their own threads, one call per (address, frame) at a
+        # time: a wedged RQD reporting many strays at every poll must not queue ahead of launches.
+        self._kill_pool = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="rqd-stray-kill")
+        self._stray_kills: set[tuple[str, str]] = set()
         self._conn: psycopg.Connection | None = None
         self._lock = threading.Lock()
         self._launched: dict[str, tuple[str, str]] = {}  # pk_proc -> (address, pk_frame), for kill
@@ -161,6 +167,15 @@ class RqdLauncher:
                 fut.result()
             except grpc.RpcError as exc:
                 reason = f"RQD {address} of host {b.host.name}: {_rpc_reason(exc)}"
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    # Ambiguous: RQD may have started the frame. Releasing the proc would let it
+                    # run uncounted (a counter reading low); kept booked, the host's status
+                    # reports decide it (orphan grace), or the lost-host sweep if it stays silent.
+                    unreachable.add(b.host.pk)
+                    logger.warning("rqd launcher: launch of proc %s timed out (%s); kept booked", b.pk_proc, reason)
+                    with self._lock:
+                        self._launched[b.pk_proc] = (address, contexts[b.pk_proc].pk_frame)
+                    continue
                 if exc.code() in UNREACHABLE:
                     unreachable.add(b.host.pk)
                     reason += "; host marked DOWN"
@@ -227,15 +242,34 @@ class RqdLauncher:
                 continue
             try:
                 result = report_status(conn, report, address)
-            except ReportError as exc:
+            except (ReportError, ValueError, psycopg.DataError) as exc:
+                # One RQD's bad report must not fail the cycle: the loop would poll again every
+                # cycle and never book nor sweep, farm-wide.
                 logger.warning("rqd host %s (%s): status not applied: %s", name, address, exc)
                 continue
             for frame_id, resource_id in result.to_kill:
                 logger.warning("rqd host %s runs frame %s with no proc (%s): killing it", name, frame_id, resource_id)
-                self.clients.kill(address, frame_id, "cuesched: this run has no proc", self.timeout)
+                # Not on the loop's thread: a wedged RQD would hold it for the timeout per stray.
+                self._kill_stray(address, frame_id)
         if silent:
             conn.execute(MARK_DOWN_SQL, (silent,))
         self._prune(conn)
+
+    def _kill_stray(self, address: str, frame_id: str) -> None:
+        key = (address, frame_id)
+        with self._lock:
+            if key in self._stray_kills:
+                return  # the previous poll's kill is still on its way
+            self._stray_kills.add(key)
+
+        def send() -> None:
+            try:
+                self.clients.kill(address, frame_id, "cuesched: this run has no proc", self.timeout)
+            finally:
+                with self._lock:
+                    self._stray_kills.discard(key)
+
+        self._kill_pool.submit(send)
 
     def _status(self, address: str) -> rqd_pb2.RqdStaticReportStatusResponse:
         return (
@@ -268,4 +302,6 @@ class RqdLauncher:
         self.close_connection()
         self._pool.shutdown(wait=True, cancel_futures=False)
         self._pool = futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="rqd-launch")
+        self._kill_pool.shutdown(wait=True, cancel_futures=False)
+        self._kill_pool = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="rqd-stray-kill")
         self.clients.close()
