@@ -94,7 +94,21 @@ FORGOTTEN = Counter(
 )
 
 
+class MetricsPortError(RuntimeError):
+    """The /metrics port cannot be listened on (taken by another process, not permitted)."""
+
+
 def serve(port: int, addr: str = "127.0.0.1") -> None:
-    """Expose /metrics; a port of 0 disables the endpoint."""
+    """Expose /metrics; a port of 0 disables the endpoint.
+
+    A port that cannot be bound is a clear error, not a raw OSError traceback: it is the
+    usual sign of a second scheduler (or another demo) on the same machine.
+    """
     if port:
-        start_http_server(port, addr=addr, registry=REGISTRY)
+        try:
+            start_http_server(port, addr=addr, registry=REGISTRY)
+        except OSError as exc:
+            raise MetricsPortError(
+                f"cannot serve /metrics on {addr}:{port}: {exc.strerror or exc}; choose another port with "
+                "--metrics-port or CUESCHED_METRICS_PORT (0 disables the endpoint)"
+            ) from None

@@ -6,6 +6,10 @@ operator changes a knob without monkeypatching. The loop reads them once, when i
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
+from typing import Any
+
 from cuesched_project.conf import env_bool, env_float, env_int, env_str
 
 
@@ -155,11 +159,47 @@ def agent_timeout() -> float:
     return env_float("CUESCHED_AGENT_TIMEOUT", 15.0)
 
 
-def agent_log_root() -> str:
-    """Frame logs go to <root>/<show>/<job>/<layer>.<frame>.log."""
+def database_slug(database: Mapping[str, Any], embedded: bool) -> str:
+    """A file-name-safe name for one database: `embedded-<name>`, or `<host>-<port>-<name>`.
+
+    Two databases often share a name (the embedded one and an external one are both
+    `cuesched` in the README's examples), so the host and port are part of it.
+    """
+    if embedded:
+        parts = ["embedded", str(database.get("NAME") or "")]
+    else:
+        host, port = database.get("HOST") or "localhost", database.get("PORT") or "5432"
+        parts = [str(host), str(port), str(database.get("NAME") or "")]
+    return "-".join(re.sub(r"[^A-Za-z0-9._]+", "_", p).strip("._") or "_" for p in parts)
+
+
+def _this_database_slug() -> str:
     from django.conf import settings
 
-    return env_str("CUESCHED_AGENT_LOG_ROOT", str(settings.BASE_DIR / ".cuesched" / "logs"))
+    return database_slug(settings.DATABASES["default"], bool(getattr(settings, "EMBEDDED_DATABASE", False)))
+
+
+def _password_name() -> str:
+    return f"admin-password-{_this_database_slug()}"
+
+
+def agent_log_root() -> str:
+    """Frame logs go to <root>/<show>/<job>/<layer>.<frame>.log. The default root,
+    `.cuesched/logs/<database>/` (see `database_slug`), is one per database: frames of two
+    databases share show, job and layer names (two demo farms), and one log must never
+    gather the runs of another database's frame."""
+    from django.conf import settings
+
+    return env_str("CUESCHED_AGENT_LOG_ROOT", str(settings.BASE_DIR / ".cuesched" / "logs" / _this_database_slug()))
+
+
+def demo_password_file() -> str:
+    """Where `manage.py demo` (`./dev run`) keeps the admin password it made on its first run,
+    so later runs print the same login: `.cuesched/admin-password-<database>` by default
+    (one per database, see `database_slug`; mode 0600)."""
+    from django.conf import settings
+
+    return env_str("CUESCHED_DEMO_PASSWORD_FILE", str(settings.BASE_DIR / ".cuesched" / _password_name()))
 
 
 def agent_kill_poll() -> float:

@@ -59,6 +59,14 @@ class Launcher(Protocol):
         and do nothing here; a launcher whose hosts have no agent (simulated) pings for them."""
         ...
 
+    def abandon(self) -> list[str]:
+        """Forget the frames that run inside this process and return their procs.
+
+        Called once when the scheduler stops: frames that end in this process (simulated) would
+        never be completed by anyone else, so the loop requeues them. A launcher whose frames
+        run on agents returns [] (the agent completes or requeues them itself)."""
+        ...
+
     def close(self) -> None: ...
 
 

@@ -68,7 +68,7 @@ from dispatch.engine.booking import (
     find_written,
     write_batch,
 )
-from dispatch.engine.completion import Completion, complete, release_lost_hosts
+from dispatch.engine.completion import EXIT_STATUS_DOWN_HOST, Completion, complete, release_lost_hosts
 from dispatch.engine.feed import JobWork, Skips, fetch_pending, has_waiting_or_running
 from dispatch.engine.launcher import Launcher, get_launcher
 from dispatch.engine.placement import ALL, CENTI, HostRec, HostView, Shard
@@ -288,6 +288,25 @@ class DispatchLoop:
             except psycopg.Error:
                 pass
         self._conn = None
+
+    def requeue_in_process_frames(self) -> int:
+        """At stop: requeue the frames that ran inside this process (the lost-host way, no retry
+        charged), so none stays RUNNING with its proc booked after the scheduler is gone.
+
+        If the database cannot be reached the procs stay booked, which reads high, never low;
+        the log says so."""
+        procs = self.launcher.abandon()
+        if not procs:
+            return 0
+        try:
+            result = complete(self._connection(), [Completion(pk, EXIT_STATUS_DOWN_HOST, requeue=True) for pk in procs])
+        except psycopg.Error:
+            logger.exception(
+                "dispatch: could not requeue %d in-process frame(s) at stop; their procs stay booked", len(procs)
+            )
+            return 0
+        logger.warning("dispatch: scheduler stopping: %d in-process frame(s) requeued", result.released)
+        return result.released
 
     def close(self) -> None:
         self._drop_connection()
@@ -1059,6 +1078,7 @@ def dispatch_main(
             for thread in others:
                 thread.join(30)
             for lp in loops:
+                lp.requeue_in_process_frames()
                 lp.close()
                 lp.launcher.close()
 

@@ -317,6 +317,87 @@ def release_previous_runs(pk_host: str, conn: psycopg.Connection | None = None) 
             conn.close()
 
 
+# A stopping agent takes its host out of placement first, so the scheduler books nothing
+# more on it while its frames are ended; the next agent's registration brings it back UP.
+# Only UP: REPAIR and the other operator states are the operator's.
+MARK_STOPPING_DOWN_SQL = "UPDATE host_stat SET str_state = 'DOWN' WHERE pk_host = %s AND str_state = 'UP'"
+TRY_RUN_LOCK_SQL = "SELECT pg_try_advisory_lock(hashtext('cuesched-run:' || %s))"
+RUN_UNLOCK_SQL = "SELECT pg_advisory_unlock(hashtext('cuesched-run:' || %s))"
+
+
+@dataclass
+class StopReport:
+    """What a stopping agent did with the frames booked on its host."""
+
+    marked_down: bool = False
+    requeued_running: int = 0  # frames that were running: their process group was ended first
+    requeued_queued: int = 0  # booked, their task not started yet: it will run nothing
+    still_running: list[str] = field(default_factory=list)  # runs that had not ended by the deadline
+
+    def summary(self) -> str:
+        text = (
+            f"{self.requeued_running} running frame(s) ended and requeued, "
+            f"{self.requeued_queued} queued frame(s) requeued"
+        )
+        if self.marked_down:
+            text += ", host marked DOWN until its agent starts again"
+        if self.still_running:
+            text += f"; {len(self.still_running)} run(s) had not ended by the deadline: {', '.join(self.still_running)}"
+        return text
+
+
+def stop_host_work(pk_host: str, host: str, *, timeout: float | None = None) -> StopReport:
+    """End or requeue every frame booked on this agent's host: the stop path of SIGTERM/SIGINT.
+
+    Without it a stopped agent left its frames RUNNING with their procs booked (holding the
+    show's subscription and the job's cores) until the lost-host timeout or the next agent
+    start. The order matters: the host goes DOWN first (no new booking lands on it), then
+    every proc on it is released the lost-host way (exit 399, WAITING, no retry charged).
+    A frame whose run is in progress (its run lock is held) sees its proc gone at its next
+    kill poll and ends its process group, as for any kill; this waits for those runs to let
+    go of their locks, up to `timeout` (default: kill poll + kill grace + 5 s). A proc whose
+    task has not started yet is released while this holds its run lock, so that task, when
+    a broker delivers it, finds the proc gone and runs nothing.
+    """
+    if timeout is None:
+        timeout = conf.agent_kill_poll() + conf.agent_kill_grace() + 5.0
+    deadline = time.monotonic() + timeout
+    report = StopReport()
+    conn = acct_db.connect(autocommit=True, application_name=f"cuesched-agent-{host}")
+    try:
+        report.marked_down = conn.execute(MARK_STOPPING_DOWN_SQL, (pk_host,)).rowcount > 0
+        procs = [r[0] for r in conn.execute(HOST_PROCS_SQL, (pk_host,)).fetchall()]
+        locked: list[str] = []  # procs whose run lock this holds: no run in progress
+        running: list[str] = []
+        for pk in procs:
+            (locked if conn.execute(TRY_RUN_LOCK_SQL, (pk,)).fetchone()[0] else running).append(pk)
+        try:
+            if procs:
+                complete(conn, [Completion(pk, EXIT_STATUS_DOWN_HOST, requeue=True) for pk in procs])
+        finally:
+            for pk in locked:
+                conn.execute(RUN_UNLOCK_SQL, (pk,))
+        report.requeued_queued = len(locked)
+        report.requeued_running = len(running)
+        pending = list(running)
+        while pending and time.monotonic() < deadline:
+            pending = [pk for pk in pending if not _take_and_drop_run_lock(conn, pk)]
+            if pending:
+                time.sleep(0.1)
+        report.still_running = pending
+    finally:
+        conn.close()
+    return report
+
+
+def _take_and_drop_run_lock(conn: psycopg.Connection, pk_proc: str) -> bool:
+    """Whether no run of `pk_proc` is in progress any more (its run lock is free)."""
+    if not conn.execute(TRY_RUN_LOCK_SQL, (pk_proc,)).fetchone()[0]:
+        return False
+    conn.execute(RUN_UNLOCK_SQL, (pk_proc,))
+    return True
+
+
 def queue_name(host: str) -> str:
     """The broker queue of one host (q2 list key, celery queue): one consumer, its agent."""
     return f"cuesched.host.{host}"
@@ -449,6 +530,32 @@ def command_argv(command: str) -> list[str]:
     return argv or ["/bin/sh", "-c", command]
 
 
+# The first line a run writes to its frame's log; `previous_runs` counts them.
+LOG_HEADER = "=== cuesched agent "
+
+
+def previous_runs(log: Path) -> int:
+    """How many runs this frame's log already holds: the number of the next run, less one.
+
+    The frame row cannot say: `int_retries` counts only failures the job's retry limit
+    charges (a kill or a lost host requeues without one) and the console's retry resets it
+    to 0, so a log whose header printed it read `try 0` on its third run. Read in blocks,
+    because a renderer's log can be large; a header split across two blocks is found
+    because each block keeps the end of the previous one.
+    """
+    marker = ("\n" + LOG_HEADER).encode()
+    count, tail = 0, b"\n"
+    try:
+        with open(log, "rb") as fh:
+            while block := fh.read(1 << 20):
+                data = tail + block
+                count += data.count(marker)
+                tail = data[-(len(marker) - 1) :]
+    except FileNotFoundError:
+        return 0
+    return count
+
+
 def log_path(root: Path, ctx: RunContext) -> Path:
     def part(text: str) -> str:
         return _SAFE_PATH.sub("_", text).lstrip(".") or "_"
@@ -548,10 +655,12 @@ def _run(conn: psycopg.Connection, ctx: RunContext, root: Path, result: RunResul
     result.log_path, result.command = str(log), argv
     poll = conf.agent_kill_poll()
     grace = conf.agent_kill_grace()
+    run_number = previous_runs(log) + 1
     with open(log, "ab", buffering=0) as out:
         header = (
-            f"=== cuesched agent {ctx.host}: frame {ctx.frame_name} of job {ctx.job}, proc {ctx.pk_proc}, "
-            f"try {ctx.retries}, started {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n"
+            f"{LOG_HEADER}{ctx.host}: frame {ctx.frame_name} of job {ctx.job}, proc {ctx.pk_proc}, "
+            f"run {run_number}, retries {ctx.retries}, "
+            f"started {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n"
             f"=== command: {shlex.join(argv)}\n"
         )
         out.write(header.encode())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from io import StringIO
+from pathlib import Path
 
 import pytest
 from django.apps import apps
@@ -86,7 +87,8 @@ def test_stat_counters_are_read_only(farm_admin: Client) -> None:
     assert "int_waiting_count" not in form.fields
 
 
-def test_demo_migrates_seeds_once_and_prints_a_working_login() -> None:
+def test_demo_migrates_seeds_once_and_prints_a_working_login(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUESCHED_DEMO_PASSWORD_FILE", str(tmp_path / "admin-password"))
     out = StringIO()
     call_command("demo", "--no-serve", stdout=out)
     text = out.getvalue()
@@ -102,7 +104,8 @@ def test_demo_migrates_seeds_once_and_prints_a_working_login() -> None:
     call_command("demo", "--no-serve", "--addr", "127.0.0.1:8123", stdout=out)
     text = out.getvalue()
     assert "not seeding" in text and farm_counts("demo") == counts
-    new_password = text.split("admin login: admin / ")[1].split()[0]
+    again = text.split("admin login: admin / ")[1].split()[0]
     assert "http://127.0.0.1:8123/admin/" in text
-    assert authenticate(username="admin", password=password) is None
-    assert authenticate(username="admin", password=new_password) is not None
+    # Issue 21: a second run keeps the first run's password (it used to reset it silently).
+    assert again == password and "kept from the first run" in text
+    assert authenticate(username="admin", password=password) is not None

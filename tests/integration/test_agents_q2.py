@@ -64,6 +64,8 @@ def check_real_frames(transport: str, tmp_path: Path) -> None:
         assert f"rendering 0001-{layer} of {job}" in first and "exit status 0" in first
         second = (tmp_path / logs[1]).read_text()
         assert second.count("=== cuesched agent") == 2  # the try and its retry, appended
+        # Each header numbers its run in this log, beside the retries the job's limit counts.
+        assert ", run 1, retries 0, " in second and ", run 2, retries 1, " in second
         assert second.count("exit status 1") == 2
 
 

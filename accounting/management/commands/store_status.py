@@ -10,9 +10,16 @@ from django.db import connection
 
 from accounting import live
 
+# The exit status of a view that is printed but stale: a script or a monitoring check that
+# runs `store_status` must not read a dead scheduler's last words as a healthy farm.
+EXIT_STALE = 1
+
 
 class Command(BaseCommand):
-    help = "Print the live Store view the running scheduler publishes (with its age)."
+    help = (
+        "Print the live Store view the running scheduler publishes (with its age). Exits 1 when the "
+        "view is STALE (the scheduler stopped publishing) or when no scheduler ever published one."
+    )
 
     def add_arguments(self, parser: Any) -> None:
         parser.add_argument("--json", action="store_true", help="Print the whole view as JSON.")
@@ -24,7 +31,16 @@ class Command(BaseCommand):
             raise CommandError("no scheduler has published a view on this database (is run_scheduler running?)")
         if options["json"]:
             self.stdout.write(json.dumps(view, indent=2, sort_keys=True, default=str))
-            return
+        else:
+            self._print(view)
+        if view["stale"]:
+            raise CommandError(
+                f"the view is STALE ({view['age_seconds']:.1f}s old): scheduler pid {view['pid']} on "
+                f"{view['hostname']} is not publishing (stopped, wedged or cut off from the database)",
+                returncode=EXIT_STALE,
+            )
+
+    def _print(self, view: dict[str, Any]) -> None:
         state = "STALE: the scheduler is not publishing" if view["stale"] else "live"
         self.stdout.write(
             f"scheduler pid {view['pid']} on {view['hostname']}, view {view['age_seconds']:.1f}s old ({state})"

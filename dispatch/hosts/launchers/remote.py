@@ -75,6 +75,9 @@ class RemoteLauncher:
     def heartbeat(self, conn: psycopg.Connection) -> None:
         """Agents ping for themselves."""
 
+    def abandon(self) -> list[str]:
+        return []  # the agents run the frames: they end or requeue them when they stop
+
     def close(self) -> None:
         if self._conn is not None:
             self._conn.close()

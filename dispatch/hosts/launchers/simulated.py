@@ -129,6 +129,13 @@ class SimulatedLauncher:
             with conn.cursor() as cur:
                 cur.execute(PING_HOSTS_SQL)
 
+    def abandon(self) -> list[str]:
+        with self._lock:
+            procs = [pk for _due, _seq, pk, _status in self._heap if pk not in self._killed]
+            self._heap.clear()
+            self._killed.clear()
+        return procs
+
     def close(self) -> None:
         with self._lock:
             self._heap.clear()

@@ -4,6 +4,10 @@ Registers the host, requeues what a previous agent of the host left running, sta
 heartbeat thread, then consumes the host's own queue until
 SIGINT/SIGTERM: a django-q2 cluster (ORM broker: the database is the queue) or a Celery worker
 (RabbitMQ). Each runs up to `--slots` frames at once (default: the host's whole cores).
+
+A stop (SIGTERM, SIGINT, or the transport ending by itself) leaves no frame RUNNING behind:
+the host goes DOWN, its running frames are ended and requeued, its queued ones requeued
+(`agent.stop_host_work`), and the agent prints what it did.
 """
 
 from __future__ import annotations
@@ -18,10 +22,12 @@ from dispatch import conf
 from dispatch.hosts.agent import (
     Heartbeat,
     HostSpec,
+    StopReport,
     default_host_name,
     queue_name,
     register_host,
     release_previous_runs,
+    stop_host_work,
 )
 
 
@@ -78,17 +84,33 @@ class Command(BaseCommand):
             f"agent for host {spec.name}: queue {queue} over {opts['transport']}, {slots} slots, "
             f"logs under {conf.agent_log_root()}"
         )
+        self._stopped: StopReport | None = None
         try:
             if opts["transport"] == "q2":
-                self._run_q2(queue, slots, heartbeat)
+                self._run_q2(queue, slots, heartbeat, pk_host, spec.name)
             else:
                 heartbeat.start()
-                self._run_celery(queue, slots, spec.name)
+                self._run_celery(queue, slots, spec.name, heartbeat, pk_host)
         finally:
             heartbeat.stop()
-            self.stdout.write(f"agent for host {spec.name} stopped")
+            if self._stopped is None:  # the transport ended on its own (or failed): same cleanup
+                self._stopped = stop_host_work(pk_host, spec.name)
+            # What the scheduler booked here before it saw the host DOWN: the transport may have
+            # started some of those runs while it stopped; they are ended the same way.
+            late = stop_host_work(pk_host, spec.name)
+            self._stopped.requeued_queued += late.requeued_queued
+            self._stopped.requeued_running += late.requeued_running
+            self._stopped.still_running += late.still_running
+            self.stdout.write(f"agent for host {spec.name} stopped: {self._stopped.summary()}")
+            self.stdout.flush()
 
-    def _run_q2(self, queue: str, slots: int, heartbeat: Heartbeat) -> None:
+    def _end_work(self, heartbeat: Heartbeat, pk_host: str, host: str) -> None:
+        """Stop pinging (a ping would bring the host back UP), then end or requeue its frames."""
+        heartbeat.stop()
+        self.stderr.write(f"agent for host {host}: ending or requeueing the frames booked on it")
+        self._stopped = stop_host_work(pk_host, host)
+
+    def _run_q2(self, queue: str, slots: int, heartbeat: Heartbeat, pk_host: str, host: str) -> None:
         from django_q.brokers import get_broker
         from django_q.cluster import Cluster
         from django_q.conf import Conf
@@ -116,16 +138,27 @@ class Command(BaseCommand):
         heartbeat.start()
         while cluster.sentinel is not None and cluster.sentinel.is_alive() and not stop.wait(0.5):
             pass
-        if cluster.sentinel is not None and cluster.sentinel.is_alive():
-            cluster.stop()  # workers finish the frames they run, then exit
+        # Before the cluster stops: its workers wait for the frames they run, and those end
+        # only once their procs are released (a frame may run for hours).
+        try:
+            self._end_work(heartbeat, pk_host, host)
+        finally:  # the database may be gone: the cluster stops all the same (procs stay counted)
+            if cluster.sentinel is not None and cluster.sentinel.is_alive():
+                cluster.stop()  # workers finish the (now ended) frames they run, then exit
 
-    def _run_celery(self, queue: str, slots: int, host: str) -> None:
+    def _run_celery(self, queue: str, slots: int, host: str, heartbeat: Heartbeat, pk_host: str) -> None:
         from dispatch.hosts.celery_app import app
 
         def _stop(signum: int, _frame: object) -> None:
+            if self._stopped is None:
+                self.stderr.write(f"received {signal.Signals(signum).name}, stopping the agent")
+                # The frames run in this process's worker threads: end them while they can
+                # still see their procs go, before the worker is torn down.
+                self._end_work(heartbeat, pk_host, host)
             raise SystemExit(0)
 
         signal.signal(signal.SIGTERM, _stop)
+        signal.signal(signal.SIGINT, _stop)
         worker = app.Worker(
             queues=[queue],
             concurrency=slots,

@@ -8,6 +8,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from accounting.metrics import MetricsPortError
 from accounting.scheduler import SchedulerOptions, SchedulerProcess
 from accounting.singleton import SchedulerAlreadyRunning
 from cuesched_project import conf
@@ -115,7 +116,7 @@ class Command(BaseCommand):
         )
         try:
             process.run(main)
-        except SchedulerAlreadyRunning as exc:
+        except (SchedulerAlreadyRunning, MetricsPortError) as exc:
             raise CommandError(str(exc)) from None
         if process.lock_lost:
             raise CommandError("this scheduler lost its lease to another scheduler and stopped booking")
