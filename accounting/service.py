@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import psycopg
 
 from accounting import db, metrics
+from accounting.cuebot import CuebotMode
 from accounting.limits import fill_caps, reseed_limits
 from accounting.listener import HeartbeatSender, Listener, ServerIdentity
 from accounting.managed_shows import Managed, read_managed, refresh_managed
@@ -111,6 +112,8 @@ class AccountingService:
         # recompute): a dispatch loop held back by a Store cap waits on it instead of polling.
         self._room = threading.Condition()
         self._room_generation = 0
+        # Set by set_cuebot_mode before start (run_scheduler resolves it from the database).
+        self.cuebot: CuebotMode | None = None
 
     # -- managed shows ---------------------------------------------------------------
     def managed_shows(self) -> frozenset[str]:
@@ -388,6 +391,13 @@ class AccountingService:
         thread.start()
         self._threads.append(thread)
 
+    def set_cuebot_mode(self, mode: CuebotMode) -> None:
+        """Beside Cuebot: drop its notifier's duplicate releases, leave unmanaged counters to it."""
+        self.cuebot = mode
+        self.listener.ignore_xidless_releases = mode.enabled
+        metrics.CUEBOT_MODE.set(1 if mode.enabled else 0)
+        logger.log(logging.WARNING if mode.enabled else logging.INFO, "Cuebot mode %s", mode.describe())
+
     def start(self, stop: threading.Event, *, bootstrap_timeout: float | None = None) -> None:
         """Start the heartbeat and the listener, block until the bootstrap reseed succeeded, then the loops."""
         self._spawn("heartbeat", self.heartbeat.run, stop)
@@ -411,7 +421,13 @@ class AccountingService:
             stop,
             self._managed_wakeup,
         )
-        self._spawn("reconcile", self._run_loop, "reconcile", conf.db_reconcile_interval(), self._reconcile_tick, stop)
+        if self.cuebot is None or not self.cuebot.enabled:
+            # Beside Cuebot the unmanaged counters are Cuebot's: a rewrite from a SUM(proc) read
+            # before Cuebot's next relative update committed would leave them LOW. Cuebot's own
+            # recalculate_subs() is their backstop there.
+            self._spawn(
+                "reconcile", self._run_loop, "reconcile", conf.db_reconcile_interval(), self._reconcile_tick, stop
+            )
 
     def join(self, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout

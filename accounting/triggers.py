@@ -459,8 +459,19 @@ DB_APPLY = f"""
     ORDER BY v.ord, v.msg
     LIMIT 1;"""
 
+# A Cuebot database (its `verify_subscription` trigger is on `subscription`): Cuebot's Java code
+# (ProcDaoJdbc.procCreated / procDestroyed, its after_job_moved and after_job_dept_update
+# triggers) keeps the five tables of the shows it owns, the unmanaged ones, in the writing
+# transaction, and its verify_* triggers enforce their caps. Applying the deltas here as well
+# would count every Cuebot booking twice, so the unmanaged half stands down there. Read per
+# statement, and only when an unmanaged show is in it: the managed hot path never pays for it.
+CUEBOT_ACCOUNTS = (
+    "EXISTS (SELECT 1 FROM pg_trigger WHERE tgname = 'verify_subscription' "
+    "AND tgrelid = to_regclass('subscription'))"
+)
+
 APPLY_UNMANAGED = f"""
-    IF false = ANY(v_managed) THEN
+    IF false = ANY(v_managed) AND NOT {CUEBOT_ACCOUNTS} THEN
         {LOCK_DB_SHOWS.format(rows=f"(SELECT * FROM {DELTAS} WHERE NOT d.managed)")}
         {DB_APPLY}
         IF v_message IS NOT NULL THEN

@@ -64,6 +64,7 @@ def _scheduler_context(view: dict[str, Any] | None) -> dict[str, Any]:
         else "never",
         "loops": [{"name": k, **v, "ago": status.ago(v.get("last_run"))} for k, v in sorted(loops.items())],
         "dispatch": dispatch,
+        "cuebot_mode": (view or {}).get("cuebot_mode"),
         "started_ago": status.ago((view or {}).get("started_at")),
     }
 

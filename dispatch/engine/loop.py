@@ -212,6 +212,11 @@ class DispatchLoop:
         self.store = service.store
         self.launcher = launcher
         self.managed_only = conf.dispatch_managed_only() if managed_only is None else managed_only
+        mode = getattr(service, "cuebot", None)
+        if mode is not None and mode.enabled:
+            # Beside Cuebot, unmanaged shows are Cuebot's: our triggers leave their counters and
+            # caps to Cuebot's Java code, so a booking of ours there would be counted nowhere.
+            self.managed_only = True
         self.batch_size = batch_size or conf.batch_size()
         self.max_jobs = max_jobs or conf.feed_max_jobs()
         self.frames_per_layer = frames_per_layer or conf.feed_frames_per_layer()
