@@ -43,7 +43,9 @@ DROPPED = Counter(
     registry=REGISTRY,
 )
 CUEBOT_MODE = Gauge(
-    "cuesched_cuebot_mode", "1 when the scheduler runs beside Cuebot (CUESCHED_CUEBOT_MODE, detected).", registry=REGISTRY
+    "cuesched_cuebot_mode",
+    "1 when the scheduler runs beside Cuebot (CUESCHED_CUEBOT_MODE, detected).",
+    registry=REGISTRY,
 )
 LISTENER_RECONNECTS = Counter("cuesched_listener_reconnects_total", "Listener reconnections.", registry=REGISTRY)
 LISTENER_CONNECTED = Gauge(

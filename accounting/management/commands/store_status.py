@@ -59,8 +59,8 @@ class Command(BaseCommand):
             self.stdout.write(f"Cuebot mode {cuebot['description']}")
             if cuebot.get("notifier_releases_dropped"):
                 self.stdout.write(
-                    f"WARNING: {cuebot['notifier_releases_dropped']} release(s) from Cuebot's AccountingNotifier dropped "
-                    "(cuesched's trigger already sent each): set accounting.notify.enabled=false in Cuebot"
+                    f"WARNING: {cuebot['notifier_releases_dropped']} release(s) from Cuebot's AccountingNotifier "
+                    "dropped (cuesched's trigger already sent each): set accounting.notify.enabled=false in Cuebot"
                 )
         if view.get("enforcing") is False:
             self.stdout.write(f"ACCOUNTING PAUSED: managed shows book nothing: {view.get('paused_reason')}")
