@@ -463,15 +463,23 @@ DB_APPLY = f"""
 # (ProcDaoJdbc.procCreated / procDestroyed, its after_job_moved and after_job_dept_update
 # triggers) keeps the five tables of the shows it owns, the unmanaged ones, in the writing
 # transaction, and its verify_* triggers enforce their caps. Applying the deltas here as well
-# would count every Cuebot booking twice, so the unmanaged half stands down there. Read per
-# statement, and only when an unmanaged show is in it: the managed hot path never pays for it.
+# would count every Cuebot booking twice, so the unmanaged half stands down there for every
+# writer but cuesched's own. cuesched's connections carry `cuesched.writer=on` from their
+# start (WRITER_OPTION, set by accounting.db.connect and Django's settings): a frame the
+# scheduler booked while the show was managed and completes after a flip back is deleted by
+# our completion path, which Cuebot's Java never sees, so our trigger is the only one to
+# count that release. Read per statement, and only when an unmanaged show is in it: the
+# managed hot path never pays for it.
 CUEBOT_ACCOUNTS = (
     "EXISTS (SELECT 1 FROM pg_trigger WHERE tgname = 'verify_subscription' "
     "AND tgrelid = to_regclass('subscription'))"
 )
+WRITER_SETTING = "cuesched.writer"
+WRITER_OPTION = f"-c {WRITER_SETTING}=on"
+CUEBOT_WRITES = f"(COALESCE(current_setting('{WRITER_SETTING}', true), '') <> 'on' AND {CUEBOT_ACCOUNTS})"
 
 APPLY_UNMANAGED = f"""
-    IF false = ANY(v_managed) AND NOT {CUEBOT_ACCOUNTS} THEN
+    IF false = ANY(v_managed) AND NOT {CUEBOT_WRITES} THEN
         {LOCK_DB_SHOWS.format(rows=f"(SELECT * FROM {DELTAS} WHERE NOT d.managed)")}
         {DB_APPLY}
         IF v_message IS NOT NULL THEN

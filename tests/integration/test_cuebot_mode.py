@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +30,7 @@ SHOW = "00000000-0000-0000-0000-000000000000"  # the seed's 'testing' show
 ALLOC = "00000000-0000-0000-0000-000000000000"  # local.general
 FOLDER = "A0000000-0000-0000-0000-000000000000"
 DEPT = "AAAAAAAA-AAAA-AAAA-AAAA-AAAAAAAAAAA0"
-FACILITY = "AAAAAAAA-AAAA-AAAA-AAAA-AAAAAAAAAAA0"
+FACILITY = "AAAAAAAA-AAAA-AAAA-AAAA-AAAAAAAAAAA1"  # local.general's facility
 
 
 @pytest.fixture(scope="module")
@@ -49,39 +51,60 @@ def cuebot_url() -> Iterator[str]:
 class Farm:
     """One host and one job of the 'testing' show, with `frames` frames, written as plain rows."""
 
-    def __init__(self, conn: psycopg.Connection, frames: int = 4) -> None:
+    def __init__(self, conn: psycopg.Connection, frames: int = 4, *, url: str | None = None) -> None:
         self.host = str(uuid.uuid4())
         self.job = str(uuid.uuid4())
         self.layer = str(uuid.uuid4())
         self.frames = [str(uuid.uuid4()) for _ in range(frames)]
         tag = self.job[:8]
+        self.host_name = f"standin-{tag}"
         conn.execute(
             "INSERT INTO host (pk_host, pk_alloc, str_name, str_lock_state, int_cores, int_cores_idle, int_mem, "
             "int_mem_idle) VALUES (%s, %s, %s, 'OPEN', 800, 800, 8388608, 8388608)",
-            (self.host, ALLOC, f"standin-{tag}"),
+            (self.host, ALLOC, self.host_name),
         )
-        conn.execute("INSERT INTO host_stat (pk_host_stat, pk_host) VALUES (%s, %s)", (str(uuid.uuid4()), self.host))
+        conn.execute(
+            "INSERT INTO host_stat (pk_host_stat, pk_host, int_mem_total, int_mem_free, ts_ping) "
+            "VALUES (%s, %s, 8388608, 8388608, now())",
+            (str(uuid.uuid4()), self.host),
+        )
+        # HostDaoJdbc.tagHost: the allocation's tag, as Cuebot tags a host it registers
+        conn.execute(
+            "INSERT INTO host_tag (pk_host_tag, pk_host, str_tag, str_tag_type, b_constant) "
+            "VALUES (%s, %s, 'general', 'Alloc', true)",
+            (str(uuid.uuid4()), self.host),
+        )
         conn.execute(
             "INSERT INTO job (pk_job, pk_folder, pk_show, pk_facility, pk_dept, str_name, str_visible_name, "
             "str_shot, str_user, str_state) VALUES (%s, %s, %s, %s, %s, %s, %s, 'shot', 'standin', 'PENDING')",
             (self.job, FOLDER, SHOW, FACILITY, DEPT, f"testing-shot-standin_{tag}", f"testing-shot-standin_{tag}"),
         )
         conn.execute(
-            "INSERT INTO layer (pk_layer, pk_job, str_name, str_cmd, str_range, str_type) "
-            "VALUES (%s, %s, 'render', 'true', '1-4', 'Render')",
+            "INSERT INTO layer (pk_layer, pk_job, str_name, str_cmd, str_range, str_type, str_tags) "
+            "VALUES (%s, %s, 'render', 'true', '1-4', 'Render', 'general')",
             (self.layer, self.job),
         )
-        for i, frame in enumerate(self.frames, start=1):
-            conn.execute(
-                "INSERT INTO frame (pk_frame, pk_job, pk_layer, str_name, int_number, int_layer_order, str_state) "
-                "VALUES (%s, %s, %s, %s, %s, 0, 'WAITING')",
-                (frame, self.job, self.layer, f"{i:04d}-render", i),
+        standin = CuebotStandIn(url or _url(conn))
+        try:
+            standin.activate(
+                job=self.job,
+                layer=self.layer,
+                layer_name="render",
+                frames=[(f, i) for i, f in enumerate(self.frames, start=1)],
             )
+        finally:
+            standin.close()
         conn.execute(
             "INSERT INTO point (pk_point, pk_show, pk_dept) SELECT %s, %s, %s "
             "WHERE NOT EXISTS (SELECT 1 FROM point WHERE pk_show = %s AND pk_dept = %s)",
             (str(uuid.uuid4()), SHOW, DEPT, SHOW, DEPT),
         )
+
+
+def _url(conn: psycopg.Connection) -> str:
+    from tests.integration.cuebot_support import server_url
+
+    return server_url(conn.info.dbname)
 
 
 def counters(conn: psycopg.Connection, farm: Farm) -> dict[str, int]:
@@ -246,3 +269,198 @@ def test_cuebot_orphan_cleanup_sees_a_stale_ping(cuebot_url: str, conn: psycopg.
         standin.unbook(proc)
     finally:
         standin.close()
+
+
+def test_a_cuesched_writer_releases_an_unmanaged_proc_it_booked_while_managed(cuebot_url: str) -> None:
+    """A frame the scheduler booked while the show was managed and completes after the flip back:
+    Cuebot's Java never sees it, so our trigger counts that release (cuesched's connections carry
+    the writer mark); read HIGH forever before."""
+    from accounting.db import with_writer_option
+
+    ours_url = f"{cuebot_url}?options={with_writer_option(None).replace(' ', '%20').replace('=', '%3D')}"
+    with psycopg.connect(cuebot_url, autocommit=True) as conn, psycopg.connect(ours_url, autocommit=True) as ours:
+        conn.execute("UPDATE show SET b_scheduler_managed = false WHERE pk_show = %s", (SHOW,))
+        farm = Farm(conn)
+        conn.execute("UPDATE show SET b_scheduler_managed = true WHERE pk_show = %s", (SHOW,))
+        pk = str(uuid.uuid4())
+        ours.execute(
+            "INSERT INTO proc (pk_proc, pk_host, pk_show, pk_job, pk_layer, pk_frame, int_cores_reserved, "
+            "int_mem_reserved, int_mem_pre_reserved) VALUES (%s, %s, %s, %s, %s, %s, 100, 1048576, 1048576)",
+            (pk, farm.host, SHOW, farm.job, farm.layer, farm.frames[0]),
+        )
+        conn.execute("UPDATE show SET b_scheduler_managed = false WHERE pk_show = %s", (SHOW,))
+        got = counters(conn, farm)
+        assert got == {k: 100 for k in got}, got  # the flip rebuilt Cuebot's counters from SUM(proc)
+        ours.execute("DELETE FROM proc WHERE pk_proc = %s", (pk,))
+        got = counters(conn, farm)
+        assert got == {k: 0 for k in got}, got
+
+
+def _view(conn: psycopg.Connection) -> dict | None:
+    from accounting import live
+
+    with conn.cursor() as cur:
+        return live.read_view(cur)
+
+
+def _wait(what: str, cond, timeout: float = 30.0, every: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(every)  # polling a condition with a deadline, not standing in for an event
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _flag(conn: psycopg.Connection) -> bool:
+    return conn.execute("SELECT b_scheduler_managed FROM show WHERE pk_show = %s", (SHOW,)).fetchone()[0]
+
+
+def _sum_proc(conn: psycopg.Connection) -> int:
+    return conn.execute(
+        "SELECT COALESCE(SUM(p.int_cores_reserved), 0) FROM proc p JOIN host h USING (pk_host) "
+        "WHERE p.pk_show = %s AND h.pk_alloc = %s AND NOT p.b_local",
+        (SHOW, ALLOC),
+    ).fetchone()[0]
+
+
+def test_beside_run_scheduler_with_flips_under_load(cuebot_url: str) -> None:
+    """run_scheduler in Cuebot mode (detected) and the Cuebot stand-in (notifier ON, the harder
+    case) on one show flipped back and forth while both book and complete frames: SUM(proc) never
+    passes the burst, the five tables equal SUM(proc) once the show is Cuebot's again, the Store
+    equals it once the show is the scheduler's, with every release counted once."""
+    burst = 500  # centicores: 5 cores, for both sides
+    with psycopg.connect(cuebot_url, autocommit=True) as conn:
+        conn.execute("UPDATE show SET b_scheduler_managed = false WHERE pk_show = %s", (SHOW,))
+        conn.execute("DELETE FROM proc")
+        conn.execute("UPDATE subscription SET int_cores = 0, int_gpus = 0")
+        conn.execute(
+            "UPDATE subscription SET int_burst = %s WHERE pk_show = %s AND pk_alloc = %s", (burst, SHOW, ALLOC)
+        )
+        farm = Farm(conn, frames=400)
+        env = {
+            **os.environ,
+            "DATABASE_URL": cuebot_url,
+            "CUESCHED_CUEBOT_MODE": "auto",
+            "CUESCHED_MANAGED_SHOWS_TTL": "0.3",
+            "CUESCHED_RECOMPUTE_INTERVAL": "1",
+            "CUESCHED_SIM_RUNTIME_MIN": "0.2",
+            "CUESCHED_SIM_RUNTIME_MAX": "0.6",
+        }
+        sched = subprocess.Popen(
+            [sys.executable, "manage.py", "run_scheduler", "--launcher", "simulated", "--metrics-port", "0"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        stop = threading.Event()
+        breaches: list[int] = []
+        stats = {"cuebot_booked": 0, "cuebot_refused": 0, "samples": 0}
+        errors: list[BaseException] = []
+
+        def cuebot_side() -> None:
+            standin = CuebotStandIn(cuebot_url, notifier=True)
+            running: list[tuple[float, object]] = []
+            try:
+                while not stop.is_set():
+                    try:
+                        proc = standin.dispatch_one(
+                            host=farm.host, host_name=farm.host_name, alloc=ALLOC, job=farm.job, cores=100
+                        )
+                        if proc is not None:
+                            stats["cuebot_booked"] += 1
+                            running.append((time.monotonic(), proc))
+                    except psycopg.errors.RaiseException as exc:
+                        assert "exceeded" in str(exc), exc
+                        stats["cuebot_refused"] += 1
+                    now = time.monotonic()
+                    for started, proc in [r for r in running if now - r[0] > 0.3]:
+                        standin.complete(proc)
+                        running.remove((started, proc))
+                    stop.wait(0.02)
+                for _started, proc in running:
+                    standin.complete(proc)
+            except BaseException as exc:  # reported by the main thread
+                errors.append(exc)
+            finally:
+                standin.close()
+
+        def sampler() -> None:
+            with psycopg.connect(cuebot_url, autocommit=True) as c:
+                while not stop.is_set():
+                    total = _sum_proc(c)
+                    stats["samples"] += 1
+                    if total > burst:
+                        breaches.append(total)
+                    stop.wait(0.02)
+
+        threads = [threading.Thread(target=cuebot_side), threading.Thread(target=sampler)]
+        try:
+            _wait("the scheduler's view", lambda: (_view(conn) or {}).get("cuebot_mode"), timeout=60)
+            assert _view(conn)["cuebot_mode"]["enabled"] is True
+            for t in threads:
+                t.start()
+            for _round in range(3):
+                time.sleep(2.0)  # load runs for a while in each state (a duration, not a synchronisation)
+                conn.execute("UPDATE show SET b_scheduler_managed = true WHERE pk_show = %s", (SHOW,))
+                _wait("the show published as managed", lambda: SHOW in (_view(conn) or {}).get("managed_shows", {}))
+                time.sleep(2.0)
+                conn.execute("UPDATE show SET b_scheduler_managed = false WHERE pk_show = %s", (SHOW,))
+            stop.set()
+            for t in threads:
+                t.join(30)
+            assert not errors, errors
+            # The show is Cuebot's: the scheduler's last frames drain through our completion path.
+            _wait("the scheduler's frames to drain", lambda: _sum_proc(conn) == 0, timeout=30)
+            got = counters(conn, farm)
+            assert got == {k: 0 for k in got}, got
+            # Hold a few Cuebot procs, then hand the show to the scheduler with the job paused.
+            conn.execute("UPDATE job SET b_paused = true WHERE pk_job = %s", (farm.job,))
+            standin = CuebotStandIn(cuebot_url, notifier=True)
+            conn.execute("UPDATE job SET b_paused = false WHERE pk_job = %s", (farm.job,))
+            held = [
+                standin.dispatch_one(host=farm.host, host_name=farm.host_name, alloc=ALLOC, job=farm.job, cores=100)
+                for _ in range(3)
+            ]
+            conn.execute("UPDATE job SET b_paused = true WHERE pk_job = %s", (farm.job,))
+            got = counters(conn, farm)
+            assert got == {k: 300 for k in got}, got
+            conn.execute("UPDATE show SET b_scheduler_managed = true WHERE pk_show = %s", (SHOW,))
+
+            def store_cores() -> int | None:
+                view = _view(conn) or {}
+                if SHOW not in (view.get("managed_shows") or {}):
+                    return None
+                return (view.get("sub") or {}).get(f"{SHOW}:{ALLOC}", {}).get("cores")
+
+            _wait("the Store to hold Cuebot's 3 procs", lambda: store_cores() == 3)
+            dropped_before = _view(conn)["cuebot_mode"]["notifier_releases_dropped"]
+            for proc in held:
+                standin.complete(proc)  # notifier on: two releases per proc reach the listener
+            standin.close()
+
+            # Cuebot's copy of each release is sent after our trigger's (same transaction, later
+            # statement), so a view that counted the three dropped copies has applied ours.
+            def handled_all() -> dict | None:
+                v = _view(conn)
+                return v if v and v["cuebot_mode"]["notifier_releases_dropped"] >= dropped_before + 3 else None
+
+            view = _wait("a view that handled all six releases", handled_all)
+            assert view["sub"][f"{SHOW}:{ALLOC}"]["cores"] == 0 == _sum_proc(conn), view["sub"]
+        finally:
+            stop.set()
+            sched.terminate()
+            out, _ = sched.communicate(timeout=60)
+            conn.execute("UPDATE job SET b_paused = false WHERE pk_job = %s", (farm.job,))
+            conn.execute("UPDATE show SET b_scheduler_managed = false WHERE pk_show = %s", (SHOW,))
+        print(out[-3000:])
+        print(stats)
+        assert stats["samples"] > 10 and stats["cuebot_booked"] > 0
+        assert not breaches, f"SUM(proc) passed the burst {burst}: {breaches[:10]}"
+        succeeded = conn.execute(
+            "SELECT count(*) FROM frame WHERE pk_job = %s AND str_state = 'SUCCEEDED'", (farm.job,)
+        ).fetchone()[0]
+        assert succeeded > stats["cuebot_booked"] + 3, "the scheduler completed none of the frames"
