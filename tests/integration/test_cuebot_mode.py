@@ -60,12 +60,12 @@ class Farm:
         self.host_name = f"standin-{tag}"
         conn.execute(
             "INSERT INTO host (pk_host, pk_alloc, str_name, str_lock_state, int_cores, int_cores_idle, int_mem, "
-            "int_mem_idle) VALUES (%s, %s, %s, 'OPEN', 800, 800, 8388608, 8388608)",
+            "int_mem_idle) VALUES (%s, %s, %s, 'OPEN', 1600, 1600, 67108864, 67108864)",
             (self.host, ALLOC, self.host_name),
         )
         conn.execute(
             "INSERT INTO host_stat (pk_host_stat, pk_host, int_mem_total, int_mem_free, ts_ping) "
-            "VALUES (%s, %s, 8388608, 8388608, now())",
+            "VALUES (%s, %s, 67108864, 67108864, now())",
             (str(uuid.uuid4()), self.host),
         )
         # HostDaoJdbc.tagHost: the allocation's tag, as Cuebot tags a host it registers
@@ -358,7 +358,7 @@ def test_beside_run_scheduler_with_flips_under_load(cuebot_url: str) -> None:
         )
         stop = threading.Event()
         breaches: list[int] = []
-        stats = {"cuebot_booked": 0, "cuebot_refused": 0, "samples": 0}
+        stats = {"cuebot_booked": 0, "cuebot_refused": 0, "cuebot_aborted": 0, "samples": 0}
         errors: list[BaseException] = []
 
         def cuebot_side() -> None:
@@ -374,11 +374,20 @@ def test_beside_run_scheduler_with_flips_under_load(cuebot_url: str) -> None:
                             stats["cuebot_booked"] += 1
                             running.append((time.monotonic(), proc))
                     except psycopg.errors.RaiseException as exc:
-                        assert "exceeded" in str(exc), exc
+                        # Cuebot's verify_subscription / verify_host_resources refusing: nothing written
+                        assert "exceeded" in str(exc) or "unable to allocate" in str(exc), exc
                         stats["cuebot_refused"] += 1
+                    except (psycopg.errors.DeadlockDetected, psycopg.errors.UniqueViolation):
+                        # Around a flip both sides may take the same frame or host: PostgreSQL
+                        # aborts one transaction whole, and Cuebot's dispatcher moves on.
+                        stats["cuebot_aborted"] += 1
                     now = time.monotonic()
                     for started, proc in [r for r in running if now - r[0] > 0.3]:
-                        standin.complete(proc)
+                        try:
+                            standin.complete(proc)
+                        except psycopg.errors.DeadlockDetected:
+                            stats["cuebot_aborted"] += 1  # retried next time round, as Cuebot would
+                            continue
                         running.remove((started, proc))
                     stop.wait(0.02)
                 for _started, proc in running:
