@@ -395,6 +395,7 @@ class AccountingService:
         """Beside Cuebot: drop its notifier's duplicate releases, leave unmanaged counters to it."""
         self.cuebot = mode
         self.listener.ignore_xidless_releases = mode.enabled
+        self.recomputer.cuebot = mode.enabled
         metrics.CUEBOT_MODE.set(1 if mode.enabled else 0)
         logger.log(logging.WARNING if mode.enabled else logging.INFO, "Cuebot mode %s", mode.describe())
 

@@ -473,3 +473,37 @@ def test_beside_run_scheduler_with_flips_under_load(cuebot_url: str) -> None:
             "SELECT count(*) FROM frame WHERE pk_job = %s AND str_state = 'SUCCEEDED'", (farm.job,)
         ).fetchone()[0]
         assert succeeded > stats["cuebot_booked"] + 3, "the scheduler completed none of the frames"
+
+
+def test_the_display_write_passes_cuebots_verify_triggers(cuebot_url: str, conn: psycopg.Connection) -> None:
+    """A managed show's display value above its cap (a burst lowered under running frames; a job
+    cap of -1, unlimited to us, which Cuebot's verify_job_resources refuses every increase against)
+    is written as recalculate_subs() writes it: the caps lifted and put back in one transaction,
+    the lift of the burst never announced to the Store. Failed with Cuebot's error before."""
+    from accounting.recompute import Recomputer, Usage
+
+    farm = Farm(conn)
+    conn.execute("UPDATE show SET b_scheduler_managed = true WHERE pk_show = %s", (SHOW,))
+    conn.execute(
+        "UPDATE subscription SET int_cores = 200, int_burst = 250 WHERE pk_show = %s AND pk_alloc = %s", (SHOW, ALLOC)
+    )
+    conn.execute("UPDATE job_resource SET int_max_cores = -1 WHERE pk_job = %s", (farm.job,))
+    usage = Usage(shows=[SHOW], sub={(SHOW, ALLOC): (300, 0)}, job={farm.job: (300, 0)})
+    recomputer = Recomputer(Store())
+    recomputer.cuebot = True
+    with psycopg.connect(cuebot_url, autocommit=True) as listen, psycopg.connect(cuebot_url) as writer:
+        listen.execute(f"LISTEN {channels.LIMIT_CHANNEL}")
+        result = recomputer.pg_pass(writer, usage)
+        assert result.pg_error is None, result.pg_error
+        notices = [channels.parse_limit_change(n.payload) for n in listen.notifies(timeout=1.0)]
+    sub = conn.execute(
+        "SELECT int_cores, int_burst FROM subscription WHERE pk_show = %s AND pk_alloc = %s", (SHOW, ALLOC)
+    ).fetchone()
+    assert sub == (300, 250)
+    assert conn.execute(
+        "SELECT int_cores, int_max_cores FROM job_resource WHERE pk_job = %s", (farm.job,)
+    ).fetchone() == (300, -1)
+    bursts = [c.value for n in notices for c in n.changes if c.kind.name == "SUB_BURST"]
+    assert all(b <= 2 for b in bursts), bursts  # the lift to 3 cores never reached the Store
+    job_caps = [c.value for n in notices for c in n.changes if c.kind.name.startswith("JOB")]
+    assert job_caps and job_caps[-1][0] == -1, job_caps  # (max cores, max GPUs): the last word is the real cap
