@@ -507,3 +507,36 @@ def test_the_display_write_passes_cuebots_verify_triggers(cuebot_url: str, conn:
     assert all(b <= 2 for b in bursts), bursts  # the lift to 3 cores never reached the Store
     job_caps = [c.value for n in notices for c in n.changes if c.kind.name.startswith("JOB")]
     assert job_caps and job_caps[-1][0] == -1, job_caps  # (max cores, max GPUs): the last word is the real cap
+
+
+@pytest.mark.parametrize(
+    "flag",
+    [
+        "UPDATE show SET b_paused = true WHERE pk_show = %(show)s",
+        "UPDATE show SET b_booking_enabled = false WHERE pk_show = %(show)s",
+        "UPDATE show SET b_dispatch_enabled = false WHERE pk_show = %(show)s",
+        "UPDATE job SET b_auto_book = false WHERE pk_job = %(job)s",
+    ],
+    ids=["show-paused", "booking-disabled", "dispatch-disabled", "job-not-auto-book"],
+)
+def test_the_feed_honours_cuebots_show_and_job_flags(conn: psycopg.Connection, flag: str) -> None:
+    """A managed show's job is dispatchable until one of Cuebot's flags says otherwise."""
+    from dispatch.engine.feed import fetch_pending
+
+    farm = Farm(conn)
+    conn.execute("UPDATE show SET b_scheduler_managed = true WHERE pk_show = %s", (SHOW,))
+    try:
+
+        def pending() -> set[str]:
+            work = fetch_pending(conn, managed_only=True, max_jobs=50, frames_per_layer=5)
+            return {job.pk for job in work}
+
+        assert farm.job in pending()
+        conn.execute(flag, {"show": SHOW, "job": farm.job})
+        assert farm.job not in pending()
+    finally:
+        conn.execute(
+            "UPDATE show SET b_paused = false, b_booking_enabled = true, b_dispatch_enabled = true WHERE pk_show = %s",
+            (SHOW,),
+        )
+        conn.execute("UPDATE job SET str_state = 'FINISHED' WHERE pk_job = %s", (farm.job,))
