@@ -540,3 +540,50 @@ def test_the_feed_honours_cuebots_show_and_job_flags(conn: psycopg.Connection, f
             (SHOW,),
         )
         conn.execute("UPDATE job SET str_state = 'FINISHED' WHERE pk_job = %s", (farm.job,))
+
+
+def test_cuebots_orphan_cleanup_leaves_the_schedulers_running_frames_alone(cuebot_url: str) -> None:
+    """The scheduler refreshes proc.ts_ping of the managed frames it runs (simulated launcher, no
+    RQD to report to Cuebot), so Cuebot's orphan query stops listing them; never refreshed before."""
+    with psycopg.connect(cuebot_url, autocommit=True) as conn:
+        conn.execute("UPDATE show SET b_scheduler_managed = false WHERE pk_show = %s", (SHOW,))
+        conn.execute("UPDATE job SET str_state = 'FINISHED' WHERE str_state = 'PENDING'")
+        conn.execute("DELETE FROM proc")
+        conn.execute("UPDATE subscription SET int_cores = 0, int_gpus = 0")
+        farm = Farm(conn, frames=2)
+        conn.execute("UPDATE show SET b_scheduler_managed = true WHERE pk_show = %s", (SHOW,))
+        env = {
+            **os.environ,
+            "DATABASE_URL": cuebot_url,
+            "CUESCHED_CUEBOT_PROC_PING_INTERVAL": "1",
+            "CUESCHED_SIM_RUNTIME_MIN": "120",
+            "CUESCHED_SIM_RUNTIME_MAX": "120",
+        }
+        sched = subprocess.Popen(
+            [sys.executable, "manage.py", "run_scheduler", "--launcher", "simulated", "--metrics-port", "0"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        standin = CuebotStandIn(cuebot_url)
+        try:
+            running = _wait(
+                "the scheduler to run both frames",
+                lambda: (
+                    [r[0] for r in conn.execute("SELECT pk_proc FROM proc WHERE pk_job = %s", (farm.job,))]
+                    if conn.execute("SELECT count(*) FROM proc WHERE pk_job = %s", (farm.job,)).fetchone()[0] == 2
+                    else None
+                ),
+                timeout=60,
+            )
+            conn.execute("UPDATE proc SET ts_ping = now() - interval '301 seconds' WHERE pk_job = %s", (farm.job,))
+            assert set(running) <= set(standin.orphans())  # Cuebot would unbook them now
+            _wait("the pings refreshed", lambda: not set(running) & set(standin.orphans()), timeout=20)
+        finally:
+            standin.close()
+            sched.terminate()
+            sched.wait(60)
+            conn.execute("DELETE FROM proc WHERE pk_job = %s", (farm.job,))
+            conn.execute("UPDATE job SET str_state = 'FINISHED' WHERE pk_job = %s", (farm.job,))
+            conn.execute("UPDATE show SET b_scheduler_managed = false WHERE pk_show = %s", (SHOW,))
