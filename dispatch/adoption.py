@@ -45,10 +45,12 @@ from pathlib import Path
 from typing import Any
 
 from django.conf import settings as django_settings
-from django.db import connections, transaction
+from django.core.management.base import CommandError
+from django.db import OperationalError, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from cuesched_project.dburl import url_from_settings
+from dispatch import conf
 
 MIN_FLYWAY_VERSION = 45
 REFERENCE_ALIAS = "cuesched_adopt_reference"
@@ -593,6 +595,9 @@ def adopt(*, apply: bool, using: str = "default") -> Result:
     live_cat = read_catalog(live)
     if live_cat.flyway_version is None:
         raise AdoptionError("no flyway_schema_history: this is not a Cuebot database; use `manage.py migrate`")
+    early = make_plan(Catalog(), live_cat, set(), [])  # version and needed objects, before any work
+    if early.errors:
+        raise AdoptionError("; ".join(early.errors))
     name, _settings = build_reference(using)
     try:
         ref = connections[REFERENCE_ALIAS]
@@ -609,25 +614,56 @@ def adopt(*, apply: bool, using: str = "default") -> Result:
         result = Result(plan, applied=False)
         if not apply:
             return result
-        with transaction.atomic(using=using, durable=True):
-            with live.cursor() as cur:
-                for kind in ("sequence", "table", "column", "function", "view"):
-                    for step in plan.steps:
-                        if step.kind == kind:
-                            for sql in step.sql:
-                                cur.execute(sql)
-            # Rows before constraints-with-checks and triggers: the reference's rows satisfy them,
-            # and a keep-row trigger must not see its table half filled.
-            result.rows = _copy_rows(ref, live, [s.name for s in plan.steps if s.kind == "rows"], ref_cat)
-            with live.cursor() as cur:
-                for kind in ("constraint", "index", "trigger"):
-                    for step in plan.steps:
-                        if step.kind == kind:
-                            for sql in step.sql:
-                                cur.execute(sql)
-                for app, mig in plan.migrations:
-                    cur.execute("INSERT INTO django_migrations (app, name, applied) VALUES (%s, %s, now())", [app, mig])
+        try:
+            result.rows = _apply(plan, live, ref, ref_cat, using)
+        except OperationalError as exc:
+            if getattr(exc.__cause__, "sqlstate", None) == "55P03":  # lock_not_available
+                raise AdoptionError(
+                    f"a table lock was not granted within {conf.adopt_lock_timeout()} s ({exc}): a Cuebot "
+                    "transaction holds it; retry at a quieter moment (CUESCHED_ADOPT_LOCK_TIMEOUT)"
+                ) from exc
+            raise
         result.applied = True
         return result
     finally:
         drop_reference(using, name)
+
+
+def _apply(plan: Plan, live: BaseDatabaseWrapper, ref: BaseDatabaseWrapper, ref_cat: Catalog, using: str) -> list[str]:
+    """The plan in one transaction: a failure anywhere (a lock not granted, the connection lost)
+    rolls all of it back, so the database is either adopted or untouched. Each lock is waited
+    for at most CUESCHED_ADOPT_LOCK_TIMEOUT: a longer wait would queue Cuebot's writes behind it."""
+    with transaction.atomic(using=using, durable=True):
+        with live.cursor() as cur:
+            cur.execute("SELECT set_config('lock_timeout', %s, true)", [f"{int(conf.adopt_lock_timeout() * 1000)}ms"])
+            for kind in ("sequence", "table", "column", "function", "view"):
+                for step in plan.steps:
+                    if step.kind == kind:
+                        for sql in step.sql:
+                            cur.execute(sql)
+        # Rows before constraints and triggers: the reference's rows satisfy them, and a
+        # keep-row trigger must not see its table half filled.
+        rows = _copy_rows(ref, live, [s.name for s in plan.steps if s.kind == "rows"], ref_cat)
+        with live.cursor() as cur:
+            for kind in ("constraint", "index", "trigger"):
+                for step in plan.steps:
+                    if step.kind == kind:
+                        for sql in step.sql:
+                            cur.execute(sql)
+            for app, mig in plan.migrations:
+                cur.execute("INSERT INTO django_migrations (app, name, applied) VALUES (%s, %s, now())", [app, mig])
+    return rows
+
+
+def refuse_migrate_on_cuebot(using: str, plan: list[tuple[Any, bool]]) -> None:
+    """Raise CommandError when `migrate` is about to apply migrations to a Cuebot database."""
+    with connections[using].cursor() as cur:
+        cur.execute("SELECT to_regclass('public.flyway_schema_history') IS NOT NULL")
+        cuebot = cur.fetchone()[0]
+    if cuebot:
+        names = ", ".join(f"{m.app_label}.{m.name}" for m, _backwards in plan[:5])
+        raise CommandError(
+            f"this is a Cuebot database (flyway_schema_history) and migrate would apply {len(plan)} "
+            f"migration(s) ({names}{', ...' if len(plan) > 5 else ''}), creating or altering Cuebot's "
+            "objects; run `manage.py adopt_cuebot_db --check`, then `--apply`, instead (nothing was written)"
+        )

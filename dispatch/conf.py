@@ -226,3 +226,11 @@ def agent_max_runtime() -> int:
 
 def celery_broker_url() -> str:
     return env_str("CUESCHED_CELERY_BROKER", "amqp://guest:guest@127.0.0.1:5672//")
+
+
+# --- adopting a Cuebot database -----------------------------------------------------------
+def adopt_lock_timeout() -> float:
+    """Seconds `adopt_cuebot_db --apply` waits for each table lock (its ALTER TABLE and CREATE
+    TRIGGER need strong locks on Cuebot's tables). Waiting longer would queue every Cuebot
+    write to that table behind it; past the timeout adoption fails whole, nothing written."""
+    return max(0.1, env_float("CUESCHED_ADOPT_LOCK_TIMEOUT", 10.0))

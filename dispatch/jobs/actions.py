@@ -46,6 +46,7 @@ from dispatch.jobs.spec import JobPlan, SpecError, plan_job
 from dispatch.models import Job, JobResource, Layer
 from dispatch.models.base import new_id
 from dispatch.models.depends import FRAME_BY_FRAME, LAYER_ON_LAYER
+from dispatch.models.triggers import STATE_COLUMNS
 
 logger = logging.getLogger(__name__)
 
@@ -66,11 +67,49 @@ FROM unnest(%(pk)s::text[], %(layer)s::text[], %(name)s::text[], %(number)s::int
 
 INSERT_DEPENDS_SQL = """
 INSERT INTO depend (pk_depend, str_type, pk_job_depend_er, pk_job_depend_on, pk_layer_depend_er,
-                    pk_layer_depend_on, pk_frame_depend_er, pk_frame_depend_on)
-SELECT gen_random_uuid()::text, d.type, %(job)s, %(job)s, d.layer_er, d.layer_on, d.frame_er, d.frame_on
+                    pk_layer_depend_on, pk_frame_depend_er, pk_frame_depend_on{signature_column})
+SELECT gen_random_uuid()::text, d.type, %(job)s, %(job)s, d.layer_er, d.layer_on, d.frame_er, d.frame_on{signature}
 FROM unnest(%(type)s::text[], %(layer_er)s::text[], %(layer_on)s::text[], %(frame_er)s::text[],
             %(frame_on)s::text[]) AS d(type, layer_er, layer_on, frame_er, frame_on)
 """
+
+# Cuebot's depend table (a database adopted with adopt_cuebot_db) requires str_signature, unique:
+# Cuebot refuses a second identical depend by it. cuesched's own schema has no such column. The
+# signature is a function of what the depend links (as Cuebot's is), 36 characters like its own.
+DEPEND_SIGNATURE = "md5(concat_ws(':', d.type, d.layer_er, d.layer_on, d.frame_er, d.frame_on))::uuid::text"
+HAS_DEPEND_SIGNATURE_SQL = """
+SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = 'depend'::regclass
+               AND attname = 'str_signature' AND NOT attisdropped)
+"""
+
+# The new job's counters, absolute, from its frames. cuesched's own frame-count triggers already
+# counted the insert (this then writes the same values); on a Cuebot database they are not
+# installed, and Cuebot's trigger counts only state changes after SETUP, never an insert, so
+# without this a job's waiting count stays 0 and it is never dispatched. Nobody else can see
+# the job before commit, so an absolute write is exact.
+COUNT_NEW_JOB_SQL = """
+WITH per_layer AS (
+  SELECT pk_layer, count(*) AS total, {counts}
+  FROM frame WHERE pk_job = %(job)s GROUP BY pk_layer
+),
+upd_layer AS (
+  UPDATE layer_stat t SET int_total_count = c.total, {sets}
+  FROM per_layer c WHERE t.pk_layer = c.pk_layer
+)
+UPDATE job_stat t SET int_total_count = c.total, {sets}
+FROM (SELECT sum(total) AS total, {sums} FROM per_layer) c
+WHERE t.pk_job = %(job)s
+"""
+
+
+def _count_new_job_sql() -> str:
+    columns = STATE_COLUMNS.items()
+    return COUNT_NEW_JOB_SQL.format(
+        counts=", ".join(f"count(*) FILTER (WHERE str_state = '{state}') AS {col}" for state, col in columns),
+        sets=", ".join(f"{col} = c.{col}" for _state, col in columns),
+        sums=", ".join(f"sum({col}) AS {col}" for _state, col in columns),
+    )
+
 
 # Kill step 2 and the end of step 3: frames of the job that could still start, eaten.
 EAT_UNSTARTED_SQL = """
@@ -258,10 +297,15 @@ def _write_job(plan: JobPlan) -> SubmitResult:
             cols["layer_order"].append(lp.order)
     with _pg() as cur:
         cur.execute(INSERT_FRAMES_SQL, {"job": job.pk_job, **cols})
+        cur.execute(_count_new_job_sql(), {"job": job.pk_job})
         if depend_rows:
             types, layer_er, layer_on, frame_er, frame_on = (list(c) for c in zip(*depend_rows, strict=True))
+            signed = cur.execute(HAS_DEPEND_SIGNATURE_SQL).fetchone()[0]
             cur.execute(
-                INSERT_DEPENDS_SQL,
+                INSERT_DEPENDS_SQL.format(
+                    signature_column=", str_signature" if signed else "",
+                    signature=f", {DEPEND_SIGNATURE}" if signed else "",
+                ),
                 {
                     "job": job.pk_job,
                     "type": types,

@@ -19,8 +19,12 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 import time
+import uuid
 import zlib
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -176,3 +180,73 @@ def migration(version: int) -> Migration:
         if mig.version == version:
             return mig
     raise KeyError(f"no Cuebot migration V{version} in {MIGRATIONS}")
+
+
+PG_DUMP = next(
+    (p for p in ("/usr/lib/postgresql/15/bin/pg_dump", "/usr/bin/pg_dump") if Path(p).exists()),
+    "pg_dump",
+)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def schema_dump(url: str) -> str:
+    """`pg_dump --schema-only` of the database: the object-by-object text the comparison reads."""
+    done = subprocess.run(
+        [PG_DUMP, "--schema-only", "--no-owner", "--no-privileges", "--dbname", url],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    # pg_dump 15.14+ brackets its output with \restrict <random key>: not part of the schema.
+    return "\n".join(line for line in done.stdout.splitlines() if not line.startswith(("\\restrict", "\\unrestrict")))
+
+
+def dump_lines(dump: str) -> Counter[str]:
+    """The dump's statement lines, as a multiset. A column line loses its trailing comma (the last
+    column of a table gains one when a column is added after it); comments and blank lines go."""
+    out: Counter[str] = Counter()
+    for line in dump.splitlines():
+        text = line.strip()
+        if not text or text.startswith("--"):
+            continue
+        out[text.rstrip(",")] += 1
+    return out
+
+
+def manage(url: str, *args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """Run `manage.py` against the Cuebot database, as an operator does (own process, own DATABASE_URL)."""
+    env = {**os.environ, "DATABASE_URL": url}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "manage.py"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=timeout,
+    )
+    if check and done.returncode != 0:
+        raise AssertionError(f"manage.py {' '.join(args)} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+    return done
+
+
+def insert_host(url: str, name: str, *, alloc: str, cores: int = 800, mem_kb: int = 16 * 1024 * 1024) -> str:
+    """A render host as Cuebot registers one: the host, host_stat and alloc tag rows, in Cuebot's
+    columns (its HostDaoJdbc writes these three tables); UP and pinged now."""
+    pk = str(uuid.uuid4())
+    with psycopg.connect(url) as conn:
+        tag = conn.execute("SELECT str_tag FROM alloc WHERE pk_alloc = %s", [alloc]).fetchone()[0]
+        conn.execute(
+            "INSERT INTO host (pk_host, pk_alloc, str_name, str_lock_state, int_cores, int_cores_idle, int_mem,"
+            " int_mem_idle, int_procs, str_fqdn) VALUES (%s, %s, %s, 'OPEN', %s, %s, %s, %s, 0, %s)",
+            [pk, alloc, name, cores, cores, mem_kb, mem_kb, name],
+        )
+        conn.execute(
+            "INSERT INTO host_stat (pk_host_stat, pk_host, str_state, str_os, int_mem_total, int_mem_free, ts_ping)"
+            " VALUES (%s, %s, 'UP', 'linux', %s, %s, now())",
+            [str(uuid.uuid4()), pk, mem_kb, mem_kb],
+        )
+        conn.execute(
+            "INSERT INTO host_tag (pk_host_tag, pk_host, str_tag, str_tag_type) VALUES (%s, %s, %s, 'ALLOC')",
+            [str(uuid.uuid4()), pk, tag],
+        )
+    return pk
