@@ -27,7 +27,7 @@ from django.utils import timezone
 from accounting import db
 from accounting.models import SETTINGS_ROW_ID, AccountingSettings
 from accounting.units import CENTICORES_PER_CORE, UNLIMITED, centicores_to_cores
-from dispatch.models import FolderResource, JobResource, Show, Subscription
+from dispatch.models import FolderResource, JobResource, LimitRecord, Show, Subscription
 
 # What is booked right now, from the record of truth (non-local procs), in centicores / GPUs.
 SUB_BOOKED_SQL = """
@@ -301,3 +301,102 @@ def show_procs(show_id: str) -> tuple[int, int, int]:
         cur.execute(SHOW_PROCS_SQL, [show_id])
         n, cc, gpus = cur.fetchone()
     return int(n), int(cc), int(gpus)
+
+
+# --- licence limits (limit_record): a cap of every show ------------------------------------
+
+LIMIT_NAME_MAX = 255
+
+
+def validate_limit_max(value: Any) -> int:
+    """A limit's max: a whole number >= 0, or -1 for unlimited (counted, never refused)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        else:
+            raise ValidationError(f"max must be a whole number of licences, not {value!r}", code="whole")
+    if value < UNLIMITED:
+        raise ValidationError("max cannot be negative: use -1 for unlimited, 0 to let nothing run", code="negative")
+    if value > 2**31 - 1:
+        raise ValidationError(f"max {value} is out of range", code="range")
+    return value
+
+
+def validate_limit_name(name: Any) -> str:
+    if not isinstance(name, str) or not name.strip():
+        raise ValidationError("a limit needs a name (the job spec's layer `limits` names it)", code="required")
+    name = name.strip()
+    if len(name) > LIMIT_NAME_MAX:
+        raise ValidationError(f"a limit name is at most {LIMIT_NAME_MAX} characters", code="long")
+    return name
+
+
+def _limit_warning(row: LimitRecord, new_max: int | None) -> list[str]:
+    if new_max is None or new_max < 0 or row.int_running <= new_max:
+        return []
+    unit = "hosts" if row.b_host_limit else "frames"
+    return [
+        f"Limit {row.str_name} is used by {row.int_running} {unit} now, above the new max of {new_max}: no new "
+        f"frame holding it starts until {row.int_running - new_max} {unit} finish. Nothing running is stopped."
+    ]
+
+
+def create_limit(name: Any, max_value: Any = UNLIMITED, *, host_limit: bool = False, actor: Any) -> ActionResult:
+    """Create a licence limit (OpenCue's limit_record); its use starts at 0 and follows the procs."""
+    name = validate_limit_name(name)
+    max_value = validate_limit_max(max_value)
+    if not isinstance(host_limit, bool):
+        raise ValidationError("host_limit must be true or false", code="invalid")
+    with transaction.atomic(durable=True), audit_context(actor, "create_limit"):
+        if LimitRecord.objects.filter(str_name=name).exists():
+            raise ValidationError(f"a limit named {name!r} already exists", code="exists")
+        row = LimitRecord.objects.create(str_name=name, int_max_value=max_value, b_host_limit=host_limit)
+        result = ActionResult(target=row.pk)
+        result.changes = [
+            Change("str_name", None, name),
+            Change("int_max_value", None, max_value),
+            Change("b_host_limit", None, host_limit),
+        ]
+    return _finish(result)
+
+
+def set_limit(limit_id: str, *, max_value: Any = None, host_limit: Any = None, actor: Any) -> ActionResult:
+    """Change a limit's max and/or host flag. Lowering the max below use refuses new frames only."""
+    wanted: dict[str, Any] = {}
+    if max_value is not None:
+        wanted["int_max_value"] = validate_limit_max(max_value)
+    if host_limit is not None:
+        if not isinstance(host_limit, bool):
+            raise ValidationError("host_limit must be true or false", code="invalid")
+        wanted["b_host_limit"] = host_limit
+    result = ActionResult(target=limit_id)
+    with transaction.atomic(durable=True), audit_context(actor, "set_limit"):
+        row = LimitRecord.objects.select_for_update().get(pk=limit_id)
+        current = {"int_max_value": row.int_max_value, "b_host_limit": row.b_host_limit}
+        result.changes = _write(LimitRecord, limit_id, current, wanted)
+        if result.changes:
+            row.refresh_from_db()
+            result.warnings = _limit_warning(row, wanted.get("int_max_value"))
+    return _finish(result)
+
+
+def limit_use() -> list[dict[str, Any]]:
+    """Every limit with its max and use (the trigger-kept count, and a recount from proc beside it)."""
+    from accounting.licences import LIMIT_USE_SQL
+
+    with connection.cursor() as cur:
+        cur.execute(LIMIT_USE_SQL + " ORDER BY r.str_name")
+        rows = cur.fetchall()
+    return [
+        {
+            "id": pk,
+            "name": name,
+            "max": mx,
+            "host_limit": host,
+            "running": running,
+            "counted_from_procs": counted,
+            "frames": frames,
+            "full": mx >= 0 and running >= mx,
+        }
+        for pk, name, mx, host, running, counted, frames in rows
+    ]

@@ -23,15 +23,24 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from accounting.notify import CHANNELS, HEARTBEAT_CHANNEL, LIMIT_CHANNEL, RELEASE_CHANNEL, RESYNC_CHANNEL
+from accounting.notify import (
+    CHANNELS,
+    HEARTBEAT_CHANNEL,
+    LICENCE_CHANNEL,
+    LIMIT_CHANNEL,
+    RELEASE_CHANNEL,
+    RESYNC_CHANNEL,
+)
 from accounting.store import BookingDelta, LimitChange, LimitKind
 
 __all__ = [
     "CHANNELS",
     "HEARTBEAT_CHANNEL",
+    "LICENCE_CHANNEL",
     "LIMIT_CHANNEL",
     "RELEASE_CHANNEL",
     "RESYNC_CHANNEL",
+    "LicenceNotice",
     "LimitNotice",
     "PayloadError",
     "Release",
@@ -55,6 +64,18 @@ class Release:
 @dataclass(frozen=True, slots=True)
 class LimitNotice:
     changes: tuple[LimitChange, ...]
+    xid: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class LicenceNotice:
+    """A licence limit's absolute state (`removed`: the row was deleted; the values are then 0)."""
+
+    limit: str
+    max: int
+    host: bool
+    running: int
+    removed: bool
     xid: int | None
 
 
@@ -169,3 +190,17 @@ def parse_resync(payload: str) -> Resync:
     if not isinstance(table, str) or not table:
         raise PayloadError("missing field 'table'")
     return Resync(table=table[:64], xid=_xid(data))
+
+
+def parse_licence(payload: str) -> LicenceNotice:
+    """An acct_licence message; a count below 0 is refused (the triggers never write one)."""
+    data = _object(payload)
+    limit = _id(data, "id")
+    if _removed(data):
+        return LicenceNotice(limit, 0, False, 0, True, _xid(data))
+    host = data.get("host", False)
+    if not isinstance(host, bool):
+        raise PayloadError(f"field 'host' must be a boolean, got {type(host).__name__}")
+    max_value = _int(data, "max", INT32_MIN, INT32_MAX)
+    running = _int(data, "running", 0, INT32_MAX)
+    return LicenceNotice(limit, max_value, host, running, False, _xid(data))  # type: ignore[arg-type]

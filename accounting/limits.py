@@ -100,9 +100,32 @@ def read_limits(conn: psycopg.Connection) -> LimitRows:
     return LimitRows(subs=subs, folders=folders, jobs=jobs, pg_snapshot=snap)
 
 
+LICENCES_SQL = "SELECT pk_limit_record, int_max_value, b_host_limit, int_running FROM limit_record"
+
+
+def reseed_licences(store: Store, conn: psycopg.Connection) -> dict[str, tuple[int, bool, int]]:
+    """Every licence limit's max and database count into the Store, fenced by the read's snapshot.
+
+    Limits span shows, so all of them are read, whoever uses them. The count is the triggers'
+    (recounted from proc under the limit's lock by every writer), read as committed.
+    """
+    incarnation = store.incarnation
+    token = store.begin_licence_read()
+    try:
+        snap = begin_snapshot(conn)
+        rows = {pk: (int(mx), bool(host), int(running)) for pk, mx, host, running in conn.execute(LICENCES_SQL)}
+        conn.execute("COMMIT")
+    except BaseException:
+        abort_snapshot(conn)
+        raise
+    store.set_licences(rows, snap, token, complete=True, incarnation=incarnation)
+    return rows
+
+
 def reseed_limits(store: Store, conn: psycopg.Connection) -> LimitRows:
     started = time.monotonic()
     incarnation = store.incarnation
+    reseed_licences(store, conn)
     rows = read_limits(conn)
     removed = store.set_caps(
         rows.subs, rows.folders, rows.jobs, pg_snapshot=rows.pg_snapshot, complete=True, incarnation=incarnation

@@ -57,6 +57,7 @@ class ListenerStats:
     releases_skipped: int = 0
     limits_applied: int = 0
     limits_skipped: int = 0
+    licences_applied: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
     injected_drops: int = 0
     # Releases from Cuebot's AccountingNotifier dropped in Cuebot mode (see Listener.handle).
@@ -254,6 +255,16 @@ class Listener:
                     else:
                         self.stats.limits_skipped += 1
                 return outcome
+            if channel == channels.LICENCE_CHANNEL:
+                lic = channels.parse_licence(payload)
+                if lic.removed:
+                    applied = self.store.remove_licence(lic.limit, lic.xid)
+                else:
+                    applied = self.store.apply_licence(lic.limit, lic.max, lic.host, lic.running, lic.xid)
+                if applied:
+                    self.stats.licences_applied += 1
+                    return "applied"
+                return "skipped"
             if channel == channels.HEARTBEAT_CHANNEL:
                 sent = self.heartbeat.sent_at(payload) if self.heartbeat is not None else None
                 if sent is None:

@@ -23,6 +23,14 @@ notification is delivered if and only if its write commits:
 
   Folder and job messages carry both fields; `removed` says the row was deleted.
 
+* `acct_licence` (one message per changed `limit_record` row: a proc statement of one of its
+  layers, a `layer_limit` change, its max or host flag; absolute values, every show)::
+
+    {"id":"<pk_limit_record>","name":"arnold","max":100,"host":false,"running":37,"xid":1234,"seq":1}
+    {"id":"<pk_limit_record>","removed":true,"xid":1234,"seq":2}
+
+  Sent whatever the kill switch says: it carries absolute values, so an extra one is harmless.
+
 * `acct_resync` (a TRUNCATE of proc or of a cap table: no per-row message is possible)::
 
     {"table":"proc","xid":1234}
@@ -52,7 +60,9 @@ RELEASE_CHANNEL = "acct_release"
 LIMIT_CHANNEL = "acct_limit_change"
 RESYNC_CHANNEL = "acct_resync"
 HEARTBEAT_CHANNEL = "cuesched_heartbeat"
-CHANNELS = (RELEASE_CHANNEL, LIMIT_CHANNEL, RESYNC_CHANNEL, HEARTBEAT_CHANNEL)
+# A licence limit's row changed (its use or its max): absolute values, see accounting.licences.
+LICENCE_CHANNEL = "acct_licence"
+CHANNELS = (RELEASE_CHANNEL, LIMIT_CHANNEL, RESYNC_CHANNEL, HEARTBEAT_CHANNEL, LICENCE_CHANNEL)
 
 # Transaction-local marker read by the proc triggers (set_config(..., is_local => true)): the
 # Store already accounts for this transaction's proc writes, so they send no usage delta.

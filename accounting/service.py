@@ -29,7 +29,7 @@ import psycopg
 
 from accounting import db, metrics
 from accounting.cuebot import CuebotMode
-from accounting.limits import fill_caps, reseed_limits
+from accounting.limits import fill_caps, reseed_licences, reseed_limits
 from accounting.listener import HeartbeatSender, Listener, ServerIdentity
 from accounting.managed_shows import Managed, read_managed, refresh_managed
 from accounting.recompute import Recomputer, RecomputeResult
@@ -187,11 +187,14 @@ class AccountingService:
             metrics.REJECTIONS.labels(result.table).inc()
         return result
 
-    def confirm_booking(self, booking: BookingResult) -> None:
-        """Settle a booking whose proc committed and launched (counted as a booking made)."""
+    def confirm_booking(self, booking: BookingResult, xid: int | None = None) -> None:
+        """Settle a booking whose proc committed and launched (counted as a booking made).
+
+        `xid` is the booking transaction: its licences stay counted until their count arrives.
+        """
         # Deliberately no managed re-check: an applied booking is settled even if the show flipped.
         if isinstance(booking, Applied):
-            self.store.confirm(booking.delta)
+            self.store.confirm(booking.delta, xid)
             metrics.BOOKINGS.labels("store").inc()
         elif isinstance(booking, NotManaged):
             metrics.BOOKINGS.labels("database").inc()
@@ -204,6 +207,10 @@ class AccountingService:
         """Load caps the Store lacks for folders and jobs about to be booked (it refuses them meanwhile)."""
         if folders or jobs:
             fill_caps(self.store, conn, folders, jobs)
+
+    def fill_licences(self, conn: psycopg.Connection) -> None:
+        """Read every licence limit into the Store (a layer names one it does not hold yet)."""
+        reseed_licences(self.store, conn)
 
     # -- seeds -------------------------------------------------------------------------
     def reseed_all(self, conn: psycopg.Connection) -> RecomputeResult:
@@ -308,6 +315,9 @@ class AccountingService:
 
     # -- loops -------------------------------------------------------------------------
     def _recompute_tick(self, conn: psycopg.Connection) -> str:
+        # Licence counts are the database's own (recounted by every writer): one small read
+        # bounds how long a lost acct_licence message or an unknown-xid confirm can read high.
+        reseed_licences(self.store, conn)
         result = self.recomputer.run_once(conn)
         self._observe_recompute(result)
         return (

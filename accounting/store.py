@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import enum
 import threading
+from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -52,6 +53,7 @@ __all__ = [
     "BookingDelta",
     "Caps",
     "CounterSnapshot",
+    "LicenceUse",
     "LimitChange",
     "LimitExceeded",
     "LimitKind",
@@ -66,6 +68,11 @@ FOLDER_GPUS = "folder_gpus"
 JOB_GPUS = "job_gpus"
 FOLDER_UNSEEDED = "folder_unseeded"
 JOB_UNSEEDED = "job_unseeded"
+LICENCE = "limit"
+LICENCE_UNSEEDED = "limit_unseeded"
+# How many applied notification xids each licence remembers (a confirm that comes after its
+# own notification must not wait for it): far more than the bookings of one batch in flight.
+_LICENCE_SEEN = 256
 
 
 # --------------------------------------------------------------------------- value types
@@ -85,6 +92,8 @@ class BookingDelta:
     job: str
     cores: int
     gpus: int
+    # Licence limits (limit_record ids) the frame holds while it runs: one each (see book).
+    limits: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +113,7 @@ class LimitExceeded:
     table: str
     current: int
     limit: int
+    key: str = ""  # the licence limit's id, for the `limit` and `limit_unseeded` refusals
 
     def __str__(self) -> str:
         return f"limit exceeded on {self.table}: current={self.current} limit={self.limit}"
@@ -206,6 +216,30 @@ class Caps:
     job: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class LicenceUse:
+    """One licence limit as the Store sees it: `max` < 0 is unlimited; `used` is what book compares.
+
+    `base` is the database's count (frames, or hosts for a host limit) as last notified or read,
+    `inflight` the Store's bookings not yet committed, `pending` its committed bookings whose
+    count has not arrived yet; `used = base + inflight + pending` (high until it arrives, never low).
+    """
+
+    max: int
+    host: bool
+    base: int
+    inflight: int
+    pending: int
+
+    @property
+    def used(self) -> int:
+        return self.base + self.inflight + self.pending
+
+    @property
+    def full(self) -> bool:
+        return self.max >= 0 and self.used >= self.max
+
+
 # What last wrote a cap field: a notification's transaction id (int), the snapshot of the
 # reseed that wrote it (PgSnapshot), or None (unknown: reference behaviour).
 _CapSource = int | PgSnapshot | None
@@ -267,6 +301,10 @@ class Store:
         "_job",
         "_job_cap_src",
         "_job_caps",
+        "_lic",
+        "_lic_pending",
+        "_lic_reads",
+        "_lic_seen",
         "_lock",
         "_sub",
         "_window",
@@ -288,6 +326,15 @@ class Store:
         self._incarnation = 0
         # Releases applied while a snapshot read is open (see open_release_window).
         self._window: list[tuple[BookingDelta, int]] | None = None
+        # Licence limits, by limit_record id: [max, host limit, base (the database's count as
+        # last notified or read), in flight, source of base (xid, PgSnapshot or None),
+        # confirmed-but-not-yet-seen]. See book and apply_licence.
+        self._lic: dict[str, list] = {}
+        # Confirmed bookings whose commit's notification has not arrived: limit -> {xid: n}
+        # (an unknown xid is keyed ("read", n): dropped by the first licence read begun later).
+        self._lic_pending: dict[str, dict[object, int]] = {}
+        self._lic_seen: dict[str, deque[int]] = {}
+        self._lic_reads = 0
 
     @property
     def epoch(self) -> int:
@@ -352,6 +399,20 @@ class Store:
                         cur = 0 if jc is None else jc[1]
                         if cur + dg > limit:
                             return LimitExceeded(JOB_GPUS, cur, limit)
+            lims = delta.limits
+            if lims:
+                lic = self._lic
+                for lkey in lims:
+                    entry = lic.get(lkey)
+                    if entry is None:
+                        return LimitExceeded(LICENCE_UNSEEDED, 0, 0, lkey)
+                    limit = entry[0]
+                    if limit >= 0:
+                        cur = entry[2] + entry[3] + entry[5]
+                        if cur + 1 > limit:
+                            return LimitExceeded(LICENCE, cur, limit, lkey)
+                for lkey in lims:
+                    lic[lkey][3] += 1
             if sc is None:
                 sc = self._sub[skey] = _new_counter()
             if fc is None:
@@ -374,12 +435,16 @@ class Store:
                 jc[3] += dg
         return Applied(delta)
 
-    def confirm(self, delta: BookingDelta) -> None:
+    def confirm(self, delta: BookingDelta, xid: int | None = None) -> None:
         """Move an applied booking from in-flight to the settled bucket of the current epoch.
 
         Called after the proc committed (and RQD launched). The live total does not change;
         the bucket tells the next recompute whether its snapshot can be trusted to hold it.
+        `xid` is the booking transaction: a licence it holds stays counted until the
+        database's own count for that transaction has arrived (see apply_licence).
         """
+        if delta.limits:
+            self._confirm_licences(delta.limits, xid)
         dc = delta.cores
         dg = delta.gpus
         skey = (delta.show, delta.alloc)
@@ -414,6 +479,12 @@ class Store:
 
     def rollback(self, delta: BookingDelta) -> None:
         """Undo an applied booking whose dispatch failed: subtract it live and in-flight."""
+        if delta.limits:
+            with self._lock:
+                for lkey in delta.limits:
+                    entry = self._lic.get(lkey)
+                    if entry is not None and entry[3] > 0:
+                        entry[3] -= 1
         dc = delta.cores
         dg = delta.gpus
         skey = (delta.show, delta.alloc)
@@ -787,6 +858,153 @@ class Store:
             self._folder_cap_src = {k: (None, None) for k in self._folder_caps}
             self._job_cap_src = {k: (None, None) for k in self._job_caps}
             self._window = None
+            for lkey, entry in self._lic.items():
+                entry[4] = None
+                pending = self._lic_pending.get(lkey)
+                if pending:
+                    # Their xids are the old server's: kept until the next read begun from now.
+                    n = sum(pending.values())
+                    pending.clear()
+                    pending[("read", self._lic_reads)] = n
+            self._lic_seen.clear()
+
+    # ----------------------------------------------------------------------- licence limits
+    #
+    # One counter per limit lives in the database (accounting.licences): every proc writer,
+    # this scheduler included, recounts it under the limit row's lock and is refused above the
+    # max. The Store keeps that count (`base`) as notified on acct_licence (absolute values,
+    # in commit order, since every writer of the limit holds its row lock until COMMIT) or read
+    # by the limit reseed, and adds its own bookings on top until the count that includes them
+    # has arrived, so that a managed booking over a limit is refused here, under the same lock
+    # as the caps, instead of by the database. A host limit is counted +1 per booking, even
+    # on a host that already holds the licence: the Store reads high there (it may refuse a
+    # frame the database would take), never low.
+
+    def _confirm_licences(self, limits: tuple[str, ...], xid: int | None) -> None:
+        with self._lock:
+            for lkey in limits:
+                entry = self._lic.get(lkey)
+                if entry is None:
+                    continue
+                if entry[3] > 0:
+                    entry[3] -= 1
+                src = entry[4]
+                if xid is not None:
+                    if xid in self._lic_seen.get(lkey, ()):
+                        continue  # its count arrived before this confirm: base holds it
+                    if isinstance(src, PgSnapshot) and src.visible(xid):
+                        continue  # the last read already counted it
+                    token: object = xid
+                else:
+                    token = ("read", self._lic_reads)
+                pending = self._lic_pending.setdefault(lkey, {})
+                pending[token] = pending.get(token, 0) + 1
+                entry[5] += 1
+
+    def apply_licence(self, limit: str, max_value: int, host: bool, running: int, xid: int | None = None) -> bool:
+        """Set a limit's max and database count from an acct_licence notification; False if skipped.
+
+        Skipped when the last reseed already saw `xid` (its values are at least as new). The
+        committed bookings of transaction `xid` are in `running` now: they stop being counted
+        on top of it.
+        """
+        with self._lock:
+            entry = self._lic.get(limit)
+            if entry is not None and _notification_is_stale(entry[4], xid):
+                return False
+            if entry is None:
+                entry = self._lic[limit] = [max_value, host, running, 0, xid, 0]
+            else:
+                entry[0] = max_value
+                entry[1] = host
+                entry[2] = running
+                entry[4] = xid
+            if xid is not None:
+                seen = self._lic_seen.get(limit)
+                if seen is None:
+                    seen = self._lic_seen[limit] = deque(maxlen=_LICENCE_SEEN)
+                seen.append(xid)
+                pending = self._lic_pending.get(limit)
+                if pending and xid in pending:
+                    entry[5] -= pending.pop(xid)
+            return True
+
+    def remove_licence(self, limit: str, xid: int | None = None) -> bool:
+        """A deleted limit_record: forget it (a layer still naming it is refused as unseeded)."""
+        with self._lock:
+            entry = self._lic.get(limit)
+            if entry is None or _notification_is_stale(entry[4], xid):
+                return False
+            del self._lic[limit]
+            self._lic_pending.pop(limit, None)
+            self._lic_seen.pop(limit, None)
+            return True
+
+    def begin_licence_read(self) -> int:
+        """Call before opening the snapshot of a licence read; pass the token to set_licences."""
+        with self._lock:
+            self._lic_reads += 1
+            return self._lic_reads
+
+    def set_licences(
+        self,
+        rows: Mapping[str, tuple[int, bool, int]],
+        pg_snapshot: PgSnapshot | None,
+        token: int,
+        *,
+        complete: bool = True,
+        incarnation: int | None = None,
+    ) -> None:
+        """Write every limit's (max, host, count) from a read under `pg_snapshot`.
+
+        A limit whose last notification the snapshot cannot see keeps the notified values (they
+        are newer). Confirmed bookings the snapshot sees committed are in its counts: they stop
+        being counted on top, as do those of unknown transaction confirmed before the read began
+        (`token`). With `complete`, a limit the rows lack (deleted) is forgotten.
+        """
+        with self._lock:
+            if incarnation is not None and incarnation != self._incarnation:
+                return
+            for lkey, (max_value, host, running) in rows.items():
+                entry = self._lic.get(lkey)
+                if entry is None:
+                    entry = self._lic[lkey] = [max_value, host, running, 0, pg_snapshot, 0]
+                elif not _reseed_is_stale(entry[4], pg_snapshot):
+                    entry[0] = max_value
+                    entry[1] = host
+                    entry[2] = running
+                    entry[4] = pg_snapshot
+                pending = self._lic_pending.get(lkey)
+                if pending:
+                    for t in list(pending):
+                        if isinstance(t, int):
+                            drop = pg_snapshot is not None and pg_snapshot.visible(t)
+                        else:
+                            drop = t[1] < token  # type: ignore[index]
+                        if drop:
+                            entry[5] -= pending.pop(t)
+            if complete:
+                for lkey in [k for k in self._lic if k not in rows]:
+                    if _reseed_is_stale(self._lic[lkey][4], pg_snapshot):
+                        continue
+                    del self._lic[lkey]
+                    self._lic_pending.pop(lkey, None)
+                    self._lic_seen.pop(lkey, None)
+
+    def licences(self) -> dict[str, LicenceUse]:
+        """Every limit the Store holds, copied under the lock."""
+        with self._lock:
+            return {k: LicenceUse(e[0], e[1], e[2], e[3], e[5]) for k, e in self._lic.items()}
+
+    def missing_licences(self, limits: Iterable[str]) -> list[str]:
+        """Which of these limits `book` would refuse as unseeded."""
+        with self._lock:
+            return [k for k in limits if k not in self._lic]
+
+    def full_licences(self) -> list[str]:
+        """Limits at or over their max: a layer holding one cannot book now (the feed skips it)."""
+        with self._lock:
+            return [k for k, e in self._lic.items() if e[0] >= 0 and e[2] + e[3] + e[5] >= e[0]]
 
     # ----------------------------------------------------------------------- eviction
 
@@ -848,6 +1066,21 @@ class Store:
         with self._lock:
             counter = self._sub.get(key)
             return (0 if counter is None else counter[0], self._burst.get(key, 0))
+
+    def sub_counters_many(self, keys: Iterable[tuple[str, str]]) -> list[tuple[str, str, int, int]]:
+        """(show, alloc, booked_cores, burst) of each subscription under one lock acquisition: the
+        feed orders managed shows by these (their database counters lag). Missing values read 0."""
+        with self._lock:
+            out = []
+            for key in keys:
+                counter = self._sub.get(key)
+                out.append((key[0], key[1], 0 if counter is None else counter[0], self._burst.get(key, 0)))
+            return out
+
+    def jobs_cores_in_use(self, jobs: Iterable[str]) -> list[tuple[str, int]]:
+        """(job, live cores) of the jobs the Store counts, under one lock acquisition."""
+        with self._lock:
+            return [(job, c[0]) for job in jobs if (c := self._job.get(job)) is not None]
 
     def job_cap(self, job: str) -> tuple[int, int] | None:
         """(max_cores, max_gpus) of a job, or None when unseeded (which `book` reads as unlimited)."""

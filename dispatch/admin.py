@@ -18,7 +18,7 @@ from django.db.models import Model, QuerySet
 from django.forms import ModelForm
 from django.http import HttpRequest, HttpResponse
 from django.urls import reverse
-from django.utils.html import format_html
+from django.utils.html import format_html, format_html_join
 
 from accounting import actions
 from dispatch.jobs.admin import JOB_ACTIONS  # also registers the Depend and ApiToken admins
@@ -247,11 +247,18 @@ class JobAdmin(FarmAdmin):
 
     def get_readonly_fields(self, request: HttpRequest, obj: Model | None = None) -> list[str]:
         fields = super().get_readonly_fields(request, obj)
-        return [*fields, "booking"] if obj is not None else fields
+        return [*fields, "booking", "memory"] if obj is not None else fields
 
     @admin.display(description="booking")
     def booking(self, obj: Job) -> str:
         return ops_views.why_summary(obj.pk, None)
+
+    @admin.display(description="memory")
+    def memory(self, obj: Job) -> str:
+        """Reserved against reported RSS per layer (RQD reports it; our agents do not measure it)."""
+        from ops.why import layer_memory
+
+        return format_html_join("", "<div class='job-memory'>{}</div>", ((m.text,) for m in layer_memory(obj.pk)))
 
 
 @admin.register(JobResource)
@@ -330,7 +337,17 @@ class LayerStatAdmin(FarmAdmin):
 
 @admin.register(Frame)
 class FrameAdmin(BigTableAdmin):
-    list_display = ("str_name", "job", "str_state", "int_version", "int_retries", "str_host", "ts_updated", "why")
+    list_display = (
+        "str_name",
+        "job",
+        "str_state",
+        "int_version",
+        "int_retries",
+        "str_host",
+        "int_mem_max_used",
+        "ts_updated",
+        "why",
+    )
     list_filter = ("str_state",)
     search_fields = ("str_name", "str_host", "job__str_name", "pk_frame")
     raw_id_fields = ("layer", "job")
@@ -363,6 +380,7 @@ class HostAdmin(FarmAdmin):
         "int_mem_idle",
         "int_gpus",
         "int_gpus_idle",
+        "str_rqd_address",
     )
     list_filter = ("str_lock_state", "alloc")
     search_fields = ("str_name", "str_tags", "pk_host")
@@ -399,6 +417,8 @@ class ProcAdmin(BigTableAdmin):
         "frame",
         "int_cores_reserved",
         "int_mem_reserved",
+        "int_mem_used",
+        "int_mem_max_used",
         "int_gpus_reserved",
         "b_local",
         "ts_booked",

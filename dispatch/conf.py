@@ -34,6 +34,16 @@ def dispatch_workers() -> int:
     return max(1, env_int("CUESCHED_DISPATCH_WORKERS", 1))
 
 
+def fair_share() -> bool:
+    """Order pending work by subscription share (OpenCue's float_tier: booked cores / size on the
+    allocation, lowest first), then jobs below their min cores, then priority, and book every
+    show up to its size before any show borrows up to its burst. Off, the feed orders by
+    priority then age across all shows, as before issue 19; a show's size is then read by
+    nothing. The head-of-line filters (work that cannot book this cycle takes no place in the
+    read) hold either way."""
+    return env_bool("CUESCHED_FAIR_SHARE", True)
+
+
 # --- batching -----------------------------------------------------------------------------
 def batch_size() -> int:
     """Bookings written per database transaction (one set-based statement per table)."""
@@ -41,7 +51,7 @@ def batch_size() -> int:
 
 
 def feed_max_jobs() -> int:
-    """Pending jobs read per cycle, highest priority first."""
+    """Pending jobs read per cycle, first in dispatch order (fair share, then priority)."""
     return max(1, env_int("CUESCHED_DISPATCH_MAX_JOBS", 300))
 
 
@@ -120,7 +130,8 @@ def proc_mem_used_start() -> int:
 
 # --- launchers ----------------------------------------------------------------------------
 def launcher_name() -> str:
-    """`q2` (real frames on host agents, django-q2 on the database), `celery` or `simulated`."""
+    """`q2` (real frames on host agents, django-q2 on the database), `celery`, `rqd` (OpenCue RQD
+    hosts) or `simulated`."""
     return env_str("CUESCHED_LAUNCHER", "q2")
 
 
@@ -234,3 +245,59 @@ def adopt_lock_timeout() -> float:
     TRIGGER need strong locks on Cuebot's tables). Waiting longer would queue every Cuebot
     write to that table behind it; past the timeout adoption fails whole, nothing written."""
     return max(0.1, env_float("CUESCHED_ADOPT_LOCK_TIMEOUT", 10.0))
+# --- RQD hosts (OpenCue's render-node daemon) -------------------------------------------------
+def rqd_gateway_bind() -> str:
+    """Where `run_rqd_gateway` listens for RQD's reports (its CUEBOT_HOSTNAME/OVERRIDE_CUEBOT
+    must reach it). All interfaces by default: render nodes are other machines."""
+    return env_str("CUESCHED_RQD_GATEWAY_BIND", "0.0.0.0")
+
+
+def rqd_gateway_port() -> int:
+    """The gateway's gRPC port: RQD's CUEBOT_GRPC_PORT (8443 is Cuebot's and RQD's default)."""
+    return env_int("CUESCHED_RQD_GATEWAY_PORT", 8443)
+
+
+def rqd_gateway_tls_cert() -> str:
+    """PEM certificate file for a TLS listener; empty (the default) serves plain gRPC, which is
+    all RQD 1.37 speaks (its report client opens an insecure channel)."""
+    return env_str("CUESCHED_RQD_GATEWAY_TLS_CERT", "")
+
+
+def rqd_gateway_tls_key() -> str:
+    """PEM private key of `CUESCHED_RQD_GATEWAY_TLS_CERT`."""
+    return env_str("CUESCHED_RQD_GATEWAY_TLS_KEY", "")
+
+
+def rqd_port() -> int:
+    """The port cuesched dials an RQD on (its RQD_GRPC_PORT) unless the host advertises its own
+    with an `rqdport-N` tag in RQD_TAGS (several daemons on one machine)."""
+    return env_int("CUESCHED_RQD_PORT", 8444)
+
+
+def rqd_default_alloc() -> str:
+    """Allocation name a new RQD host joins at its first startup report (Cuebot puts it in the
+    facility's default allocation); empty refuses unknown hosts until an operator creates them."""
+    return env_str("CUESCHED_RQD_DEFAULT_ALLOC", "")
+
+
+def rqd_timeout() -> float:
+    """Seconds a LaunchFrame / KillRunningFrame / status call to an RQD may take."""
+    return env_float("CUESCHED_RQD_TIMEOUT", 5.0)
+
+
+def rqd_poll_hosts() -> bool:
+    """The scheduler's rqd launcher asks every UP RQD host for its status before each lost-host
+    sweep (RQD's own pushes come only every 5-30 s, not configurable)."""
+    return env_bool("CUESCHED_RQD_POLL", True)
+
+
+def rqd_orphan_grace() -> float:
+    """A proc its RQD no longer reports is released after it has been booked this long: a
+    launch that is still on its way is not yet in RQD's report."""
+    return env_float("CUESCHED_RQD_ORPHAN_GRACE", 30.0)
+
+
+def rqd_log_dir() -> str:
+    """The log_dir handed to RQD in each RunFrame (RQD writes <job>.<frame>.rqlog there, on the
+    render node's own file system); {show} and {job} are substituted."""
+    return env_str("CUESCHED_RQD_LOG_DIR", "/tmp/rqd/logs/{show}/{job}")

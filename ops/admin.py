@@ -18,7 +18,11 @@ from django.urls import path, reverse
 from django.utils.html import format_html
 
 from dispatch.models import Alloc, Folder, Job, Show
-from ops import admin_views, permissions
+from ops import (
+    admin_views,
+    limits_admin,  # noqa: F401 - registers the licence limit admins
+    permissions,
+)
 from ops.admin_views import COLUMN_LABELS, shown_value
 from ops.models import Console, FolderCapEvent, JobCapEvent, KillSwitchEvent, ShowManagedEvent, SubscriptionCapEvent
 

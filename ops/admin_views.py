@@ -22,6 +22,7 @@ from django.utils.html import format_html
 from django.views.decorators.http import require_http_methods
 
 from accounting import actions
+from accounting.models import LimitRecordEvent
 from accounting.units import centicores_to_cores, centicores_to_cores_cap
 from cuesched_project import conf
 from dispatch.models import Folder, Job, Show, Subscription
@@ -260,6 +261,7 @@ EVENT_KINDS = {
     "job": (JobCapEvent, ["int_max_cores", "int_max_gpus"]),
     "flip": (ShowManagedEvent, ["b_scheduler_managed"]),
     "kill_switch": (KillSwitchEvent, ["notify_enabled"]),
+    "limit": (LimitRecordEvent, ["int_max_value", "b_host_limit"]),
 }
 COLUMN_LABELS = {
     "int_burst": "burst",
@@ -268,6 +270,8 @@ COLUMN_LABELS = {
     "int_max_gpus": "max GPUs",
     "b_scheduler_managed": "managed",
     "notify_enabled": "notifications",
+    "int_max_value": "licence max",
+    "b_host_limit": "per host",
 }
 
 
@@ -278,6 +282,10 @@ def shown_value(column: str, value: Any) -> str:
         return "scheduler" if value else "database"
     if column == "notify_enabled":
         return "on" if value else "OFF"
+    if column == "int_max_value":
+        return "unlimited" if value < 0 else f"{value} licences"
+    if column == "b_host_limit":
+        return "yes" if value else "no"
     if column in ("int_burst", "int_size"):
         return f"{centicores_to_cores(value)} cores"
     if column == "int_max_cores":
@@ -313,6 +321,8 @@ def event_target(kind: str, event: Any, names: dict[str, str] | None = None) -> 
         return f"job {names.get(pk, pk)}", reverse("admin:dispatch_job_change", args=[pk])
     if kind == "kill_switch":
         return "accounting notifications", reverse("admin:ops_kill_switch")
+    if kind == "limit":
+        return f"limit {event.str_name}", reverse("admin:dispatch_limitrecord_change", args=[event.pk_limit_record])
     return f"show {event.str_name}", reverse("admin:ops_show_live", args=[event.pk_show])
 
 
@@ -324,6 +334,8 @@ def _matching(kind: str, q: str) -> Q:
         # One object, named on the page "accounting notifications" (the kill switch).
         named = any(q.lower() in name for name in ("accounting notifications", "kill switch"))
         return Q() if named else Q(pk__in=[])
+    if kind == "limit":
+        return Q(pk_limit_record__icontains=q) | Q(str_name__icontains=q)
     if kind == "sub":
         shows = Show.objects.filter(Q(str_name__icontains=q) | Q(pk__icontains=q)).values("pk")
         return Q(pk_subscription__icontains=q) | Q(show__in=shows)

@@ -11,13 +11,14 @@ import pghistory
 from django.db import models
 
 from accounting.models import AccountingSettings
-from dispatch.models import FolderResource, JobResource, Show, Subscription
+from dispatch.models import FolderResource, JobResource, LimitRecord, Show, Subscription
 from ops.audit import ChangeEvent, CreateEvent, audit_attrs
 
 SUB_CAPS = ["int_burst", "int_size"]
 CAP_MAXES = ["int_max_cores", "int_max_gpus"]
 SHOW_FLAG = ["b_scheduler_managed"]
 KILL_SWITCH = ["notify_enabled"]
+LIMIT_FIELDS = ["int_max_value", "b_host_limit"]
 
 EVENT_META = {"ordering": ["-pgh_created_at", "-pgh_id"]}
 
@@ -106,6 +107,27 @@ pghistory.track(
     attrs=audit_attrs(AccountingSettings, KILL_SWITCH),
     meta={**EVENT_META, "verbose_name": "kill switch change"},
 )(AuditedAccountingSettings)
+
+
+class AuditedLimitRecord(LimitRecord):
+    # In the accounting app (its migration 0005_limits carries the event table and triggers):
+    # a licence limit is a cap of every show, changed like one.
+    class Meta:
+        proxy = True
+        app_label = "accounting"
+        verbose_name = "licence limit"
+
+
+# A limit created, its max changed or its host flag switched, by whoever writes the row.
+pghistory.track(
+    ChangeEvent("limit_change", LIMIT_FIELDS),
+    CreateEvent("limit_create"),
+    fields=["pk_limit_record", "str_name", *LIMIT_FIELDS],
+    model_name="LimitRecordEvent",
+    app_label="accounting",
+    attrs=audit_attrs(LimitRecord, LIMIT_FIELDS),
+    meta={**EVENT_META, "verbose_name": "licence limit change"},
+)(AuditedLimitRecord)
 
 
 class Console(models.Model):

@@ -75,10 +75,58 @@ SELECT h.pk_host, h.str_name, h.pk_alloc, a.pk_facility, hs.str_os, hs.str_state
 FROM host h JOIN host_stat hs ON hs.pk_host = h.pk_host JOIN alloc a ON a.pk_alloc = h.pk_alloc
 WHERE EXISTS (SELECT 1 FROM host_tag t WHERE t.pk_host = h.pk_host AND t.str_tag = ANY(%(tags)s::text[]))
 """
+# The licence limits of layers, with their use (the triggers' count, what every writer checks).
+LAYER_LIMITS_SQL = """
+SELECT ll.pk_layer, r.str_name, r.int_running, r.int_max_value, r.b_host_limit
+FROM layer_limit ll JOIN limit_record r ON r.pk_limit_record = ll.pk_limit_record
+WHERE ll.pk_layer = ANY(%(layers)s::text[])
+ORDER BY ll.pk_layer, r.str_name
+"""
 FRAME_SQL = """
-SELECT f.pk_frame, f.str_name, f.str_state, f.int_depend_count, f.pk_job, f.pk_layer, f.str_host
+SELECT f.pk_frame, f.str_name, f.str_state, f.int_depend_count, f.pk_job, f.pk_layer, f.str_host,
+       f.int_mem_reserved, f.int_mem_max_used
 FROM frame f WHERE f.pk_frame = %(frame)s
 """
+# Memory per layer, KB: what a frame reserves, the largest RSS a run reported (RQD's reports, the
+# completion's max RSS), and what the running frames use now. A layer whose frames use more
+# than they reserve crowds its hosts; one that reserves far more than it uses books too few.
+MEMORY_SQL = """
+SELECT l.str_name, l.int_mem_min,
+       COALESCE(MAX(f.int_mem_max_used), 0)::bigint, COUNT(*) FILTER (WHERE f.int_mem_max_used > 0),
+       COALESCE((SELECT SUM(p.int_mem_used) FROM proc p WHERE p.pk_layer = l.pk_layer), 0)::bigint,
+       COALESCE((SELECT MAX(p.int_mem_max_used) FROM proc p WHERE p.pk_layer = l.pk_layer), 0)::bigint
+FROM layer l LEFT JOIN frame f ON f.pk_layer = l.pk_layer
+WHERE l.pk_job = %(job)s
+GROUP BY l.pk_layer
+ORDER BY MIN(l.int_dispatch_order), l.str_name
+"""
+
+
+@dataclass(frozen=True)
+class LayerMemory:
+    """One layer's memory, KB; `measured` frames have a reported max RSS."""
+
+    layer: str
+    reserved: int
+    max_rss: int
+    measured: int
+    running_rss: int
+    running_max_rss: int
+
+    @property
+    def text(self) -> str:
+        peak = max(self.max_rss, self.running_max_rss)
+        if not peak:
+            return f"{self.layer}: reserves {_gb(self.reserved)}; no memory reported yet"
+        over = " - above its reservation" if peak > self.reserved else ""
+        return (
+            f"{self.layer}: reserves {_gb(self.reserved)}, max RSS {_gb(peak)} over {self.measured} frame(s){over}; "
+            f"running now {_gb(self.running_rss)}"
+        )
+
+
+def layer_memory(job: str) -> list[LayerMemory]:
+    return [LayerMemory(*row) for row in _all(MEMORY_SQL, {"job": job})]
 
 
 @dataclass(frozen=True)
@@ -109,6 +157,7 @@ class Why:
     reasons: list[Reason] = field(default_factory=list)
     recorded: Reason | None = None
     frame: dict[str, Any] | None = None
+    memory: list[LayerMemory] = field(default_factory=list)
 
     @property
     def primary(self) -> Reason | None:
@@ -167,6 +216,7 @@ def explain_job(job: str, view: dict[str, Any] | None, *, layer: str | None = No
      waiting, running, depend) = row  # fmt: skip
     why = Why(pk_job, name, show, show_name, managed, state, int(running), int(waiting))
     why.recorded = recorded_reason(view, job)
+    why.memory = layer_memory(pk_job)
     add = why.reasons.append
 
     if state != "PENDING":
@@ -207,6 +257,9 @@ def explain_job(job: str, view: dict[str, Any] | None, *, layer: str | None = No
                 "Wait, or clear the layer's start-after time.",
             )
         )
+    if why.reasons:
+        return _finish(why, view)
+    _limit_reason(why, ready_layers)
     if why.reasons:
         return _finish(why, view)
 
@@ -262,6 +315,24 @@ def explain_job(job: str, view: dict[str, Any] | None, *, layer: str | None = No
     if host_reason is not None:
         why.reasons.append(host_reason)
     return _finish(why, view)
+
+
+def _limit_reason(why: Why, ready_layers: list[tuple[Any, ...]]) -> None:
+    """Every ready layer holds a licence limit that is full: name them with their numbers."""
+    full: dict[str, list[str]] = {}
+    for pk_layer, name, running, max_value, host in _all(LAYER_LIMITS_SQL, {"layers": [r[0] for r in ready_layers]}):
+        if max_value >= 0 and running >= max_value:
+            full.setdefault(pk_layer, []).append(f"{name} {running}/{max_value} {'hosts' if host else 'frames'}")
+    if not full or any(r[0] not in full for r in ready_layers):
+        return
+    names = sorted({text for texts in full.values() for text in texts})
+    why.reasons.append(
+        Reason(
+            "limit_full",
+            f"Every ready layer holds a licence limit that is full: {', '.join(names)}.",
+            "Raise the limit's max value, or wait for frames holding it to finish.",
+        )
+    )
 
 
 def _cap_reason(why: Why, vertex: str, label: str, used: int, max_cc: int, need: int, db: int, what: str) -> None:
@@ -383,8 +454,16 @@ def explain_frame(frame: str, view: dict[str, Any] | None) -> Why:
     row = _one(FRAME_SQL, {"frame": frame})
     if row is None:
         raise LookupError(frame)
-    pk, name, state, depend_count, job, layer, host = row
-    info = {"pk": pk, "name": name, "state": state, "depend": depend_count, "layer": layer, "host": host}
+    pk, name, state, depend_count, job, layer, host, mem_reserved, mem_max_used = row
+    info = {
+        "pk": pk,
+        "name": name,
+        "state": state,
+        "depend": depend_count,
+        "layer": layer,
+        "host": host,
+        "memory": f"max RSS {_gb(mem_max_used)} (reserved {_gb(mem_reserved)})" if mem_max_used else "",
+    }
     if state != "WAITING":
         why = explain_job(job, view)
         where = f" on {host}" if host else ""

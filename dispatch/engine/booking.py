@@ -49,6 +49,7 @@ import psycopg
 from psycopg import errors as pg_errors
 
 from accounting import triggers as acct_triggers
+from accounting.licences import LIMIT_MAX_CONSTRAINT
 from accounting.notify import STORE_ACCOUNTED_SQL
 from accounting.service import BookingResult
 from dispatch.engine.feed import FrameWork, LayerWork
@@ -77,6 +78,7 @@ _CAP_TABLES = {
     acct_triggers.CAP_JOB_MAX_CORES: "job",
     acct_triggers.CAP_FOLDER_MAX_GPUS: "folder_gpus",
     acct_triggers.CAP_JOB_MAX_GPUS: "job_gpus",
+    LIMIT_MAX_CONSTRAINT: "limit",  # a licence limit (accounting.licences), every show
 }
 # The rejection tables that mean "a database-enforced cap refused it" (not a guard of this batch).
 CAP_REFUSALS = frozenset(_CAP_TABLES.values())
@@ -248,6 +250,9 @@ class Booking:
     decided_at: float | None = None
     # The show's flip generation the Store was seeded at (-1 for a database-enforced booking).
     generation: int = -1
+    # The booking transaction once written: the Store keeps the booking's licences counted
+    # until the database's count for this transaction has arrived.
+    xid: int | None = None
 
 
 @dataclass
@@ -328,6 +333,8 @@ def write_batch(
                 _write_group(cur, managed, result, extra)
             if unmanaged:
                 _write_group(cur, unmanaged, result, extra)
+            for b in result.written:
+                b.xid = xid
         except BaseException:
             _rollback_quietly(conn)
             raise

@@ -52,7 +52,16 @@ import psycopg
 
 from accounting import db as acct_db
 from accounting.service import PAUSED, AccountingService, NotManaged
-from accounting.store import FOLDER_UNSEEDED, JOB_UNSEEDED, Applied, BookingDelta, LimitExceeded
+from accounting.store import (
+    FOLDER_UNSEEDED,
+    JOB_UNSEEDED,
+    LICENCE,
+    LICENCE_UNSEEDED,
+    Applied,
+    BookingDelta,
+    LimitExceeded,
+    Store,
+)
 from dispatch import conf
 from dispatch.engine.booking import (
     CAP_REFUSALS,
@@ -75,13 +84,14 @@ from dispatch.engine.completion import (
     ping_procs,
     release_lost_hosts,
 )
-from dispatch.engine.feed import JobWork, Skips, fetch_pending, has_waiting_or_running
+from dispatch.engine.feed import FreeHosts, JobWork, LiveUsage, Skips, fetch_pending, has_waiting_or_running
 from dispatch.engine.launcher import Launcher, get_launcher
 from dispatch.engine.placement import ALL, CENTI, HostRec, HostView, Shard
 
 logger = logging.getLogger(__name__)
 
 SUBSCRIPTIONS_SQL = "SELECT pk_show, pk_alloc, int_burst, int_cores FROM subscription"
+SIZES_SQL = "SELECT pk_show, pk_alloc, int_size FROM subscription WHERE int_size > 0"
 
 _UNLIMITED_ROOM = 1 << 40
 _JOB_FOLDER_MAX = 100_000
@@ -124,6 +134,13 @@ _CAP_WHY = {
     ),
     FOLDER_UNSEEDED: ("caps_loading", "folder caps not loaded yet", "cores", "wait one cycle"),
     JOB_UNSEEDED: ("caps_loading", "job caps not loaded yet", "cores", "wait one cycle"),
+    LICENCE: (
+        "limit_full",
+        "licence limit full",
+        "licences",
+        "raise the limit's max value, or wait for frames holding it to finish",
+    ),
+    LICENCE_UNSEEDED: ("caps_loading", "licence limit not loaded yet", "licences", "wait one cycle"),
 }
 
 
@@ -244,6 +261,8 @@ class DispatchLoop:
         self.idle_sleep = conf.idle_sleep() if idle_sleep is None else idle_sleep
         self.cap_retry = min(conf.cap_retry(), self.saturated_sleep)
         self.mem_used_start = conf.proc_mem_used_start()
+        self.fair_share = conf.fair_share()
+        self._last_managed_jobs: list[str] = []
         self._connect = connect or (lambda: acct_db.connect(autocommit=True, application_name="cuesched-dispatch"))
         self._conn: psycopg.Connection | None = None
         self.view = HostView(conf.host_fit_policy(), stale_after=self.lost_host_timeout, shard=shard)
@@ -252,6 +271,8 @@ class DispatchLoop:
         self.host_changes_interval = conf.host_changes_interval()
         self._lost_swept_at = float("-inf")
         self._subs: dict[str, list[tuple[str, int, int]]] = {}  # show -> [(alloc, burst, cores)] centicores
+        self._sizes: dict[tuple[str, str], int] = {}  # (show, alloc) -> subscription size, whole cores
+        self._share: dict[tuple[str, str], int] = {}  # this cycle: how far below its size, whole cores
         # Back-off and cap state.
         self._sleeping: dict[Cluster, float] = {}
         self._cluster_layers: dict[Cluster, set[str]] = {}
@@ -512,7 +533,7 @@ class DispatchLoop:
                 if b.pk_proc not in found:
                     # Committed and already released by whoever deleted it (its release reached,
                     # or will reach, the Store), or never committed: either way keep it, high.
-                    self.service.confirm_booking(b.result)
+                    self.service.confirm_booking(b.result, b.xid)
             logger.warning(
                 "dispatch: commit outcome resolved: %s, %d bookings launched, %d gone already",
                 status or "unknown (kept)",
@@ -575,6 +596,9 @@ class DispatchLoop:
             for show, alloc, burst, cores in cur.fetchall():
                 subs.setdefault(show, []).append((alloc, burst, cores))
         self._subs = subs
+        with conn.cursor() as cur:
+            cur.execute(SIZES_SQL)
+            self._sizes = {(show, alloc): int(size / CENTI) for show, alloc, size in cur.fetchall()}
         self._hosts_loaded_at = time.monotonic()
         self._wake_all()
 
@@ -604,7 +628,17 @@ class DispatchLoop:
                 shows.append(show)
         self._blocked_folders = {f: t for f, t in self._blocked_folders.items() if now - t <= self.cap_retry}
         folders = list(self._blocked_folders)
-        return Skips(jobs=jobs, shows=shows, folders=folders, layers=layers)
+        return Skips(jobs=jobs, shows=shows, folders=folders, layers=layers, limits=store.full_licences())
+
+    def _live_usage(self) -> LiveUsage:
+        """The Store's booked cores of managed shows' subscriptions and of the managed jobs the
+        last cycle read, for the feed's fair-share order and room test (the database's lag)."""
+        is_managed = self.service.is_managed
+        keys = [(show, alloc) for show, subs in self._subs.items() if is_managed(show) for alloc, *_ in subs]
+        store = self.store
+        subs = [(show, alloc, used * CENTI, cap * CENTI) for show, alloc, used, cap in store.sub_counters_many(keys)]
+        jobs = [(job, cores * CENTI) for job, cores in store.jobs_cores_in_use(self._last_managed_jobs)]
+        return LiveUsage(subs=subs, jobs=jobs)
 
     def _dispatch(self, conn: psycopg.Connection, stats: CycleStats) -> None:
         now = time.monotonic()
@@ -617,8 +651,12 @@ class DispatchLoop:
             max_frames=self._feed_frames,
             skips=self._skips(now),
             shard=self.shard,
+            live=self._live_usage(),
+            free=FreeHosts.of(self.view.hosts.values()),
+            fair_share=self.fair_share,
         )
         stats.seconds["feed"] += time.perf_counter() - t0
+        self._last_managed_jobs = [j.pk for j in jobs if j.managed_in_db]
         if not jobs:
             self._feed_frames = self.max_frames
             return
@@ -668,9 +706,8 @@ class DispatchLoop:
     ) -> None:
         full_folders: set[str] = set()
         paused = None if self.service.can_enforce() else self.service.pause_reason()
+        eligible: list[tuple[JobWork, bool]] = []
         for job in jobs:
-            if job.folder in full_folders:
-                continue
             managed = self.service.is_managed(job.show)
             if managed != job.managed_in_db or (self.managed_only and not managed):
                 # A flip in progress (the Store has not published it yet, or has already
@@ -685,7 +722,23 @@ class DispatchLoop:
                 continue
             if managed:
                 self._managed_seen.add(job.show)
-            self._book_job(conn, job, managed, room, full_folders, batch, stats, placed, no_host)
+            eligible.append((job, managed))
+        # Fair share inside the cycle: the feed's order is the tiers at the cycle's start, so a
+        # show at the head would book past its size while shows behind it are still below
+        # theirs. First every show books only up to its size (the share pass), then, in the
+        # same order, up to its burst (borrowing). Without a show below its size, one pass.
+        share = self._share if self.fair_share else {}
+        booked_frames: set[str] = set()
+        for share_only in (True, False) if share else (False,):
+            for job, managed in eligible:
+                if job.folder in full_folders:
+                    continue
+                if share_only and not any(v > 0 for (s, _a), v in share.items() if s == job.show):
+                    continue
+                self._book_job(
+                    conn, job, managed, room, full_folders, batch, stats, placed, no_host,
+                    share=share, share_only=share_only, booked_frames=booked_frames,
+                )  # fmt: skip
 
     def _fill_caps(self, conn: psycopg.Connection, jobs: list[JobWork]) -> None:
         """Load the caps the Store lacks for managed jobs and folders of this cycle (it refuses them)."""
@@ -695,6 +748,9 @@ class DispatchLoop:
         folders, missing = self.store.missing_caps({j.folder for j in managed}, {j.pk for j in managed})
         if folders or missing:
             self.service.fill_caps(conn, sorted(folders), sorted(missing))
+        limits = {lim for j in managed for layer in j.layers for lim in layer.limits}
+        if limits and self.store.missing_licences(limits):
+            self.service.fill_licences(conn)
 
     def _room_for_cycle(self, conn: psycopg.Connection, jobs: list[JobWork]) -> dict[Any, int]:
         """Whole cores each (show, alloc) may still book this cycle; decremented as we book.
@@ -703,6 +759,8 @@ class DispatchLoop:
         database-enforced triggers keep exact, read fresh (the trigger has the last word).
         """
         room: dict[Any, int] = {}
+        # (show, alloc) -> whole cores the show is below its size there, for the share pass.
+        self._share: dict[tuple[str, str], int] = {}
         store = self.store
         unmanaged = []
         for show in {j.show for j in jobs}:
@@ -712,11 +770,17 @@ class DispatchLoop:
             for alloc, _burst, _cores in self._subs.get(show, ()):
                 booked, cap = store.sub_counters(show, alloc)
                 room[(show, alloc)] = cap - booked
+                size = self._sizes.get((show, alloc), 0)
+                if size > booked:
+                    self._share[(show, alloc)] = size - booked
         if unmanaged:
             with conn.cursor() as cur:
                 cur.execute(SUBSCRIPTIONS_SQL + " WHERE pk_show = ANY(%s::text[])", (unmanaged,))
                 for show, alloc, burst, cores in cur.fetchall():
                     room[(show, alloc)] = int((burst - cores) / CENTI)
+                    size = self._sizes.get((show, alloc), 0)
+                    if size and size * CENTI > cores:
+                        self._share[(show, alloc)] = size - int(cores / CENTI)
         return room
 
     def _book_job(
@@ -730,8 +794,17 @@ class DispatchLoop:
         stats: CycleStats,
         placed: set[Cluster],
         no_host: set[Cluster],
+        *,
+        share: dict[tuple[str, str], int] | None = None,
+        share_only: bool = False,
+        booked_frames: set[str] | None = None,
     ) -> None:
+        """Book what fits of one job's frames. `share` holds how far each (show, alloc) is below
+        its size (decremented as this books); with `share_only` the show books only there, up to
+        its size. `booked_frames` are frames an earlier pass of this cycle booked: skipped."""
         show = job.show
+        share = {} if share is None else share
+        booked_frames = set() if booked_frames is None else booked_frames
         # Job budget for this cycle, whole cores: the Store's for managed shows, the
         # trigger-kept total for the others (the authority is still book / the trigger).
         if managed:
@@ -755,8 +828,15 @@ class DispatchLoop:
         view = self.view
         tightest = view.fit == "tightest"
 
-        def room_of(alloc: str) -> int:
-            return room.get((show, alloc), 0)
+        if share_only:
+
+            def room_of(alloc: str) -> int:
+                return min(room.get((show, alloc), 0), share.get((show, alloc), 0))
+
+        else:
+
+            def room_of(alloc: str) -> int:
+                return room.get((show, alloc), 0)
 
         for layer in job.layers:
             cluster = layer.cluster
@@ -767,6 +847,8 @@ class DispatchLoop:
             hint: HostRec | None = None
             hint_generation = -1
             for frame in layer.frames:
+                if frame.pk in booked_frames:
+                    continue
                 stats.frames_considered += 1
                 outcome = _NO_HOST
                 booking = None
@@ -809,8 +891,13 @@ class DispatchLoop:
                     # in between would lend a booking checked on stale counters the new one.
                     generation = self.service.managed_generation(show)
                     result = self.service.apply_booking(
-                        BookingDelta(show, host.alloc, job.folder, job.pk, cores, demand.gpus)
+                        BookingDelta(show, host.alloc, job.folder, job.pk, cores, demand.gpus, layer.limits)
                     )
+                    if isinstance(result, LimitExceeded) and result.table in (LICENCE, LICENCE_UNSEEDED):
+                        stats.rejected[result.table] += 1
+                        self._record_why(job.pk, *_licence_why(result, self.store))
+                        outcome = _SKIP_LAYER
+                        break  # this layer's frames all hold the limit; the job's others may not
                     if isinstance(result, LimitExceeded):
                         stats.rejected[result.table] += 1
                         reason, what, unit, unblock = _CAP_WHY.get(
@@ -857,7 +944,9 @@ class DispatchLoop:
                     view.take(host, centi, demand.mem, demand.gpus, demand.gpu_mem)
                     if tightest:
                         hint, hint_generation = host, view.generation
-                    room[(show, host.alloc)] = room_of(host.alloc) - cores
+                    room[(show, host.alloc)] = room.get((show, host.alloc), 0) - cores
+                    if (show, host.alloc) in share:
+                        share[(show, host.alloc)] -= cores
                     if folder_key is not None:
                         room[folder_key] -= cores
                     job_used += cores
@@ -883,6 +972,7 @@ class DispatchLoop:
                             self._cluster_layers.setdefault(cluster, set()).add(layer.pk)
                     break  # the layer's other frames ask for the same: next layer
                 booked_any = True
+                booked_frames.add(frame.pk)
                 self.why.pop(job.pk, None)
                 placed.add(cluster)
                 batch.append(booking)
@@ -985,7 +1075,7 @@ class DispatchLoop:
         confirm = self.service.confirm_booking
         for b in written:
             if id(b) not in failed:
-                confirm(b.result)
+                confirm(b.result, b.xid)
         stats.booked += len(written) - len(failed)
         if failures:
             stats.launch_failures += len(failures)
@@ -1030,9 +1120,24 @@ class DispatchLoop:
         for b in bookings:
             if b.pk_proc in result.procs_deleted:
                 freed[b.host.pk] = freed.get(b.host.pk, 0) + b.mem
-            self.service.confirm_booking(b.result)
+            self.service.confirm_booking(b.result, b.xid)
         stats.compensated += len(result.procs_deleted)
         self.view.set_ledger(result.host_rows, freed)
+
+
+def _licence_why(result: LimitExceeded, store: Store) -> tuple[str, str, str]:
+    """(reason, message, unblock) of a booking the Store refused on a licence limit, with its numbers."""
+    reason, what, _unit, unblock = _CAP_WHY[result.table]
+    use = store.licences().get(result.key)
+    if result.table == LICENCE and use is not None:
+        kind = "hosts" if use.host else "frames"
+        message = (
+            f"{what}: limit {result.key} {result.current}/{result.limit} {kind} "
+            f"({use.base} counted by the database, {use.inflight + use.pending} booked by this scheduler on top)"
+        )
+    else:
+        message = f"{what}: limit {result.key}"
+    return reason, message, unblock
 
 
 def _unlimited(_alloc: str) -> int:

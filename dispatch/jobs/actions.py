@@ -43,7 +43,7 @@ from accounting.notify import LIMIT_CHANNEL
 from dispatch.engine.completion import EXIT_STATUS_KILLED, FINISH_JOBS_SQL, Completion, complete_in_transaction
 from dispatch.jobs.frameset import frame_name
 from dispatch.jobs.spec import JobPlan, SpecError, plan_job
-from dispatch.models import Job, JobResource, Layer
+from dispatch.models import Job, JobResource, Layer, LayerLimit
 from dispatch.models.base import new_id
 from dispatch.models.depends import FRAME_BY_FRAME, LAYER_ON_LAYER
 from dispatch.models.triggers import STATE_COLUMNS
@@ -278,6 +278,13 @@ def _write_job(plan: JobPlan) -> SubmitResult:
     ]
     Layer.objects.bulk_create(layers)
     layer_ids = {lp.name: layer.pk_layer for lp, layer in zip(plan.layers, layers, strict=True)}
+    # Licence limits: the layers are this transaction's own, so no frame of them runs anywhere
+    # and the trigger takes no lock for them (accounting.licences).
+    limit_rows = [
+        LayerLimit(layer_id=layer_ids[lp.name], limit_id=limit_id) for lp in plan.layers for limit_id in lp.limit_ids
+    ]
+    if limit_rows:
+        LayerLimit.objects.bulk_create(limit_rows)
 
     # Frame ids first, so the depends can name them; then the unmet-dependency count per frame.
     frame_ids: dict[str, list[str]] = {lp.name: [new_id() for _ in lp.chunks] for lp in plan.layers}

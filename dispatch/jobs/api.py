@@ -14,6 +14,10 @@ full contract with examples is docs/api.md):
 | POST | /api/jobs/<id or name>/retry, eat | none, or {"frames": [names or ids], "layer": name} | 200 |
 | POST | /api/jobs/<id or name>/priority | {"priority": n} | 200 |
 | POST | /api/jobs/<id or name>/max-cores | {"max_cores": whole cores, -1 unlimited} | 200 |
+| GET | /api/limits | | 200 {"limits": [{"id", "name", "max", "host_limit", "running", ...}]} |
+| POST | /api/limits | {"name": ..., "max": n (-1 unlimited), "host_limit": false} | 201 the limit |
+| GET | /api/limits/<id or name> | | 200 the limit and its use |
+| POST | /api/limits/<id or name> | {"max": n} and/or {"host_limit": bool} | 200 the limit, "changed", "warnings" |
 
 A page is `{"count", "limit", "offset", "next", "previous", "results"}` (`next` and `previous`
 are the URLs of the neighbouring pages, or null), in a stable order so that paging through a
@@ -29,6 +33,8 @@ read the job to know which.
 Who may do what: any active user with a token may submit (as themselves; as another user
 only with the rights below) and read jobs; a user controls their own jobs
 (job.str_user == username); staff and holders of `dispatch.change_job` control any job.
+Licence limits are read by any token user and created or changed by holders of
+`ops.edit_caps` (the console's cap editors): a limit is a cap of every show.
 
 Only token authentication is accepted (session cookies are ignored), so the views are
 CSRF-exempt: a bearer token is never sent by a browser on its own.
@@ -49,10 +55,11 @@ from django.db.models import QuerySet
 from django.http import HttpRequest, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
+from accounting import actions as cap_actions
 from dispatch.jobs import actions
 from dispatch.jobs.spec import SpecError, load_spec
 from dispatch.jobs.tokens import user_for_token
-from dispatch.models import Frame, Job, JobResource, JobStat, Layer, LayerStat
+from dispatch.models import Frame, Job, JobResource, JobStat, Layer, LayerStat, LimitRecord
 from dispatch.models.jobs import FRAME_STATES, JOB_STATES
 
 logger = logging.getLogger(__name__)
@@ -79,6 +86,10 @@ ROUTES = (
     "POST /api/jobs/<job>/eat",
     "POST /api/jobs/<job>/priority",
     "POST /api/jobs/<job>/max-cores",
+    "GET /api/limits",
+    "POST /api/limits",
+    "GET /api/limits/<limit>",
+    "POST /api/limits/<limit>",
 )
 
 
@@ -467,3 +478,60 @@ def job_action(request: HttpRequest, user: AbstractBaseUser, ref: str, action: s
     except ValidationError as exc:
         raise ApiError(400, *exc.messages) from None
     return JsonResponse({"job": result.job_id, "action": action, "changed": result.changed, **result.detail})
+
+
+# --- licence limits -----------------------------------------------------------------------
+
+LIMIT_FIELDS = {"name", "max", "host_limit"}
+
+
+def _limit_row(ref: str) -> dict[str, Any]:
+    for row in cap_actions.limit_use():
+        if ref in (row["id"], row["name"]):
+            return row
+    raise ApiError(404, f"no limit {ref!r}")
+
+
+def _may_edit_limits(user: AbstractBaseUser) -> None:
+    if not (user.is_superuser or user.has_perm("ops.edit_caps")):  # type: ignore[attr-defined]
+        raise ApiError(403, f"user {user.get_username()!r} may not change licence limits (needs ops.edit_caps)")
+
+
+@_api("GET", "POST")
+def limits(request: HttpRequest, user: AbstractBaseUser) -> JsonResponse:
+    """GET /api/limits: every limit and its use; POST: create one (audited like a cap change)."""
+    if request.method == "GET":
+        return JsonResponse({"limits": cap_actions.limit_use()})
+    _may_edit_limits(user)
+    body = _body(request, required=True)
+    unknown = set(body) - LIMIT_FIELDS
+    if unknown:
+        raise ApiError(400, f"unknown fields {sorted(unknown)} (fields: {sorted(LIMIT_FIELDS)})")
+    try:
+        result = cap_actions.create_limit(
+            body.get("name"), body.get("max", -1), host_limit=body.get("host_limit", False), actor=user
+        )
+    except ValidationError as exc:
+        raise ApiError(400, *exc.messages) from None
+    return JsonResponse(_limit_row(result.target), status=201)
+
+
+@_api("GET", "POST")
+def limit_detail(request: HttpRequest, user: AbstractBaseUser, ref: str) -> JsonResponse:
+    """GET /api/limits/<id or name>: one limit; POST {"max"} / {"host_limit"}: change it."""
+    row = _limit_row(ref)
+    if request.method == "GET":
+        return JsonResponse(row)
+    _may_edit_limits(user)
+    body = _body(request, required=True)
+    if not body or set(body) - {"max", "host_limit"}:
+        raise ApiError(400, 'send {"max": <whole number, -1 unlimited>} and/or {"host_limit": true | false}')
+    try:
+        result = cap_actions.set_limit(
+            row["id"], max_value=body.get("max"), host_limit=body.get("host_limit"), actor=user
+        )
+    except ValidationError as exc:
+        raise ApiError(400, *exc.messages) from None
+    except LimitRecord.DoesNotExist:
+        raise ApiError(404, f"no limit {ref!r}") from None
+    return JsonResponse({**_limit_row(row["id"]), "changed": result.changed, "warnings": result.warnings})

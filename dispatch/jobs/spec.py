@@ -31,7 +31,10 @@ has a default:
 * layer `chunk_size` 1, `cores` 1 (whole cores, >= 1), `memory` "4GB", `gpus` 0,
   `gpu_memory` "0GB", `threadable` true, `depends` none;
 * layer `tags` (a list, or one string joined by `|`): the tags of the allocations the show
-  subscribes to in the job's facility, so the layer can run on any host the show may use.
+  subscribes to in the job's facility, so the layer can run on any host the show may use;
+* layer `limits` (a list of licence limit names, e.g. `["arnold"]`): none. Every frame of the
+  layer holds one of each while it runs (one per host for a host limit); a frame starts only
+  when every limit has room. Each name must be an existing limit: none is created here.
 
 Memory takes a unit (KB, MB, GB, TB, binary: 1GB = 1024 MB; "1.5GB" is fine): a bare number
 is an error, since MB-versus-KB mistakes are the costliest kind. A dependency is
@@ -52,7 +55,7 @@ from typing import Any
 from django.db import connection
 
 from dispatch.jobs.frameset import Chunk, FrameRangeError, chunk_frames, parse_frames
-from dispatch.models import Dept, Facility, Folder, Job, Show
+from dispatch.models import Dept, Facility, Folder, Job, LimitRecord, Show
 from dispatch.models.depends import FRAME_BY_FRAME, LAYER_ON_LAYER
 
 CENTICORES_PER_CORE = 100
@@ -100,6 +103,7 @@ LAYER_KEYS = {
     "tags",
     "threadable",
     "depends",
+    "limits",
 }
 DEPEND_KEYS = {"layer", "type"}
 
@@ -135,6 +139,9 @@ class LayerPlan:
     depends: list[DependPlan]
     chunks: list[Chunk]
     order: int  # int_dispatch_order, 1-based in spec order
+    # Licence limits by name (limit_record.str_name); resolved to ids in `limit_ids`.
+    limits: list[str] = field(default_factory=list)
+    limit_ids: list[str] = field(default_factory=list)
 
     @property
     def str_tags(self) -> str:
@@ -310,6 +317,7 @@ def _plan_layer(data: Any, index: int, errors: list[str]) -> _LayerDraft:
     gpu_memory = _memory(r, "gpu_memory", 0, allow_zero=True)
     tags = _tags(r)
     depends, referenced = _depends(r)
+    limits = _limits(r)
     chunks: list[Chunk] = []
     if range_spec is not None:
         try:
@@ -326,6 +334,7 @@ def _plan_layer(data: Any, index: int, errors: list[str]) -> _LayerDraft:
         return _LayerDraft(name=draft_name, referenced=referenced, plan=None)
     assert name and command and range_spec and chunk_size and cores and memory is not None
     assert gpus is not None and gpu_memory is not None and tags is not None and depends is not None
+    assert limits is not None
     plan = LayerPlan(
         name=name,
         command=command,
@@ -340,8 +349,28 @@ def _plan_layer(data: Any, index: int, errors: list[str]) -> _LayerDraft:
         depends=depends,
         chunks=chunks,
         order=index + 1,
+        limits=limits,
     )
     return _LayerDraft(name=name, referenced=referenced, plan=plan)
+
+
+def _limits(r: _Reader) -> list[str] | None:
+    """Names of licence limits every frame of the layer holds while it runs (each must exist)."""
+    value = r.data.get("limits")
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
+        r.error("limits", f"must be a list of limit names, not {value!r}")
+        return None
+    out: list[str] = []
+    for item in value:
+        name = item.strip()
+        if len(name) > 255:
+            r.error("limits", f"{name[:40]!r}... is longer than 255 characters")
+            return None
+        if name not in out:
+            out.append(name)
+    return out
 
 
 def _memory(r: _Reader, key: str, default: int, *, allow_zero: bool) -> int | None:
@@ -614,6 +643,7 @@ def plan_job(spec: Any, *, user: str | None) -> JobPlan:
                     f"layer {layer.name!r}.tags: none given, and show {show.str_name!r} subscribes to no "
                     f"allocation in facility {facility.str_name!r} to take them from"
                 )
+    _resolve_limits(layers, errors)
     if errors:
         raise SpecError(errors)
     assert show is not None and folder is not None and facility is not None and dept is not None
@@ -641,6 +671,23 @@ def plan_job(spec: Any, *, user: str | None) -> JobPlan:
         paused=paused,
         layers=layers,
     )
+
+
+def _resolve_limits(layers: list[LayerPlan], errors: list[str]) -> None:
+    """Limit names to ids. A limit is never created here: a misspelt name would start an unlimited one."""
+    wanted = {name for layer in layers for name in layer.limits}
+    if not wanted:
+        return
+    found = dict(LimitRecord.objects.filter(str_name__in=wanted).values_list("str_name", "pk_limit_record"))
+    for layer in layers:
+        missing = [n for n in layer.limits if n not in found]
+        if missing:
+            errors.append(
+                f"layer {layer.name!r}.limits: unknown limit {', '.join(repr(n) for n in missing)} "
+                "(create it in the ops console or with POST /api/limits first)"
+            )
+        else:
+            layer.limit_ids = [found[n] for n in layer.limits]
 
 
 def _alloc_tags(show: Show, facility: Facility) -> list[str]:

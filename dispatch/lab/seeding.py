@@ -786,9 +786,16 @@ def purge_farm(prefix: str) -> dict[str, int]:
     with transaction.atomic(), connection.cursor() as cur:
         cur.execute(f"DELETE FROM depend WHERE {DEPENDS}", params)
         depends = cur.rowcount
+        # Licence limits the farm's layers hold (the limits themselves span farms: kept). After
+        # the procs, so the recount of each limit sees them gone.
+        cur.execute(f"DELETE FROM proc WHERE {SCOPE['proc']}", params)
+        deleted["proc"] = cur.rowcount
+        cur.execute(
+            f"DELETE FROM layer_limit WHERE pk_layer IN (SELECT pk_layer FROM layer WHERE {SCOPE['layer']})", params
+        )
         for table in PURGE_ORDER:
             cur.execute(f"DELETE FROM {table} WHERE {SCOPE[table]}", params)
-            deleted[table] = cur.rowcount
+            deleted[table] = deleted.get(table, 0) + cur.rowcount
     if depends:
         deleted = {"depend": depends, **deleted}
     return deleted

@@ -62,6 +62,7 @@ from accounting.scheduler import SchedulerOptions, SchedulerProcess
 from accounting.service import AccountingService
 from accounting.units import centicores_to_cores
 from dispatch.engine.completion import Completion, complete, kill_frames
+from dispatch.engine.launcher import Launcher, get_launcher
 from dispatch.engine.loop import DispatchLoop
 from dispatch.hosts.launchers.simulated import SimulatedLauncher
 from dispatch.lab.netfreeze import FreezableProxy
@@ -83,6 +84,7 @@ PHASES: tuple[str, ...] = (
     "split_brain",
     "listener_wedge",
     "flip_roundtrip",
+    "fairshare",
 )
 PERTURBATIONS = PHASES[2:]
 # The farm prefix letters of each perturbation phase (`<prefix>_<letters>`); the older phases
@@ -93,6 +95,7 @@ PHASE_LETTERS: dict[str, str] = {
     "split_brain": "sb",
     "listener_wedge": "lw",
     "flip_roundtrip": "fr",
+    "fairshare": "fs",
 }
 
 # SUM(proc) of the farm's shows against every cap, in one statement (one snapshot); only the
@@ -117,6 +120,15 @@ SELECT 'job', x.pk_job, x.c, jr.int_max_cores, EXTRACT(EPOCH FROM x.last)::float
 FROM (SELECT pk_job, SUM(c) AS c, max(decided) AS last FROM p GROUP BY 1) x
 JOIN job_resource jr ON jr.pk_job = x.pk_job
 WHERE jr.int_max_cores > 0 AND x.c > jr.int_max_cores
+UNION ALL
+-- Licence limits span shows: every limit, counted from proc (frames, or hosts) against its max.
+SELECT 'limit', r.pk_limit_record, c.counted, r.int_max_value, EXTRACT(EPOCH FROM c.last)::float8
+FROM limit_record r CROSS JOIN LATERAL (
+  SELECT CASE WHEN r.b_host_limit THEN count(DISTINCT p.pk_host) ELSE count(*) END AS counted,
+         max(p.ts_dispatched) AS last
+  FROM layer_limit ll JOIN proc p ON p.pk_layer = ll.pk_layer WHERE ll.pk_limit_record = r.pk_limit_record
+) c
+WHERE r.int_max_value >= 0 AND c.counted > r.int_max_value
 """
 
 # SUM(proc) per Store key of the farm: (vertex, key, centicores, gpus).
@@ -132,7 +144,15 @@ UNION ALL SELECT 'job', pk_job, SUM(c), SUM(g) FROM p GROUP BY pk_job
 """
 
 # The database-side invariants of the audit, scoped to the farm: (what, key, seen, expected).
+# Licence limits: the trigger-kept use of every limit equals its recount from proc.
 AUDIT_SQL = """
+SELECT 'limit_use', r.pk_limit_record, r.int_running, CASE WHEN r.b_host_limit THEN c.hosts ELSE c.frames END
+FROM limit_record r CROSS JOIN LATERAL (
+  SELECT count(*) AS frames, count(DISTINCT p.pk_host) AS hosts
+  FROM layer_limit ll JOIN proc p ON p.pk_layer = ll.pk_layer WHERE ll.pk_limit_record = r.pk_limit_record
+) c
+WHERE r.int_running <> CASE WHEN r.b_host_limit THEN c.hosts ELSE c.frames END
+UNION ALL
 SELECT 'host_ledger', h.pk_host, h.int_cores - h.int_cores_idle, COALESCE(x.c, 0)
 FROM host h LEFT JOIN (SELECT pk_host, SUM(int_cores_reserved) AS c FROM proc GROUP BY 1) x ON x.pk_host = h.pk_host
 WHERE h.pk_host = ANY(%(hosts)s) AND h.int_cores - h.int_cores_idle <> COALESCE(x.c, 0)
@@ -298,6 +318,26 @@ class StressConfig:
     fr_trips: int = 10
     fr_ttl: float = 5.0
     fr_recompute: float = 0.1
+    # fairshare (issue 19): 8-core hosts, one-core frames of fs_runtime_min-max s; three shows
+    # sized 50/30/20% of the farm, each with a burst of fs_burst_share of it, the smallest one at
+    # the highest priority; how long the load runs, and from when each show's share of the
+    # booked cores, averaged over fs_window, must stay within fs_tolerance (absolute) of its
+    # share of the sizes, s
+    fs_hosts: int = 100
+    fs_jobs_per_show: int = 4
+    fs_frames_per_layer: int = 2000
+    fs_runtime_min: float = 1.0
+    fs_runtime_max: float = 3.0
+    fs_burst_share: float = 0.7
+    fs_seconds: float = 20.0
+    fs_converge_by: float = 6.0
+    fs_tolerance: float = 0.1
+    fs_window: float = 1.0
+    # drain on real frames: `simulated` (default), or `rqd` - the drain farm's first
+    # `rqd_daemons` hosts are real OpenCue RQD daemons (one per host, on this machine), its
+    # layers run `true`, and the rqd launcher and the gateway carry every frame
+    launcher: str = "simulated"
+    rqd_daemons: int = 4
 
     def drain_spec(self) -> FarmSpec:
         return FarmSpec(
@@ -774,16 +814,21 @@ def run_inprocess(
     name: str,
     spec: FarmSpec,
     *,
-    launcher: SimulatedLauncher,
+    launcher: Launcher,
     perturb: Callable[[Run], None] | None = None,
     duration: float | None = None,
     loop_env: dict[str, str] | None = None,
     heal: Callable[[Run], None] | None = None,
     listener_connect: Callable[[], psycopg.Connection] | None = None,
+    prepare: Callable[[FarmSeed], Callable[[], None] | None] | None = None,
 ) -> PhaseReport:
-    """Seed, run the service and the loop (to idle, or for `duration`), perturb, audit, purge."""
+    """Seed, run the service and the loop (to idle, or for `duration`), perturb, audit, purge.
+
+    `prepare` runs once the farm is seeded, before anything books (hosts to start); what it
+    returns runs after the audit, before the purge."""
     report = PhaseReport(name=name, frames=cfg.frames(spec))
     seed = _seed(spec)
+    cleanup = prepare(seed) if prepare is not None else None
     stop_service = threading.Event()
     stop_loop = threading.Event()
     with env(**{**QUIET_LOOPS, **(loop_env or {})}):
@@ -830,6 +875,8 @@ def run_inprocess(
         stop_service.set()
         service.join()
         launcher.close()
+        if cleanup is not None:
+            cleanup()
     report.booked = loop.totals.booked
     report.window = loop.booking_window()
     report.rejected = dict(loop.totals.rejected)
@@ -869,10 +916,63 @@ def _launcher(cfg: StressConfig, *, runtime: bool) -> SimulatedLauncher:
 # --- phases --------------------------------------------------------------------------------
 def phase_drain(cfg: StressConfig) -> PhaseReport:
     spec = cfg.drain_spec()
-    report = run_inprocess(cfg, "drain", spec, launcher=_launcher(cfg, runtime=False))
+    if cfg.launcher == "rqd":
+        # Every layer must fit one of the few hosts: one allocation, no manual tag, hosts big
+        # enough for the largest layer, but not so big that a 2-core machine forks hundreds of frames.
+        spec = replace(spec, hosts=cfg.rqd_daemons, allocs=1, manual_tags=0, host_cores_choices=(8, 16))
+        report = run_inprocess(cfg, "drain", spec, launcher=get_launcher("rqd"), prepare=_rqd_hosts)
+    elif cfg.launcher == "simulated":
+        report = run_inprocess(cfg, "drain", spec, launcher=_launcher(cfg, runtime=False))
+    else:
+        raise ValueError(f"the drain phase runs on the simulated or the rqd launcher, not {cfg.launcher!r}")
     if report.booked < 0.9 * report.frames:
         report.failed.append(f"only {report.booked} of {report.frames} frames booked (< 90%)")
     return report
+
+
+HOSTS_OF_FARM_SQL = """
+SELECT h.str_name, h.int_cores, h.int_mem,
+       (SELECT array_agg(t.str_tag ORDER BY t.str_tag) FROM host_tag t
+        WHERE t.pk_host = h.pk_host AND t.str_tag_type NOT IN ('ALLOC', 'HOSTNAME'))
+FROM host h WHERE h.pk_host = ANY(%s::text[]) ORDER BY h.str_name
+"""
+
+
+def _rqd_hosts(seed: FarmSeed) -> Callable[[], None]:
+    """Real RQD daemons as the seeded hosts (same names, cores, memory and tags, so each startup
+    report updates its host in place), a gateway for their reports, and `true` as every layer's
+    command. Returns what stops them."""
+    import tempfile
+
+    from dispatch.hosts.rqd_gateway import start_gateway
+    from dispatch.lab.rqdfarm import start_daemons, wait_registered
+
+    tmp = Path(tempfile.mkdtemp(prefix="stress-rqd-"))
+    gateway = start_gateway("127.0.0.1", 0, workers=16)
+    daemons: dict[str, Any] = {}
+    try:
+        with db.connect(autocommit=True, application_name="cuesched-stress-rqd") as conn:
+            conn.execute("UPDATE layer SET str_cmd = 'true' WHERE pk_job = ANY(%s::text[])", (list(seed.job_ids),))
+            for name, cores, mem, tags in conn.execute(HOSTS_OF_FARM_SQL, (list(seed.host_ids),)).fetchall():
+                daemons.update(
+                    start_daemons(
+                        [name], gateway.port, tmp, tags=list(tags or []), cores=int(cores) // 100, memory_kb=int(mem)
+                    )
+                )
+            for d in daemons.values():
+                wait_registered(conn, d, 60)
+    except BaseException:
+        for d in daemons.values():
+            d.stop()
+        gateway.stop()
+        raise
+
+    def stop() -> None:
+        for d in daemons.values():
+            d.stop()
+        gateway.stop()
+
+    return stop
 
 
 def phase_saturation(cfg: StressConfig) -> PhaseReport:
@@ -2184,6 +2284,131 @@ def phase_flip_roundtrip(cfg: StressConfig) -> PhaseReport:
     return report
 
 
+FS_SIZES = (0.5, 0.3, 0.2)
+FS_PRIORITIES = (1, 100, 200)
+FS_BOOKED_SQL = "SELECT pk_show, SUM(int_cores_reserved) FROM proc WHERE pk_show = ANY(%s) GROUP BY 1"
+
+
+def phase_fairshare(cfg: StressConfig) -> PhaseReport:
+    """Shares converge to the subscription sizes, whatever the priorities, with 0 cap breaches.
+
+    Three shows on one allocation, sized 50/30/20% of the farm, the smallest at the highest
+    priority, each allowed to borrow up to fs_burst_share of the farm; the first two are
+    managed (ordered by the Store's live counters), the third is not (by the trigger-kept
+    ones). Frames run fs_runtime_min-max s, so every core changes hands many times. Sampled
+    every 50 ms: from fs_converge_by on, each show's share of the booked cores, averaged over
+    the last fs_window seconds, stays within fs_tolerance of its share of the sizes. Shares of
+    what is booked, not of the farm: cores between a completion and the next booking are idle
+    for every show alike.
+    """
+    capacity = cfg.fs_hosts * 8 * 100  # centicores
+    spec = FarmSpec(
+        prefix=f"{cfg.prefix}_{PHASE_LETTERS['fairshare']}",
+        seed=cfg.seed,
+        shows=len(FS_SIZES),
+        managed_shows=2,
+        allocs=1,
+        hosts=cfg.fs_hosts,
+        jobs=cfg.fs_jobs_per_show * len(FS_SIZES),
+        layers=1,
+        frames_per_layer=cfg.fs_frames_per_layer,
+        manual_tags=0,
+        host_cores_choices=(8,),
+        host_mem_gb_choices=(64,),
+        layer_cores_choices=(1,),
+        layer_mem_gb_choices=(1,),
+        sub_burst=int(capacity * cfg.fs_burst_share),
+        job_max_cores=capacity,
+    )
+    samples: list[tuple[float, dict[str, int]]] = []
+
+    def prepare(seed: FarmSeed) -> None:
+        with db.connect(autocommit=True, application_name="cuesched-stress") as conn:
+            for i, show in enumerate(seed.show_ids):
+                conn.execute(
+                    "UPDATE subscription SET int_size = %s WHERE pk_show = %s", (int(capacity * FS_SIZES[i]), show)
+                )
+                conn.execute(
+                    "UPDATE job_resource SET int_priority = %s"
+                    " WHERE pk_job IN (SELECT pk_job FROM job WHERE pk_show = %s)",
+                    (FS_PRIORITIES[i], show),
+                )
+
+    def sample(run: Run) -> None:
+        shows = list(run.seed.show_ids)
+        started = time.monotonic()
+        with db.connect(autocommit=True, application_name="cuesched-stress-fairshare") as conn:
+            while run.loop_alive() and time.monotonic() - started < cfg.fs_seconds:
+                booked = dict.fromkeys(shows, 0)
+                booked.update({s: int(c) for s, c in conn.execute(FS_BOOKED_SQL, (shows,)).fetchall()})
+                samples.append((time.monotonic() - started, booked))
+                time.sleep(0.05)
+
+    report = run_inprocess(
+        cfg,
+        "fairshare",
+        spec,
+        launcher=SimulatedLauncher(
+            runtime_min=cfg.fs_runtime_min,
+            runtime_max=cfg.fs_runtime_max,
+            failure_rate=0.0,
+            launch_failure_rate=0.0,
+            seed=cfg.seed,
+        ),
+        perturb=sample,
+        duration=0.001,
+        prepare=prepare,
+        loop_env={"CUESCHED_FAIR_SHARE": "1"},
+    )
+    report.frames = cfg.frames(spec)
+    if not samples:
+        report.failed.append("no share was sampled")
+        return report
+    shows = list(samples[0][1])
+    sizes = {s: FS_SIZES[i] for i, s in enumerate(shows)}
+
+    def share(booked: dict[str, int], show: str) -> float:
+        total = sum(booked.values())
+        return booked[show] / total if total else 0.0
+
+    # Each sample's shares averaged over the fs_window seconds up to it: one frame is a big
+    # part of a small farm, and the cores that free up between two cycles go to one show.
+    smooth: list[tuple[float, dict[str, float]]] = []
+    for t, _b in samples:
+        recent = [b for u, b in samples if t - cfg.fs_window < u <= t]
+        smooth.append((t, {s: statistics.fmean(share(b, s) for b in recent) for s in shows}))
+    late = [(t, sh) for t, sh in smooth if t >= cfg.fs_converge_by]
+    late_raw = [(t, b) for t, b in samples if t >= cfg.fs_converge_by]
+    worst = {s: max((abs(sh[s] - sizes[s]) for _t, sh in late), default=1.0) for s in shows}
+    worst_raw = {s: max((abs(share(b, s) - sizes[s]) for _t, b in late_raw), default=1.0) for s in shows}
+    converged_at = None
+    for i in range(len(smooth)):
+        if all(abs(sh[s] - sizes[s]) <= cfg.fs_tolerance for _t, sh in smooth[i:] for s in shows):
+            converged_at = smooth[i][0]
+            break
+    mean = {s: statistics.fmean(share(b, s) for _t, b in late_raw) if late_raw else 0.0 for s in shows}
+    used = statistics.fmean(sum(b.values()) / capacity for _t, b in late_raw) if late_raw else 0.0
+    report.notes.append(
+        f"fair share: sizes {'/'.join(f'{x:.0%}' for x in FS_SIZES)} of {capacity // 100} cores, priorities "
+        f"{'/'.join(map(str, FS_PRIORITIES))}; mean share of the booked cores after {cfg.fs_converge_by:.1f}s "
+        + "/".join(f"{mean[s]:.1%}" for s in shows)
+        + f"; worst deviation over {cfg.fs_window:.1f}s windows "
+        + "/".join(f"{worst[s]:.1%}" for s in shows)
+        + ", of one sample "
+        + "/".join(f"{worst_raw[s]:.1%}" for s in shows)
+        + f"; within {cfg.fs_tolerance:.0%} from {'never' if converged_at is None else f'{converged_at:.2f}s'}"
+        + f" ({len(samples)} samples); farm {used:.0%} booked on average"
+    )
+    if not late:
+        report.failed.append(f"the load ended before {cfg.fs_converge_by:.1f}s")
+    elif converged_at is None or converged_at > cfg.fs_converge_by:
+        report.failed.append(
+            f"shares not within {cfg.fs_tolerance:.0%} of the sizes from {cfg.fs_converge_by:.1f}s on: worst "
+            + ", ".join(f"show {i} {worst[s]:.1%}" for i, s in enumerate(shows))
+        )
+    return report
+
+
 RUNNERS: dict[str, Callable[[StressConfig], PhaseReport]] = {
     "drain": phase_drain,
     "saturation": phase_saturation,
@@ -2197,6 +2422,7 @@ RUNNERS: dict[str, Callable[[StressConfig], PhaseReport]] = {
     "split_brain": phase_split_brain,
     "listener_wedge": phase_listener_wedge,
     "flip_roundtrip": phase_flip_roundtrip,
+    "fairshare": phase_fairshare,
 }
 
 
@@ -2248,6 +2474,13 @@ def small(cfg: StressConfig | None = None, **overrides: Any) -> StressConfig:
         "lw_freeze": 3.0,
         "fr_trips": 4,
         "fr_ttl": 2.0,
+        "fs_hosts": 8,
+        "fs_jobs_per_show": 2,
+        "fs_frames_per_layer": 400,
+        "fs_runtime_min": 0.3,
+        "fs_runtime_max": 1.0,
+        "fs_seconds": 6.0,
+        "fs_converge_by": 3.0,
     }
     sizes.update(overrides)
     return replace(base, **sizes)

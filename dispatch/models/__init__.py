@@ -4,6 +4,7 @@ from dispatch.models.api_tokens import ApiToken
 from dispatch.models.depends import Depend
 from dispatch.models.hosts import Host, HostStat, HostTag
 from dispatch.models.jobs import Frame, Job, JobResource, JobStat, Layer, LayerResource, LayerStat
+from dispatch.models.limits import LayerLimit, LimitRecord
 from dispatch.models.org import Alloc, Dept, Facility, Folder, FolderResource, Point, Show, Subscription
 from dispatch.models.procs import Proc
 
@@ -23,8 +24,10 @@ __all__ = [
     "JobResource",
     "JobStat",
     "Layer",
+    "LayerLimit",
     "LayerResource",
     "LayerStat",
+    "LimitRecord",
     "Point",
     "Proc",
     "Show",

@@ -37,6 +37,9 @@ class Host(models.Model):
     int_gpus_idle = models.BigIntegerField(db_default=0, default=0)
     int_gpu_mem = models.BigIntegerField(db_default=0, default=0)
     int_gpu_mem_idle = models.BigIntegerField(db_default=0, default=0)
+    # Not Cuebot's: where an RQD host's daemon answers (ip:port), set by its startup report;
+    # null for hosts of our own agents.
+    str_rqd_address = models.CharField(max_length=160, null=True, blank=True)
     ts_created = models.DateTimeField(db_default=now_default())
     ts_last_updated = models.DateTimeField(db_default=now_default(), null=True, blank=True)
 

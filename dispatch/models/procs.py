@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from django.db import models
 
+from accounting import licences
 from accounting import triggers as accounting_triggers
 from dispatch.models.base import fk, now_default, pk_field
 
@@ -48,7 +49,7 @@ class Proc(models.Model):
                 condition=models.Q(int_cores_reserved__gt=0), name="c_proc_cores_positive"
             ),
         ]
-        triggers = accounting_triggers.proc_triggers()
+        triggers = [*accounting_triggers.proc_triggers(), *licences.proc_licence_triggers()]
 
     def __str__(self) -> str:
         return f"proc {self.pk_proc} of frame {self.frame_id}"

@@ -32,7 +32,8 @@ def farm_admin(client: Client) -> Client:
 
 
 def test_every_farm_model_is_registered() -> None:
-    assert len(FARM_MODELS) == 21  # the 19 Cuebot tables, depend, and the API tokens
+    # The 19 Cuebot tables, depend, the API tokens, and OpenCue's limit_record and layer_limit (issue 19).
+    assert len(FARM_MODELS) == 23
     assert [m.__name__ for m in FARM_MODELS if m not in admin.site._registry] == []
 
 

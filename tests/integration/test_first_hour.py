@@ -152,6 +152,57 @@ def test_ctrl_c_stops_the_whole_demo_and_leaves_no_frame_running(tmp_path: Path)
         kill_marked(marker)
 
 
+def test_ctrl_c_with_the_output_pipe_gone_still_leaves_nothing_running(tmp_path: Path) -> None:
+    """`./dev run | tee log` and a Ctrl-C: the terminal's SIGINT kills tee too, so every later
+    write of the demo and its children meets a broken pipe. The stop must not depend on being
+    able to say what it does: a failed write used to skip the kill of the agent's process
+    group, and its q2 cluster processes outlived the command."""
+    import os
+
+    marker = new_marker()
+    web = free_port()
+    env = command_env(
+        marker,
+        CUESCHED_DEMO_PASSWORD_FILE=str(tmp_path / "admin-password"),
+        CUESCHED_AGENT_LOG_ROOT=str(tmp_path / "logs"),
+        CUESCHED_METRICS_PORT=str(free_port()),
+    )
+    read_end, write_end = os.pipe()
+    demo = subprocess.Popen(
+        [sys.executable, "manage.py", "demo", "--addr", f"127.0.0.1:{web}"],
+        cwd=ROOT,
+        env=env,
+        stdout=write_end,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    os.close(write_end)
+    seen: dict[int, str] = {}
+    try:
+        with autocommit() as conn:
+
+            os.set_blocking(read_end, False)
+
+            def drain_and_check() -> bool:
+                try:
+                    os.read(read_end, 1 << 20)
+                except BlockingIOError:
+                    pass
+                assert demo.poll() is None
+                seen.update(descendants(demo.pid))
+                return bool(scalar(conn, "SELECT count(*) FROM proc"))
+
+            wait_for(drain_and_check, 120, "the demo to run frames")
+            seen.update(descendants(demo.pid))
+            os.close(read_end)  # tee is gone: every write from now on is EPIPE
+            os.killpg(demo.pid, signal.SIGINT)
+            demo.wait(90)
+            assert marked_processes(marker) == {}
+            assert still_alive(seen) == []
+    finally:
+        kill_marked(marker)
+
+
 # --- item 3: SIGTERM to run_agent and run_scheduler ----------------------------------------
 def test_sigterm_to_scheduler_and_agent_ends_or_requeues_every_frame_and_says_so(tmp_path: Path) -> None:
     farm = agent_farm("asigterm", "sleep 30", frames=3)

@@ -69,3 +69,15 @@ def test_the_watchdog_forgives_an_outside_write_only_until_the_store_had_it() ->
 def test_command_rejects_an_unknown_phase() -> None:
     with pytest.raises(CommandError, match="unknown phase"):
         call_command("stress", "--small", "--phases", "drain,nope")
+
+
+def test_the_drain_phase_runs_through_real_rqd_daemons() -> None:
+    """`stress --phases drain --launcher rqd`: the drain farm's hosts are real RQD daemons, its
+    frames real `true` commands, launched, reported and released through the gateway."""
+    lines: list[str] = []
+    (report,) = run_stress(small(prefix="tsrqd", phases=("drain",), launcher="rqd"), emit=lines.append)
+    text = "\n".join(lines)
+    assert report.failed == [] and report.breaches == 0, text
+    assert report.booked >= report.frames > 0, text
+    assert "audit: OK" in text
+    assert not any(farm_counts("tsrqd_d").values())

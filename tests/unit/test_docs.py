@@ -238,7 +238,10 @@ CURL = re.compile(r"^curl\b.*$", re.M)
 
 
 def route_regex(route: str) -> re.Pattern[str]:
-    return re.compile("^" + re.escape(route).replace(re.escape("<job>"), "[^/]+") + "/?$")
+    pattern = re.escape(route)
+    for placeholder in ("<job>", "<limit>"):
+        pattern = pattern.replace(re.escape(placeholder), "[^/]+")
+    return re.compile("^" + pattern + "/?$")
 
 
 def curl_calls(text: str) -> list[tuple[str, str, list[str]]]:
@@ -272,7 +275,7 @@ def test_every_route_the_api_lists_is_served_with_its_method() -> None:
     actions = set()
     for route in api.ROUTES:
         method, path = route.split(" ", 1)
-        match = resolve(path.replace("<job>", "some-job"))
+        match = resolve(path.replace("<job>", "some-job").replace("<limit>", "some-limit"))
         assert method in getattr(match.func, "methods", ()), route
         if "action" in match.kwargs:
             actions.add(match.kwargs["action"])

@@ -28,7 +28,7 @@ import threading
 import time
 from argparse import ArgumentParser
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +41,11 @@ from accounting.management.commands import bench_store
 from accounting.service import AccountingService
 from dispatch import conf
 from dispatch.engine.completion import Completion, complete
+from dispatch.engine.feed import FreeHosts, fetch_pending
 from dispatch.engine.loop import DispatchLoop
+from dispatch.engine.placement import HostView
 from dispatch.hosts.launchers.simulated import SimulatedLauncher
-from dispatch.lab.seeding import FarmSpec, purge_farm, seed_farm, show_name
+from dispatch.lab.seeding import FarmSeed, FarmSpec, purge_farm, seed_farm, show_name
 from dispatch.lab.stress import QUIET_LOOPS, env
 
 VACUUMED = "frame, proc, host, host_stat, job, job_stat, job_resource, layer, layer_stat, layer_resource"
@@ -137,7 +139,17 @@ class Command(BaseCommand):
         parser.add_argument(
             "--skip",
             default="",
-            help="comma list of parts to skip: throughput, floor, releases, accounting (quick runs)",
+            help="comma list of parts to skip: throughput, floor, releases, accounting, fairshare, limits (quick runs)",
+        )
+        parser.add_argument("--fairshare-shows", type=int, default=3, help="shows of the fair-share drain farm")
+        parser.add_argument(
+            "--feed-calls", type=int, default=20, help="feed queries timed per variant (fairshare part)"
+        )
+        parser.add_argument(
+            "--limits-per-layer",
+            type=int,
+            default=2,
+            help="licence limits put on every layer in the limits-on drains (limits part)",
         )
 
     # -- one drain --------------------------------------------------------------------------
@@ -169,6 +181,7 @@ class Command(BaseCommand):
         hold: bool = False,
         sharded: bool = False,
         while_held: Callable[[], dict[str, float]] | None = None,
+        after_seed: Callable[[FarmSeed], None] | None = None,
     ) -> dict[str, float]:
         """One drain to idle, or `seconds` of steady booking (the slow per-proc shape).
 
@@ -176,7 +189,9 @@ class Command(BaseCommand):
         the accounting service still listening, and its figures join the result.
         """
         purge_farm(spec.prefix)
-        seed_farm(spec)
+        seeded = seed_farm(spec)
+        if after_seed is not None:
+            after_seed(seeded)
         with db.connect(application_name="cuesched-bench") as conn:
             conn.execute(f"VACUUM ANALYZE {VACUUMED}")
         stop = threading.Event()
@@ -463,6 +478,134 @@ class Command(BaseCommand):
             f"Store book+confirm pairs/s (one thread): {self._fmt(results['store_pairs_per_s'], 'pairs/s')}"
         )
 
+    # -- fair share (issue 19) ----------------------------------------------------------------
+    def _fairshare_spec(self, opts: dict[str, Any]) -> FarmSpec:
+        """The drain farm over several shows, each sized a fraction of its burst, so the tiers
+        differ and move as the shows book (fair share reorders the feed every cycle)."""
+        spec = self._spec(opts, managed=True, contended=False)
+        return replace(spec, shows=opts["fairshare_shows"], sub_size=spec.hosts * 2000 // opts["fairshare_shows"])
+
+    def _feed_cost(self, opts: dict[str, Any], spec: FarmSpec) -> dict[str, list[float]]:
+        """Milliseconds of one feed read (its two queries) on the seeded farm, per variant: fair
+        share on or off, with or without the head-of-line host test."""
+        purge_farm(spec.prefix)
+        seed_farm(spec)
+        out: dict[str, list[float]] = {}
+        with db.connect(autocommit=True, application_name="cuesched-bench") as conn:
+            conn.execute(f"VACUUM ANALYZE {VACUUMED}")
+            view = HostView()
+            view.load(conn)
+            free = FreeHosts.of(view.hosts.values())
+            for _ in range(opts["feed_calls"]):
+                for name, fair, hosts in (
+                    ("fair share on, host test", True, free),
+                    ("fair share off, host test", False, free),
+                    ("fair share on, no host test", True, None),
+                    ("fair share off, no host test", False, None),
+                ):
+                    t0 = time.perf_counter()
+                    fetch_pending(
+                        conn,
+                        managed_only=False,
+                        max_jobs=conf.feed_max_jobs(),
+                        frames_per_layer=conf.feed_frames_per_layer(),
+                        max_frames=conf.feed_max_frames(),
+                        free=hosts,
+                        fair_share=fair,
+                    )
+                    out.setdefault(name, []).append(1000 * (time.perf_counter() - t0))
+        purge_farm(spec.prefix)
+        return out
+
+    def _fairshare(self, opts: dict[str, Any], results: dict[str, Any]) -> None:
+        """Drain throughput with CUESCHED_FAIR_SHARE on against off, interleaved in one run, and
+        what the feed read costs in each variant. The head-of-line filters run in both (they
+        are not a setting); the feed figures show their cost alone."""
+        spec = self._fairshare_spec(opts)
+        samples: dict[str, list[dict[str, float]]] = {"on": [], "off": []}
+        for i in range(opts["runs"]):
+            for mode in ("on", "off"):
+                with env(CUESCHED_FAIR_SHARE="1" if mode == "on" else "0"):
+                    r = self._drain(spec, threads=1, batch_size=None)
+                samples[mode].append(r)
+                self.stdout.write(
+                    f"  fairshare {mode} run {i + 1}: throughput: {r['rate']:.0f} frames/s over a "
+                    f"{r['window']:.2f}s booking window (wall {r['wall']:.2f}s), booked {r['booked']:.0f}"
+                )
+        table: dict[str, Any] = {}
+        for mode, runs in samples.items():
+            table[f"drain/fairshare-{mode}"] = {"rate": _spread([r["rate"] for r in runs]), "runs": runs}
+            rate = self._fmt(table[f"drain/fairshare-{mode}"]["rate"], "frames/s")
+            self.stdout.write(f"drain, {spec.shows} shows, fair share {mode}: {rate}")
+        on, off = (table[f"drain/fairshare-{m}"]["rate"]["median"] for m in ("on", "off"))
+        if off:
+            table["ratio_on_off"] = on / off
+            self.stdout.write(f"ratio fair share on / off (drain throughput): {on / off:.2f}x")
+        feed = self._feed_cost(opts, spec)
+        table["feed_ms"] = {name: _spread(ms) for name, ms in feed.items()}
+        for name, spread in table["feed_ms"].items():
+            self.stdout.write(
+                f"feed read ({spec.jobs} jobs, {spec.hosts} hosts), {name}: {spread['median']:.1f} ms "
+                f"(min {spread['min']:.1f}, max {spread['max']:.1f}, {spread['runs']} calls)"
+            )
+        results["fairshare"] = table
+    # -- licence limits on against off (issue 19) ----------------------------------------------
+    def _limits_on_off(self, opts: dict[str, Any], results: dict[str, Any]) -> None:
+        """The drain workload with every layer holding `--limits-per-layer` licence limits, against none.
+
+        The limits are large enough never to bind (max = twice the farm's frames): the figure is
+        the cost of enforcing them (the Store's check, the proc triggers' lock and recount, the
+        feed's filter), not the effect of a full limit. Interleaved runs, each mode, both paths.
+        """
+        per_layer = opts["limits_per_layer"]
+        frames = opts["jobs"] * opts["layers"] * opts["frames_per_layer"]
+
+        def tag(seeded: FarmSeed) -> None:
+            with db.connect(autocommit=True, application_name="cuesched-bench") as conn:
+                names = [f"{opts['prefix']}-lic{i}" for i in range(per_layer)]
+                conn.execute(
+                    "DELETE FROM layer_limit WHERE pk_limit_record IN"
+                    " (SELECT pk_limit_record FROM limit_record WHERE str_name = ANY(%s))",
+                    (names,),
+                )
+                conn.execute("DELETE FROM limit_record WHERE str_name = ANY(%s)", (names,))
+                ids = [
+                    row[0]
+                    for row in conn.execute(
+                        "INSERT INTO limit_record (pk_limit_record, str_name, int_max_value)"
+                        " SELECT gen_random_uuid()::text, n, %s FROM unnest(%s::text[]) AS n RETURNING pk_limit_record",
+                        (2 * frames, names),
+                    ).fetchall()
+                ]
+                conn.execute(
+                    "INSERT INTO layer_limit (pk_layer_limit, pk_layer, pk_limit_record)"
+                    " SELECT gen_random_uuid()::text, l, r FROM unnest(%s::text[]) AS l, unnest(%s::text[]) AS r",
+                    (list(seeded.layer_ids), ids),
+                )
+
+        samples: dict[str, list[float]] = {}
+        for i in range(opts["runs"]):
+            for mode in ("store", "database"):
+                for limits in ("off", "on"):
+                    spec = self._spec(opts, managed=mode == "store", contended=False)
+                    r = self._drain(spec, threads=1, batch_size=None, after_seed=tag if limits == "on" else None)
+                    name = f"drain/{mode}/limits-{limits}"
+                    samples.setdefault(name, []).append(r["rate"])
+                    self.stdout.write(
+                        f"  {name} run {i + 1}: {r['rate']:.0f} frames/s over {r['window']:.2f}s, "
+                        f"booked {r['booked']:.0f}"
+                    )
+        table = {name: _spread(rates) for name, rates in samples.items()}
+        results["limits"] = {"limits_per_layer": per_layer, "rate": table}
+        for name, spread in table.items():
+            self.stdout.write(f"{name}: {self._fmt(spread, 'frames/s')}")
+        for mode in ("store", "database"):
+            on, off = table[f"drain/{mode}/limits-on"], table[f"drain/{mode}/limits-off"]
+            if off["median"]:
+                ratio = on["median"] / off["median"]
+                results["limits"][f"ratio_{mode}"] = ratio
+                self.stdout.write(f"limits on / off, {mode}: {ratio:.2f}x")
+
     @staticmethod
     def _fmt(s: dict[str, float], unit: str) -> str:
         return f"{s['median']:.0f} {unit} (min {s['min']:.0f}, max {s['max']:.0f}, {s['runs']} runs)"
@@ -483,6 +626,10 @@ class Command(BaseCommand):
             self._releases(opts, results)
         if "accounting" not in skip:
             self._accounting(opts, results)
+        if "fairshare" not in skip:
+            self._fairshare(opts, results)
+        if "limits" not in skip:
+            self._limits_on_off(opts, results)
         results["load_average_after"] = os.getloadavg()
         (out / "bench.json").write_text(json.dumps(results, indent=2, default=str))
         chart(results, out / "bench.png")

@@ -199,6 +199,19 @@ def _stop(started: list[tuple[str, subprocess.Popen[bytes]]], write: Callable[[s
         popen.wait()
 
 
+def _tolerant(write: Callable[[str], Any]) -> Callable[[str], None]:
+    """A write that cannot fail: `./dev run | tee log` and a Ctrl-C kill tee too, and a stop
+    that raised on its first progress line used to skip the kill of the children's groups."""
+
+    def tolerant(line: str) -> None:
+        try:
+            write(line)
+        except (OSError, ValueError):  # EPIPE, or a stream already closed
+            pass
+
+    return tolerant
+
+
 def supervise(processes: list[BackgroundProcess], write: Callable[[str], Any], poll: float = 0.2) -> int:
     """Start `processes`, wait until one of them exits (or this process is told to stop), stop
     them all; returns the exit status for the command.
@@ -207,6 +220,7 @@ def supervise(processes: list[BackgroundProcess], write: Callable[[str], Any], p
     process, which stops the children in order and waits for them: the agent then has the
     time to end or requeue its frames instead of dying half-way with the scheduler.
     """
+    write = _tolerant(write)
     started: list[tuple[str, subprocess.Popen[bytes]]] = []
     try:
         for proc in processes:

@@ -39,7 +39,7 @@ class Command(BaseCommand):
         parser.add_argument(
             "--launcher",
             default=None,
-            help="How frames run: q2, celery or simulated (env CUESCHED_LAUNCHER, default q2).",
+            help="How frames run: q2, celery, rqd or simulated (env CUESCHED_LAUNCHER, default q2).",
         )
         parser.add_argument(
             "--runtime",
