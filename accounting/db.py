@@ -16,7 +16,7 @@ import psycopg
 from django.db import DatabaseError, connections
 
 from accounting.notify import conninfo_from_settings
-from accounting.triggers import LOCK_KEYS_TRY_EXCLUSIVE_SQL
+from accounting.triggers import LOCK_KEYS_TRY_EXCLUSIVE_SQL, WRITER_OPTION
 from cuesched_project import conf
 from cuesched_project.dburl import database_from_url
 
@@ -42,9 +42,16 @@ def connect(*, autocommit: bool = True, application_name: str = "cuesched", **ex
         "tcp_user_timeout": conf.tcp_user_timeout_ms(),
     }
     params.update(extra)
-    return psycopg.connect(
-        conninfo(), autocommit=autocommit, application_name=application_name, connect_timeout=10, **params
-    )
+    info = conninfo()
+    params["options"] = with_writer_option(psycopg.conninfo.conninfo_to_dict(info).get("options"))
+    return psycopg.connect(info, autocommit=autocommit, application_name=application_name, connect_timeout=10, **params)
+
+
+def with_writer_option(options: str | None) -> str:
+    """libpq `options` with cuesched's writer mark: in a Cuebot database the proc triggers count
+    unmanaged shows' procs for cuesched's own writers only (see accounting.triggers.CUEBOT_WRITES)."""
+    options = (options or "").strip()
+    return options if WRITER_OPTION in options else f"{options} {WRITER_OPTION}".strip()
 
 
 logger = logging.getLogger(__name__)

@@ -60,6 +60,8 @@ class ListenerStats:
     licences_applied: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
     injected_drops: int = 0
+    # Releases from Cuebot's AccountingNotifier dropped in Cuebot mode (see Listener.handle).
+    cuebot_releases_ignored: int = 0
     last_error: str | None = None
     last_reseed_seconds: float | None = None
     resyncs: int = 0
@@ -215,6 +217,12 @@ class Listener:
         self._rng = random.Random(0x0C0FFEE)
         self._conn: psycopg.Connection | None = None
         self.backend_pid: int | None = None
+        # Cuebot mode: our proc trigger sends a release for every proc delete, whoever the
+        # writer, so a release without a transaction id (Cuebot's AccountingNotifier, which
+        # runs when Cuebot's accounting.notify.enabled is true) is the same release a second
+        # time. Applying it would read the Store LOW; it is counted, warned about and dropped.
+        self.ignore_xidless_releases = False
+        self._cuebot_warned_at: float | None = None
 
     # -- handling one notification (public so tests can feed raw payloads) --
     def handle(self, channel: str, payload: str) -> str:
@@ -225,6 +233,8 @@ class Listener:
                     self.stats.injected_drops += 1
                     return "dropped:injected"
                 release = channels.parse_release(payload)
+                if release.xid is None and self.ignore_xidless_releases:
+                    return self._ignore_cuebot_release(payload)
                 if release.xid is not None and release.xid > self.stats.max_xid:
                     self.stats.max_xid = release.xid
                 if self.store.apply_delta(release.delta, release.xid):
@@ -275,6 +285,21 @@ class Listener:
             self.stats.dropped[channel] = self.stats.dropped.get(channel, 0) + 1
             logger.warning("dropped malformed %s payload (%s): %r", channel, exc, payload[:2000])
             return "dropped:malformed"
+
+    def _ignore_cuebot_release(self, payload: str) -> str:
+        """Drop a Cuebot notifier release; warn loudly, at most once a minute (it comes per proc)."""
+        self.stats.cuebot_releases_ignored += 1
+        now = time.monotonic()
+        if self._cuebot_warned_at is None or now - self._cuebot_warned_at >= 60.0:
+            self._cuebot_warned_at = now
+            logger.warning(
+                "Cuebot's AccountingNotifier is on (accounting.notify.enabled=true): cuesched's proc trigger "
+                "already sent this release, so it is dropped, never counted twice (%d so far). Set "
+                "accounting.notify.enabled=false in Cuebot, the configuration Cuebot mode expects. Payload: %r",
+                self.stats.cuebot_releases_ignored,
+                payload[:500],
+            )
+        return "dropped:cuebot_notifier"
 
     # -- the loop --
     def run(self, stop: threading.Event) -> None:

@@ -122,6 +122,15 @@ def build_view(service: AccountingService) -> dict[str, Any]:
         "lease_generation": service.lease_generation,
         "server_changes": st.server_changes,
         "reconcile_drift_cores": st.last_reconcile_drift,
+        "cuebot_mode": None
+        if service.cuebot is None
+        else {
+            "enabled": service.cuebot.enabled,
+            "setting": service.cuebot.setting,
+            "detected": service.cuebot.detected,
+            "description": service.cuebot.describe(),
+            "notifier_releases_dropped": ls.cuebot_releases_ignored,
+        },
         # Cap changes the listener applied, newest last: [vertex, key, field, value, unix time].
         "recent_caps": list(ls.recent_caps),
         "recompute": None

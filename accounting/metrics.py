@@ -37,8 +37,14 @@ LIMIT_CHANGES = Counter(
 )
 DROPPED = Counter(
     "cuesched_payloads_dropped_total",
-    "Notifications dropped, by channel and reason (malformed, injected, channel).",
+    "Notifications dropped, by channel and reason (malformed, injected, channel, cuebot_notifier: a release "
+    "from Cuebot's AccountingNotifier, which Cuebot mode expects off).",
     ["channel", "reason"],
+    registry=REGISTRY,
+)
+CUEBOT_MODE = Gauge(
+    "cuesched_cuebot_mode",
+    "1 when the scheduler runs beside Cuebot (CUESCHED_CUEBOT_MODE, detected).",
     registry=REGISTRY,
 )
 LISTENER_RECONNECTS = Counter("cuesched_listener_reconnects_total", "Listener reconnections.", registry=REGISTRY)

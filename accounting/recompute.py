@@ -42,7 +42,7 @@ import psycopg
 
 from accounting.limits import FOLDER_LIMITS_SQL, JOB_LIMITS_SQL, SUB_LIMITS_SQL, abort_snapshot, begin_snapshot
 from accounting.store import CounterSnapshot, PgSnapshot, Store
-from accounting.triggers import LOCK_KEYS_SHARED_SQL
+from accounting.triggers import DISPLAY_LIFT_SQL, LOCK_KEYS_SHARED_SQL
 from accounting.units import usage_to_cores
 
 logger = logging.getLogger(__name__)
@@ -152,6 +152,50 @@ point_upd AS (
 SELECT (SELECT count(*) FROM sub_upd), (SELECT count(*) FROM folder_upd), (SELECT count(*) FROM job_upd),
        (SELECT count(*) FROM layer_upd), (SELECT count(*) FROM point_upd)
 """
+# Beside Cuebot (accounting.cuebot): Cuebot's verify_subscription and verify_job_resources refuse
+# an int_cores increase above the cap when the cap is unchanged in the same UPDATE, so a display
+# value over a cap (a burst lowered under running frames, a job cap of -1, which is unlimited to
+# us and refuses everything to Cuebot) would fail the whole refresh. As Cuebot's recalculate_subs()
+# (V45) does, the caps of just those rows are lifted to the value about to be written, in the
+# refresh's transaction and under DISPLAY_LIFT_SQL (the lift is not announced to the Store, see
+# accounting.triggers), and put back after it. Rows are locked from the lift to the commit, so
+# nobody else's cap edit comes in between; each returns (key, old cap) for the restore.
+PG_LIFT_SQL = """
+WITH managed AS MATERIALIZED (
+  SELECT pk_show FROM show WHERE b_scheduler_managed AND pk_show = ANY(%(shows)s::text[])
+),
+sub_lift AS (
+  UPDATE subscription t SET int_burst = u.cores
+  FROM (SELECT sub.pk_subscription AS pk, sub.int_burst AS old, x.cores
+        FROM unnest(%(sub_show)s::text[], %(sub_alloc)s::text[], %(sub_cores)s::bigint[]) AS x(pk_show, pk_alloc, cores)
+        JOIN subscription sub ON sub.pk_show = x.pk_show AND sub.pk_alloc = x.pk_alloc
+        JOIN managed m ON m.pk_show = sub.pk_show
+        WHERE x.cores > sub.int_burst AND x.cores > sub.int_cores) u
+  WHERE t.pk_subscription = u.pk
+  RETURNING 's', t.pk_subscription, u.old
+),
+job_lift AS (
+  UPDATE job_resource t SET int_max_cores = u.cores
+  FROM (SELECT jr.pk_job_resource AS pk, jr.int_max_cores AS old, x.cores
+        FROM unnest(%(job_id)s::text[], %(job_cores)s::bigint[]) AS x(pk_job, cores)
+        JOIN job_resource jr ON jr.pk_job = x.pk_job
+        JOIN job j ON j.pk_job = jr.pk_job
+        JOIN managed m ON m.pk_show = j.pk_show
+        WHERE x.cores > jr.int_max_cores AND x.cores > jr.int_cores) u
+  WHERE t.pk_job_resource = u.pk
+  RETURNING 'j', t.pk_job_resource, u.old
+)
+SELECT * FROM sub_lift UNION ALL SELECT * FROM job_lift
+"""
+PG_RESTORE_SQL = """
+WITH lifted AS (SELECT * FROM unnest(%(kind)s::text[], %(pk)s::text[], %(old)s::bigint[]) AS l(kind, pk, old)),
+sub_back AS (
+  UPDATE subscription t SET int_burst = l.old FROM lifted l WHERE l.kind = 's' AND t.pk_subscription = l.pk
+  RETURNING 1
+)
+UPDATE job_resource t SET int_max_cores = l.old FROM lifted l WHERE l.kind = 'j' AND t.pk_job_resource = l.pk
+"""
+
 PG_REFRESH_TABLES = ("subscription", "folder_resource", "job_resource", "layer_resource", "point")
 
 Sums = tuple[int, int]  # (centicores, gpus)
@@ -283,6 +327,8 @@ class Recomputer:
     def __init__(self, store: Store, lock: threading.Lock | None = None) -> None:
         self.store = store
         self.lock = lock or threading.Lock()
+        # Beside Cuebot the display write lifts caps around itself (PG_LIFT_SQL); set by the service.
+        self.cuebot = False
         # Called with the managed shows (and generations) a pass's snapshot saw, before its
         # overwrite: the service unpublishes a show the snapshot saw unmanaged or flipped since
         # its seed, since the overwrite is about to treat its keys as zero.
@@ -350,7 +396,16 @@ class Recomputer:
             with conn.transaction():
                 params = refresh_params(usage)
                 conn.execute(LOCK_KEYS_SHARED_SQL)
+                lifted: list[tuple[str, str, int]] = []
+                if self.cuebot:
+                    conn.execute(DISPLAY_LIFT_SQL)
+                    lifted = conn.execute(PG_LIFT_SQL, params).fetchall()
                 counts = conn.execute(PG_REFRESH_SQL, params).fetchone() or ()
+                if lifted:
+                    conn.execute(
+                        PG_RESTORE_SQL,
+                        {"kind": [r[0] for r in lifted], "pk": [r[1] for r in lifted], "old": [r[2] for r in lifted]},
+                    )
             result.pg_rows_updated = dict(zip(PG_REFRESH_TABLES, counts, strict=True))
         except psycopg.Error as exc:
             result.pg_error = f"{type(exc).__name__}: {exc}"

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import psycopg
 
-from accounting import live, metrics, singleton
+from accounting import cuebot, db, live, metrics, singleton
 from accounting.service import AccountingService
 from cuesched_project import conf
 
@@ -62,7 +62,11 @@ class SchedulerProcess:
         self.lease_taken_at: float | None = None
 
     def start(self) -> None:
-        """Lock and lease, bootstrap (blocking), then the publisher. Raises SchedulerAlreadyRunning."""
+        """Lock and lease, bootstrap (blocking), then the publisher. Raises SchedulerAlreadyRunning,
+        or CuebotModeError before taking anything when the mode setting contradicts the database."""
+        if self.service.cuebot is None:
+            with db.connect(application_name="cuesched-cuebot-mode") as conn:
+                self.service.set_cuebot_mode(cuebot.resolve(conn))
         if self.options.standby:
             logger.info("standby: waiting for the scheduler lock")
             self._lock_conn = singleton.wait_for_lock(self.stop, conf.standby_poll_interval())

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import psycopg
 
 from accounting import db, metrics
+from accounting.cuebot import CuebotMode
 from accounting.history import HistorySampler
 from accounting.limits import fill_caps, reseed_licences, reseed_limits
 from accounting.listener import HeartbeatSender, Listener, ServerIdentity
@@ -118,6 +119,8 @@ class AccountingService:
         # recompute): a dispatch loop held back by a Store cap waits on it instead of polling.
         self._room = threading.Condition()
         self._room_generation = 0
+        # Set by set_cuebot_mode before start (run_scheduler resolves it from the database).
+        self.cuebot: CuebotMode | None = None
 
     # -- managed shows ---------------------------------------------------------------
     def managed_shows(self) -> frozenset[str]:
@@ -424,6 +427,14 @@ class AccountingService:
         thread.start()
         self._threads.append(thread)
 
+    def set_cuebot_mode(self, mode: CuebotMode) -> None:
+        """Beside Cuebot: drop its notifier's duplicate releases, leave unmanaged counters to it."""
+        self.cuebot = mode
+        self.listener.ignore_xidless_releases = mode.enabled
+        self.recomputer.cuebot = mode.enabled
+        metrics.CUEBOT_MODE.set(1 if mode.enabled else 0)
+        logger.log(logging.WARNING if mode.enabled else logging.INFO, "Cuebot mode %s", mode.describe())
+
     def start(self, stop: threading.Event, *, bootstrap_timeout: float | None = None) -> None:
         """Start the heartbeat and the listener, block until the bootstrap reseed succeeded, then the loops."""
         self._spawn("heartbeat", self.heartbeat.run, stop)
@@ -447,7 +458,13 @@ class AccountingService:
             stop,
             self._managed_wakeup,
         )
-        self._spawn("reconcile", self._run_loop, "reconcile", conf.db_reconcile_interval(), self._reconcile_tick, stop)
+        if self.cuebot is None or not self.cuebot.enabled:
+            # Beside Cuebot the unmanaged counters are Cuebot's: a rewrite from a SUM(proc) read
+            # before Cuebot's next relative update committed would leave them LOW. Cuebot's own
+            # recalculate_subs() is their backstop there.
+            self._spawn(
+                "reconcile", self._run_loop, "reconcile", conf.db_reconcile_interval(), self._reconcile_tick, stop
+            )
         self._spawn("history", self._run_loop, "history", conf.history_interval(), self._history_tick, stop)
 
     def join(self, timeout: float = 10.0) -> None:

@@ -459,8 +459,27 @@ DB_APPLY = f"""
     ORDER BY v.ord, v.msg
     LIMIT 1;"""
 
+# A Cuebot database (its `verify_subscription` trigger is on `subscription`): Cuebot's Java code
+# (ProcDaoJdbc.procCreated / procDestroyed, its after_job_moved and after_job_dept_update
+# triggers) keeps the five tables of the shows it owns, the unmanaged ones, in the writing
+# transaction, and its verify_* triggers enforce their caps. Applying the deltas here as well
+# would count every Cuebot booking twice, so the unmanaged half stands down there for every
+# writer but cuesched's own. cuesched's connections carry `cuesched.writer=on` from their
+# start (WRITER_OPTION, set by accounting.db.connect and Django's settings): a frame the
+# scheduler booked while the show was managed and completes after a flip back is deleted by
+# our completion path, which Cuebot's Java never sees, so our trigger is the only one to
+# count that release. Read per statement, and only when an unmanaged show is in it: the
+# managed hot path never pays for it.
+CUEBOT_ACCOUNTS = (
+    "EXISTS (SELECT 1 FROM pg_trigger WHERE tgname = 'verify_subscription' "
+    "AND tgrelid = to_regclass('subscription'))"
+)
+WRITER_SETTING = "cuesched.writer"
+WRITER_OPTION = f"-c {WRITER_SETTING}=on"
+CUEBOT_WRITES = f"(COALESCE(current_setting('{WRITER_SETTING}', true), '') <> 'on' AND {CUEBOT_ACCOUNTS})"
+
 APPLY_UNMANAGED = f"""
-    IF false = ANY(v_managed) THEN
+    IF false = ANY(v_managed) AND NOT {CUEBOT_WRITES} THEN
         {LOCK_DB_SHOWS.format(rows=f"(SELECT * FROM {DELTAS} WHERE NOT d.managed)")}
         {DB_APPLY}
         IF v_message IS NOT NULL THEN
@@ -817,10 +836,23 @@ def cap_removed_payload(vertex: str, id_column: str) -> str:
     return f'\'{{"vertex":"{vertex}","id":\' || {json_id("n." + id_column)} || \',"removed":true\' || {_tail()}'
 
 
+# Beside Cuebot, the recompute's display write of a managed show must pass Cuebot's
+# verify_subscription / verify_job_resources (they refuse an int_cores increase above the cap
+# when the cap is unchanged in the same UPDATE). It does what Cuebot's own recalculate_subs()
+# does (V45): in one transaction it lifts the cap to the value it writes, writes, and puts the
+# cap back. The lift is not announced to the Store: under this transaction-local marker a cap
+# INCREASE alone (same key, a larger positive job cap, a larger burst) sends nothing. The
+# restore is a decrease and is sent as usual. Misused, the marker can only hide a loosening,
+# so the Store would read a cap low (it books less), never high.
+DISPLAY_LIFT_SETTING = "cuesched.display_lift"
+DISPLAY_LIFT_SQL = f"SELECT set_config('{DISPLAY_LIFT_SETTING}', 'on', true)"
+DISPLAY_LIFT = f"COALESCE(current_setting('{DISPLAY_LIFT_SETTING}', true), '') = 'on'"
+
 _SUB = {
     "pk": "pk_subscription",
-    "changed": "n.int_burst IS DISTINCT FROM o.int_burst OR n.pk_show IS DISTINCT FROM o.pk_show "
-    "OR n.pk_alloc IS DISTINCT FROM o.pk_alloc",
+    "changed": "(n.int_burst IS DISTINCT FROM o.int_burst OR n.pk_show IS DISTINCT FROM o.pk_show "
+    "OR n.pk_alloc IS DISTINCT FROM o.pk_alloc) "
+    f"AND NOT ({DISPLAY_LIFT} AND n.pk_show = o.pk_show AND n.pk_alloc = o.pk_alloc AND n.int_burst > o.int_burst)",
     "payload": SUB_PAYLOAD,
     "removed": SUB_REMOVED_PAYLOAD,
     "order": "n.pk_show, n.pk_alloc",
@@ -835,8 +867,10 @@ _FOLDER = {
 }
 _JOB = {
     "pk": "pk_job_resource",
-    "changed": "n.int_max_cores IS DISTINCT FROM o.int_max_cores OR n.int_max_gpus IS DISTINCT FROM o.int_max_gpus "
-    "OR n.pk_job IS DISTINCT FROM o.pk_job",
+    "changed": "(n.int_max_cores IS DISTINCT FROM o.int_max_cores OR n.int_max_gpus IS DISTINCT FROM o.int_max_gpus "
+    "OR n.pk_job IS DISTINCT FROM o.pk_job) "
+    f"AND NOT ({DISPLAY_LIFT} AND n.pk_job = o.pk_job AND n.int_max_gpus IS NOT DISTINCT FROM o.int_max_gpus "
+    "AND o.int_max_cores > 0 AND n.int_max_cores > o.int_max_cores)",
     "payload": cap_payload("job", "pk_job"),
     "removed": cap_removed_payload("job", "pk_job"),
     "order": "n.pk_job",

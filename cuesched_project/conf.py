@@ -63,6 +63,16 @@ def limit_reseed_interval() -> float:
     return env_float("CUESCHED_LIMIT_RESEED_INTERVAL", 300.0)
 
 
+def cuebot_mode_setting() -> str:
+    """`auto` (default): Cuebot mode when the database is Cuebot's (its verify_subscription trigger
+    is on `subscription`, the test the proc triggers make too); `on` or `off` force it. Forcing it
+    `off` on a Cuebot database is refused by the scheduler: the triggers would still stand down."""
+    raw = env_str("CUESCHED_CUEBOT_MODE", "auto").lower()
+    if raw not in ("auto", "on", "off"):
+        raise ValueError(f"CUESCHED_CUEBOT_MODE must be auto, on or off, got {raw!r}")
+    return raw
+
+
 def managed_shows_ttl() -> float:
     """How often the set of scheduler-managed shows is re-read (and new ones seeded)."""
     return env_float("CUESCHED_MANAGED_SHOWS_TTL", 30.0)

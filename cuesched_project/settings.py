@@ -92,6 +92,13 @@ else:
     }
     EMBEDDED_DATABASE = True
 
+# Every cuesched connection says it is cuesched's (a session setting, see
+# accounting.triggers.CUEBOT_WRITES): beside Cuebot, the proc triggers count an unmanaged show's
+# procs for cuesched's own writers only, since Cuebot's Java code counts its own.
+_db_options = DATABASES["default"].setdefault("OPTIONS", {})
+if "cuesched.writer=on" not in str(_db_options.get("options", "")):
+    _db_options["options"] = f"{_db_options.get('options', '')} -c cuesched.writer=on".strip()
+
 # --- Host agents --------------------------------------------------------------------------
 # django-q2 on its ORM broker (the database is the queue: no extra service). Every host agent
 # (`manage.py run_agent --host NAME`) runs a cluster of its own on its host's queue

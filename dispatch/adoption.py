@@ -89,7 +89,7 @@ CUEBOT_OWNS: dict[tuple[str, str], tuple[str, str]] = {
 # and Django's own carry these prefixes; Cuebot's never do. Columns on Cuebot's tables: listed.
 # A new cuesched column on a Cuebot table must be listed here, or adoption reports it as a
 # missing Cuebot column (tests/integration/test_cuebot_adoption.py fails loudly on that).
-OWN_TABLE_PREFIXES = ("cuesched_", "django_", "auth_", "ops_", "dispatch_", "pghistory_")
+OWN_TABLE_PREFIXES = ("cuesched_", "django_", "auth_", "ops_", "dispatch_", "pghistory_", "accounting_")
 OWN_COLUMNS = frozenset(
     {
         ("host", "ts_last_updated"),  # placement's incremental host read

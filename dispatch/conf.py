@@ -19,6 +19,12 @@ def dispatch_managed_only() -> bool:
     return env_bool("CUESCHED_DISPATCH_MANAGED_ONLY", False)
 
 
+def cuebot_proc_ping_interval() -> float:
+    """Cuebot mode only: how often the procs of managed shows on live hosts get proc.ts_ping
+    refreshed, so Cuebot's orphan cleanup (300 s without a ping) leaves cuesched's frames alone."""
+    return max(1.0, env_float("CUESCHED_CUEBOT_PROC_PING_INTERVAL", 60.0))
+
+
 def dispatch_workers() -> int:
     """Dispatch loops in the scheduler process, each with its own share of hosts and jobs (and its
     own database connection), sharing the one Store. More than one pays when the database is

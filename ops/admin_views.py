@@ -74,6 +74,7 @@ def _scheduler_context(view: dict[str, Any] | None) -> dict[str, Any]:
         "dispatch": dispatch,
         "frames_ended": recent_frame_ends(),
         "frames_ended_minutes": RECENT_RUNS_MINUTES,
+        "cuebot_mode": (view or {}).get("cuebot_mode"),
         "started_ago": status.ago((view or {}).get("started_at")),
         **freshness.scheduler_ages(view),
     }

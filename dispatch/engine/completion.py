@@ -113,6 +113,30 @@ WHERE hs.ts_ping < now() - make_interval(secs => %(timeout)s) AND NOT p.b_local
 """
 
 
+# Beside Cuebot (accounting.cuebot): Cuebot's orphan cleanup (ProcDaoJdbc.GET_ORPHANED_PROC_LIST)
+# unbooks every proc whose ts_ping is over 300 s old. RQD's reports to Cuebot refresh it for frames
+# RQD runs; for any other launcher nobody would, so the scheduler refreshes the procs of managed
+# shows on hosts that are still alive by cuesched's own lost-host rule (a silent host's procs are
+# released by the sweep instead, and then Cuebot may clean up what is left). Unmanaged shows'
+# procs are Cuebot's and are left alone. ts_ping is no accounted column: the proc triggers leave
+# at their first test.
+PING_PROCS_SQL = f"""
+UPDATE proc p SET ts_ping = now()
+FROM host_stat hs, show s
+WHERE hs.pk_host = p.pk_host AND s.pk_show = p.pk_show AND s.b_scheduler_managed AND NOT p.b_local
+  AND hs.ts_ping >= now() - make_interval(secs => %(timeout)s)
+  AND p.ts_ping < now() - make_interval(secs => %(older_than)s)
+  AND {in_shard('p.pk_host')}
+"""
+
+
+def ping_procs(conn: psycopg.Connection, timeout: float, older_than: float, *, shard: Shard = ALL) -> int:
+    """Refresh proc.ts_ping of managed shows' procs on live hosts; returns how many."""
+    with conn.transaction():
+        cur = conn.execute(PING_PROCS_SQL, {"timeout": timeout, "older_than": older_than, **shard_params(shard)})
+        return cur.rowcount
+
+
 @dataclass(frozen=True, slots=True)
 class Completion:
     """A finished run of a frame, as its launcher reports it.

@@ -131,6 +131,9 @@ WITH live_sub AS (
                           WHERE f.pk_layer = l.pk_layer AND f.str_state = 'WAITING' AND {FRAME_READY})))
   ) fit
   WHERE j.str_state = 'PENDING' AND NOT j.b_paused AND s.b_active AND js.int_waiting_count > 0
+    -- Cuebot's flags, honoured as their names say (Cuebot's own HAS_PENDING_JOBS requires
+    -- b_auto_book; a paused show, or one with booking or dispatch disabled, books nothing new).
+    AND j.b_auto_book AND NOT s.b_paused AND s.b_booking_enabled AND s.b_dispatch_enabled
     AND (s.b_scheduler_managed OR NOT %(managed_only)s)
     AND NOT (j.pk_job = ANY(%(skip_jobs)s::text[]))
     AND {in_shard('j.pk_job')}

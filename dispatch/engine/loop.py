@@ -77,7 +77,13 @@ from dispatch.engine.booking import (
     find_written,
     write_batch,
 )
-from dispatch.engine.completion import EXIT_STATUS_DOWN_HOST, Completion, complete, release_lost_hosts
+from dispatch.engine.completion import (
+    EXIT_STATUS_DOWN_HOST,
+    Completion,
+    complete,
+    ping_procs,
+    release_lost_hosts,
+)
 from dispatch.engine.feed import FreeHosts, JobWork, LiveUsage, Skips, fetch_pending, has_waiting_or_running
 from dispatch.engine.launcher import Launcher, get_launcher
 from dispatch.engine.placement import ALL, CENTI, HostRec, HostView, Shard
@@ -229,6 +235,15 @@ class DispatchLoop:
         self.store = service.store
         self.launcher = launcher
         self.managed_only = conf.dispatch_managed_only() if managed_only is None else managed_only
+        mode = getattr(service, "cuebot", None)
+        self.cuebot_mode = mode is not None and mode.enabled
+        # Cuebot's orphan cleanup unbooks a proc whose ts_ping is 300 s old (see ping_procs).
+        self.proc_ping_interval = conf.cuebot_proc_ping_interval()
+        self._procs_pinged_at = float("-inf")
+        if self.cuebot_mode:
+            # Beside Cuebot, unmanaged shows are Cuebot's: our triggers leave their counters and
+            # caps to Cuebot's Java code, so a booking of ours there would be counted nowhere.
+            self.managed_only = True
         self.batch_size = batch_size or conf.batch_size()
         self.max_jobs = max_jobs or conf.feed_max_jobs()
         self.frames_per_layer = frames_per_layer or conf.feed_frames_per_layer()
@@ -453,6 +468,9 @@ class DispatchLoop:
                 self.launcher.heartbeat(conn)
                 self._sweep_lost_hosts(conn, stats)
                 self._lost_swept_at = now
+            if self.cuebot_mode and now - self._procs_pinged_at >= self.proc_ping_interval:
+                ping_procs(conn, self.lost_host_timeout, self.proc_ping_interval, shard=self.shard)
+                self._procs_pinged_at = now
             if now - self._hosts_loaded_at >= self.host_refresh_interval:
                 self._reload(conn)
                 self._host_changes_at = now

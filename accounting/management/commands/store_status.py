@@ -54,6 +54,14 @@ class Command(BaseCommand):
             f"heartbeat {'none yet' if age is None else f'{age:.1f}s old'} "
             f"(deadline {lst.get('heartbeat_deadline_seconds', 0):.1f}s), wedges {lst.get('wedges', 0)}"
         )
+        cuebot = view.get("cuebot_mode")
+        if cuebot:
+            self.stdout.write(f"Cuebot mode {cuebot['description']}")
+            if cuebot.get("notifier_releases_dropped"):
+                self.stdout.write(
+                    f"WARNING: {cuebot['notifier_releases_dropped']} release(s) from Cuebot's AccountingNotifier "
+                    "dropped (cuesched's trigger already sent each): set accounting.notify.enabled=false in Cuebot"
+                )
         if view.get("enforcing") is False:
             self.stdout.write(f"ACCOUNTING PAUSED: managed shows book nothing: {view.get('paused_reason')}")
         self.stdout.write(

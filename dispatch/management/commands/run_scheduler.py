@@ -8,6 +8,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from accounting.cuebot import CuebotModeError
 from accounting.metrics import MetricsPortError
 from accounting.scheduler import SchedulerOptions, SchedulerProcess
 from accounting.singleton import SchedulerAlreadyRunning
@@ -57,7 +58,7 @@ class Command(BaseCommand):
             action="store_true",
             default=None,
             help="Dispatch only scheduler-managed shows, for a database shared with a running Cuebot "
-            "(env CUESCHED_DISPATCH_MANAGED_ONLY).",
+            "(env CUESCHED_DISPATCH_MANAGED_ONLY; always on in Cuebot mode, CUESCHED_CUEBOT_MODE).",
         )
         parser.add_argument(
             "--workers",
@@ -116,7 +117,7 @@ class Command(BaseCommand):
         )
         try:
             process.run(main)
-        except (SchedulerAlreadyRunning, MetricsPortError) as exc:
+        except (SchedulerAlreadyRunning, MetricsPortError, CuebotModeError) as exc:
             raise CommandError(str(exc)) from None
         if process.lock_lost:
             raise CommandError("this scheduler lost its lease to another scheduler and stopped booking")

@@ -1,0 +1,265 @@
+"""A Cuebot stand-in: Cuebot's own SQL, replayed against an adopted Cuebot database.
+
+Why: cuesched runs beside a live Cuebot on Cuebot's database, and the tests must show that
+what Cuebot writes is counted exactly once. A JVM Cuebot is not available here, so its writes
+are replayed statement by statement, copied from OpenCue's cuebot sources
+(cuebot/src/main/java/com/imageworks/spcue/...). This module reimplements none of cuesched's
+logic: every statement below is Cuebot's, and the Python around it only plays the part of the
+Java caller (which statement runs when, in one transaction per Cuebot service call).
+
+Which DAO each statement comes from:
+
+- `activate`: dao/postgres/FrameDaoJdbc.java INSERT_FRAME (insertFrames: frames in SETUP), then
+  JobDaoJdbc.activateJob(): SETUP -> WAITING, and the layer_stat / job_stat / job counts set from
+  a GROUP BY over the frames (Cuebot's frame-state trigger counts only later transitions).
+- `book`: dao/postgres/ProcDaoJdbc.java, INSERT_VIRTUAL_PROC (insertVirtualProc), then
+  procCreated(): host idle counters down, then subscription, layer_resource, job_resource,
+  folder_resource and point up by the proc's cores and GPUs (non-local proc). Cuebot's
+  DispatchQuery only dispatches shows with b_scheduler_managed = false, so the caller books
+  unmanaged shows only; Cuebot's verify_* triggers refuse a booking over a cap.
+- `unbook`: ProcDaoJdbc.deleteVirtualProc(): DELETE_VIRTUAL_PROC ... RETURNING, then
+  procDestroyed(): host idle counters up; for a scheduler-managed show only
+  AccountingNotifier.notifyRelease() (its exact payload, when `notifier=True`, i.e. Cuebot's
+  accounting.notify.enabled=true), otherwise the five tables down.
+- `dispatch_one`: DispatchSupportService.startFrameAndProc (one transaction): the frame picked
+  as Cuebot's DispatchQuery would (a WAITING frame of a PENDING, unpaused job of a show with
+  b_scheduler_managed = false; the query's ordering and host matching are left out, the stand-in
+  has one host), FrameDaoJdbc.UPDATE_FRAME_STARTED (without its limit subquery: no limits here),
+  then `book`.
+- `complete`: FrameCompleteHandler: FrameDaoJdbc.UPDATE_FRAME_STOPPED (SUCCEEDED), then `unbook`.
+- `orphans`: ProcDaoJdbc.GET_ORPHANED_PROC_LIST (procs whose ts_ping is older than
+  ORPHANED_PROC_INTERVAL, 300 s), which Cuebot's MaintenanceManagerSupport then unbooks.
+- `recalculate_subs`: the V45 plpgsql function Cuebot's maintenance task calls.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+import psycopg
+
+# FrameDaoJdbc.INSERT_FRAME
+INSERT_FRAME = (
+    "INSERT INTO frame (pk_frame, pk_layer, pk_job, str_name, str_state, int_number, int_dispatch_order, "
+    "int_layer_order, ts_updated, ts_llu) VALUES (%s,%s,%s,%s,%s,%s,%s,%s,current_timestamp,current_timestamp)"
+)
+# JobDaoJdbc.activateJob
+ACTIVATE_FRAMES = "UPDATE frame SET str_state=%s WHERE pk_job=%s AND str_state=%s"
+ACTIVATE_COUNT = "SELECT pk_layer, str_state, count(1) AS c FROM frame WHERE pk_job=%s GROUP BY pk_layer, str_state"
+ACTIVATE_LAYER_DEPEND = (
+    "UPDATE layer_stat SET int_depend_count=%s,int_total_count=int_total_count + %s WHERE pk_layer=%s"
+)
+ACTIVATE_LAYER_WAITING = (
+    "UPDATE layer_stat SET int_waiting_count=%s,int_total_count=int_total_count + %s WHERE pk_layer=%s"
+)
+ACTIVATE_JOB_STAT = "UPDATE job_stat SET int_depend_count=%s,int_waiting_count=%s WHERE pk_job=%s"
+ACTIVATE_JOB = "UPDATE job SET int_frame_count=%s, int_layer_count=%s WHERE pk_job=%s"
+
+# DispatchQuery, reduced to its show filter (see the module docstring)
+DISPATCHABLE_FRAME = (
+    "SELECT f.pk_frame, f.pk_layer, f.pk_job, f.int_version, j.pk_show FROM frame f "
+    "JOIN job j ON j.pk_job = f.pk_job JOIN show s ON s.pk_show = j.pk_show "
+    "WHERE f.str_state = 'WAITING' AND j.str_state = 'PENDING' AND NOT j.b_paused "
+    "AND s.b_scheduler_managed = false AND j.pk_job = %s LIMIT 1"
+)
+# FrameDaoJdbc.UPDATE_FRAME_STARTED (limit subquery left out)
+UPDATE_FRAME_STARTED = (
+    "UPDATE frame SET str_state = %s, str_host = %s, int_cores = %s, int_mem_reserved = %s, int_gpus = %s, "
+    "int_gpu_mem_reserved = %s, ts_updated = current_timestamp, ts_started = current_timestamp, "
+    "ts_stopped = null, int_version = int_version + 1 WHERE pk_frame = %s AND str_state = %s AND int_version = %s"
+)
+# FrameDaoJdbc.UPDATE_FRAME_STOPPED
+UPDATE_FRAME_STOPPED = (
+    "UPDATE frame SET str_state=%s, int_exit_status = %s, ts_stopped = current_timestamp + interval '1' second, "
+    "ts_updated = current_timestamp, int_mem_max_used = %s, int_version = int_version + 1, "
+    "int_total_past_core_time = int_total_past_core_time + "
+    "round(INTERVAL_TO_SECONDS(current_timestamp + interval '1' second - ts_started) * int_cores / 100), "
+    "int_total_past_gpu_time = int_total_past_gpu_time + "
+    "round(INTERVAL_TO_SECONDS(current_timestamp + interval '1' second - ts_started) * int_gpus) "
+    "WHERE frame.pk_frame = %s AND frame.str_state = %s AND frame.int_version = %s"
+)
+
+# ProcDaoJdbc.INSERT_VIRTUAL_PROC
+INSERT_VIRTUAL_PROC = (
+    "INSERT INTO proc (pk_proc, pk_host, pk_show, pk_layer, pk_job, pk_frame, int_cores_reserved, "
+    "int_mem_reserved, int_mem_pre_reserved, int_mem_used, int_gpus_reserved, int_gpu_mem_reserved, "
+    "int_gpu_mem_pre_reserved, int_gpu_mem_used, b_local) VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)"
+)
+# ProcDaoJdbc.procCreated (non-local)
+PROC_CREATED = (
+    (
+        "UPDATE host SET int_cores_idle = int_cores_idle - %(c)s, int_mem_idle = int_mem_idle - %(m)s, "
+        "int_gpus_idle = int_gpus_idle - %(g)s, int_gpu_mem_idle = int_gpu_mem_idle - %(gm)s WHERE pk_host = %(host)s"
+    ),
+    "UPDATE subscription SET int_cores = int_cores + %(c)s, int_gpus = int_gpus + %(g)s "
+    "WHERE pk_show = %(show)s AND pk_alloc = %(alloc)s",
+    "UPDATE layer_resource SET int_cores = int_cores + %(c)s, int_gpus = int_gpus + %(g)s WHERE pk_layer = %(layer)s",
+    "UPDATE job_resource SET int_cores = int_cores + %(c)s, int_gpus = int_gpus + %(g)s WHERE pk_job = %(job)s",
+    "UPDATE folder_resource SET int_cores = int_cores + %(c)s, int_gpus = int_gpus + %(g)s "
+    "WHERE pk_folder = (SELECT pk_folder FROM job WHERE pk_job=%(job)s)",
+    "UPDATE point SET int_cores = int_cores + %(c)s, int_gpus = int_gpus + %(g)s "
+    "WHERE pk_dept = (SELECT pk_dept FROM job WHERE pk_job=%(job)s) "
+    "AND pk_show = (SELECT pk_show FROM job WHERE pk_job=%(job)s)",
+)
+# ProcDaoJdbc.DELETE_VIRTUAL_PROC
+DELETE_VIRTUAL_PROC = (
+    "DELETE FROM proc WHERE pk_proc=%s RETURNING int_cores_reserved, int_mem_reserved, "
+    "int_gpus_reserved, int_gpu_mem_reserved"
+)
+PROC_DESTROYED_HOST = (
+    "UPDATE host SET int_cores_idle = int_cores_idle + %(c)s, int_mem_idle = int_mem_idle + %(m)s, "
+    "int_gpus_idle = int_gpus_idle + %(g)s, int_gpu_mem_idle = int_gpu_mem_idle + %(gm)s WHERE pk_host = %(host)s"
+)
+# ShowDaoJdbc.isSchedulerManaged
+IS_SCHEDULER_MANAGED = "SELECT b_scheduler_managed FROM show WHERE pk_show=%s"
+# ProcDaoJdbc.procDestroyed, unmanaged non-local
+PROC_DESTROYED = tuple(s.replace("+ %(c)s", "- %(c)s").replace("+ %(g)s", "- %(g)s") for s in PROC_CREATED[1:])
+# ProcDaoJdbc.GET_ORPHANED_PROC_LIST (joins as Cuebot's, ORPHANED_PROC_INTERVAL = 300 s)
+ORPHANED_PROCS = (
+    "SELECT proc.pk_proc FROM proc, host, host_stat, alloc, job WHERE proc.pk_host = host.pk_host "
+    "AND host.pk_host = host_stat.pk_host AND host.pk_alloc = alloc.pk_alloc AND job.pk_job = proc.pk_job "
+    "AND current_timestamp - proc.ts_ping > interval '300' second ORDER BY proc.ts_ping"
+)
+
+
+def notifier_release_payload(
+    show: str, alloc: str, folder: str, job: str, layer: str, dept: str, cores: int, gpus: int
+) -> str:
+    """AccountingNotifier.notifyRelease's String.format, exactly (cores in centicores / 100, negated)."""
+    return (
+        f'{{"show":"{show}","alloc":"{alloc}","folder":"{folder}","job":"{job}",'
+        f'"layer":"{layer}","dept":"{dept}","cores":{-cores // 100},"gpus":{-gpus}}}'
+    )
+
+
+@dataclass
+class Proc:
+    pk_proc: str
+    host: str
+    alloc: str
+    show: str
+    job: str
+    layer: str
+    frame: str
+    cores: int
+    gpus: int = 0
+    mem: int = 1_048_576
+    version: int = 0  # the frame's int_version after Cuebot started it
+
+
+class CuebotStandIn:
+    """One Cuebot, one connection: each method is one Cuebot service call (one transaction)."""
+
+    def __init__(self, url: str, *, notifier: bool = False) -> None:
+        self.conn = psycopg.connect(url, autocommit=True, application_name="cuebot-standin")
+        self.notifier = notifier
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def activate(self, *, job: str, layer: str, layer_name: str, frames: list[tuple[str, int]]) -> None:
+        """JobLauncher: FrameDaoJdbc.insertFrames (SETUP) then JobDaoJdbc.activateJob (-> WAITING)."""
+        with self.conn.transaction():
+            for count, (pk_frame, number) in enumerate(frames):
+                # CueUtil.buildFrameName: zero-padded number, '-', layer name
+                name = f"{number:04d}-{layer_name}"
+                self.conn.execute(INSERT_FRAME, (pk_frame, layer, job, name, "SETUP", number, count, 0))
+            self.conn.execute(ACTIVATE_FRAMES, ("WAITING", job, "SETUP"))
+            depend = waiting = 0
+            rows = self.conn.execute(ACTIVATE_COUNT, (job,)).fetchall()
+            for pk_layer, state, c in rows:
+                if state == "DEPEND":
+                    depend += c
+                    self.conn.execute(ACTIVATE_LAYER_DEPEND, (c, c, pk_layer))
+                elif state == "WAITING":
+                    waiting += c
+                    self.conn.execute(ACTIVATE_LAYER_WAITING, (c, c, pk_layer))
+            self.conn.execute(ACTIVATE_JOB_STAT, (depend, waiting, job))
+            self.conn.execute(ACTIVATE_JOB, (depend + waiting, len(rows), job))
+
+    def dispatch_one(self, *, host: str, host_name: str, alloc: str, job: str, cores: int) -> Proc | None:
+        """startFrameAndProc for one WAITING frame of `job`, if its show is Cuebot's (unmanaged).
+
+        None when there is no such frame or another writer took it; a cap refusal by Cuebot's
+        verify_* triggers raises (psycopg.errors.RaiseException) and nothing is written."""
+        with self.conn.transaction():
+            row = self.conn.execute(DISPATCHABLE_FRAME, (job,)).fetchone()
+            if row is None:
+                return None
+            frame, layer, _job, version, show = row
+            started = self.conn.execute(
+                UPDATE_FRAME_STARTED, ("RUNNING", host_name, cores, 1_048_576, 0, 0, frame, "WAITING", version)
+            )
+            if started.rowcount != 1:
+                return None
+            proc = self._book(Proc(str(uuid.uuid4()), host, alloc, show, job, layer, frame, cores))
+        proc.version = version + 1
+        return proc
+
+    def complete(self, proc: Proc) -> bool:
+        """FrameCompleteHandler for a frame Cuebot started: frame SUCCEEDED, then its proc unbooked."""
+        with self.conn.transaction():
+            self.conn.execute(UPDATE_FRAME_STOPPED, ("SUCCEEDED", 0, 0, proc.frame, "RUNNING", proc.version))
+            return self._unbook(proc)
+
+    def book(self, *, host: str, alloc: str, show: str, job: str, layer: str, frame: str, cores: int) -> Proc:
+        """DispatchSupportService.reserveProc -> ProcDaoJdbc.insertVirtualProc (+ procCreated)."""
+        with self.conn.transaction():
+            return self._book(Proc(str(uuid.uuid4()), host, alloc, show, job, layer, frame, cores))
+
+    def _book(self, proc: Proc) -> Proc:
+        host, show, layer, job, frame, cores, alloc = (
+            proc.host,
+            proc.show,
+            proc.layer,
+            proc.job,
+            proc.frame,
+            proc.cores,
+            proc.alloc,
+        )
+        self.conn.execute(
+            INSERT_VIRTUAL_PROC,
+            (proc.pk_proc, host, show, layer, job, frame, cores, proc.mem, proc.mem, 0, 0, 0, 0, 0, False),
+        )
+        params = {"c": cores, "m": proc.mem, "g": 0, "gm": 0, "host": host, "show": show, "alloc": alloc}
+        params.update(job=job, layer=layer)
+        for stmt in PROC_CREATED:
+            self.conn.execute(stmt, params)
+        return proc
+
+    def unbook(self, proc: Proc) -> bool:
+        """ProcDaoJdbc.deleteVirtualProc (+ procDestroyed), as FrameCompleteHandler calls it."""
+        with self.conn.transaction():
+            return self._unbook(proc)
+
+    def _unbook(self, proc: Proc) -> bool:
+        row = self.conn.execute(DELETE_VIRTUAL_PROC, (proc.pk_proc,)).fetchone()
+        if row is None:
+            return False
+        cores, mem, gpus, gpu_mem = row
+        params = {"c": cores, "m": mem, "g": gpus, "gm": gpu_mem, "host": proc.host}
+        self.conn.execute(PROC_DESTROYED_HOST, params)
+        (managed,) = self.conn.execute(IS_SCHEDULER_MANAGED, (proc.show,)).fetchone()
+        if managed:
+            if self.notifier:
+                folder, dept = self.conn.execute(
+                    "SELECT pk_folder, pk_dept FROM job WHERE pk_job=%s", (proc.job,)
+                ).fetchone()
+                payload = notifier_release_payload(
+                    proc.show, proc.alloc, folder, proc.job, proc.layer, dept, cores, gpus
+                )
+                self.conn.execute("SELECT pg_notify(%s, %s)", ("acct_release", payload))
+            return True
+        params.update(show=proc.show, alloc=proc.alloc, job=proc.job, layer=proc.layer)
+        for stmt in PROC_DESTROYED:
+            self.conn.execute(stmt, params)
+        return True
+
+    def orphans(self) -> list[str]:
+        """ProcDaoJdbc.findOrphanedVirtualProcs: what Cuebot's maintenance would unbook now."""
+        return [r[0] for r in self.conn.execute(ORPHANED_PROCS)]
+
+    def recalculate_subs(self) -> None:
+        """Cuebot's maintenance task: SELECT recalculate_subs() (V45)."""
+        self.conn.execute("SELECT recalculate_subs()")
