@@ -24,7 +24,7 @@ from django.views.decorators.http import require_http_methods
 from accounting import actions
 from accounting.units import centicores_to_cores, centicores_to_cores_cap
 from cuesched_project import conf
-from dispatch.models import Folder, Job, Show, Subscription
+from dispatch.models import FarmAction, Folder, Job, Show, Subscription
 from ops import counters, freshness, permissions, status, why
 from ops.forms import AuditFilterForm, FlipForm, KillSwitchForm
 from ops.fullest import RECENT_RUNS_MINUTES, fullest_folders, recent_frame_ends
@@ -407,8 +407,50 @@ def audit_events(
                         "role": event.db_role,
                     }
                 )
+    if not kind or kind == "farm":
+        out += farm_action_events(who=who, q=q, days=days, limit=limit, people=people)
     out.sort(key=lambda e: e["at"], reverse=True)
     return out[:limit]
+
+
+_FARM_TARGET_URLS = {"job": "admin:dispatch_job_change", "frame": "admin:dispatch_job_change",
+                     "host": "admin:dispatch_host_change"}  # fmt: skip
+
+
+def farm_action_events(
+    who: str = "", q: str = "", days: int | None = None, limit: int = 200, people: bool = False
+) -> list[dict[str, Any]]:
+    """The job, frame and host controls (dispatch.jobs.actions writes a FarmAction row in each
+    control's transaction) as audit entries: what was done, to what, how many rows, by whom.
+    A frame control's target is its job (the row names the job)."""
+    qs = FarmAction.objects.all()
+    if who:
+        qs = qs.filter(str_username__icontains=who)
+    if q:
+        qs = qs.filter(Q(str_target__icontains=q) | Q(str_target_name__icontains=q))
+    if days:
+        qs = qs.filter(ts_created__gte=timezone.now() - dt.timedelta(days=days))
+    if people:
+        qs = qs.exclude(str_username="")
+    out = []
+    for row in qs.order_by("-ts_created", "-id")[:limit]:
+        kind = row.str_target_kind
+        target = "job" if kind == "frame" else kind
+        out.append(
+            {
+                "at": row.ts_created,
+                "kind": "farm",
+                "object": f"{target} {row.str_target_name or row.str_target}",
+                "url": reverse(_FARM_TARGET_URLS[kind], args=[row.str_target]),
+                "field": f"{kind} control",
+                "old": "",
+                "new": f"{row.str_action} ({row.int_changed} changed)",
+                "user": row.str_username,
+                "action": row.str_action,
+                "role": "",
+            }
+        )
+    return out
 
 
 AUDIT_PAGE_SIZE = 200

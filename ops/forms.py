@@ -136,6 +136,7 @@ class KillSwitchForm(forms.Form):
 class AuditFilterForm(forms.Form):
     KINDS = [("", "all"), ("sub", "subscription caps"), ("folder", "folder caps"), ("job", "job caps")]
     KINDS += [("flip", "managed flips"), ("kill_switch", "kill switch"), ("limit", "licence limits")]
+    KINDS += [("farm", "job, frame and host controls")]
     kind = forms.ChoiceField(choices=KINDS, required=False)
     who = forms.CharField(required=False, label="user or role")
     q = forms.CharField(required=False, label="object id or name")

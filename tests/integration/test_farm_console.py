@@ -255,3 +255,17 @@ def test_why_a_big_enough_busy_host_is_still_a_wait(operator: Client, farm: Farm
     page = operator.get(reverse("admin:ops_job_why", args=[farm.job.pk])).content.decode()
     assert "No host can ever run" not in page
     assert "no host with 64 idle core(s)" in page
+
+
+def test_farm_controls_appear_in_the_merged_audit_trail(operator: Client, farm: Farm) -> None:
+    """The controls are recorded in the one audit trail operators read after an incident, beside
+    the cap changes and flips, filterable by kind and user (not only in a list of their own)."""
+    act(operator, reverse("admin:dispatch_job_changelist"), "pause_job_selected", [farm.job.pk])
+    act(operator, reverse("admin:dispatch_host_changelist"), "lock_selected", [farm.host.pk])
+    page = operator.get(reverse("admin:ops_audit"), {"kind": "farm"}).content.decode()
+    assert f"job {farm.job.str_name}" in page and f"host {farm.host.str_name}" in page
+    assert "pause" in page and "lock" in page and "olga" in page
+    everything = operator.get(reverse("admin:ops_audit")).content.decode()
+    assert f"job {farm.job.str_name}" in everything
+    nobody = operator.get(reverse("admin:ops_audit"), {"kind": "farm", "who": "nobody-at-all"}).content.decode()
+    assert f"job {farm.job.str_name}" not in nobody
