@@ -111,6 +111,18 @@ def _recount(grow: bool) -> str:
     {check}"""
 
 
+# After a TRUNCATE of proc or layer_limit every limit's use is recounted (to what is left: 0 for
+# proc); the statement names no rows to narrow it to.
+_RECOUNT_EVERY_LIMIT = f"""
+    SELECT array_agg(pk_limit_record) INTO v_limits FROM limit_record;
+    IF v_limits IS NULL THEN
+        RETURN NULL;
+    END IF;
+    {_recount(False)}
+    RETURN NULL;
+"""
+
+
 # A proc whose layer this statement cannot see (written before its layer, foreign keys being
 # deferred) would be counted by no limit the layer gets with it: refused, as a proc written
 # before its host, job or show is.
@@ -193,14 +205,7 @@ def proc_licence_triggers() -> list[pgtrigger.Trigger]:
             operation=pgtrigger.Truncate,
             level=pgtrigger.Statement,
             declare=_DECLARE,
-            func=f"""
-    SELECT array_agg(pk_limit_record) INTO v_limits FROM limit_record;
-    IF v_limits IS NULL THEN
-        RETURN NULL;
-    END IF;
-    {_recount(False)}
-    RETURN NULL;
-""",
+            func=_RECOUNT_EVERY_LIMIT,
         ),
     ]
 
@@ -278,14 +283,7 @@ def layer_limit_triggers() -> list[pgtrigger.Trigger]:
             operation=pgtrigger.Truncate,
             level=pgtrigger.Statement,
             declare=_DECLARE,
-            func=f"""
-    SELECT array_agg(pk_limit_record) INTO v_limits FROM limit_record;
-    IF v_limits IS NULL THEN
-        RETURN NULL;
-    END IF;
-    {_recount(False)}
-    RETURN NULL;
-""",
+            func=_RECOUNT_EVERY_LIMIT,
         ),
     ]
 

@@ -325,9 +325,8 @@ def list_jobs(request: HttpRequest) -> JsonResponse:
     return _page(request, rows, limit, offset, summarize_job)
 
 
-def summarize_job(job: Job) -> dict[str, Any]:
-    resource: JobResource | None = getattr(job, "resource", None)
-    stat: JobStat | None = getattr(job, "stat", None)
+def _job_fields(job: Job, resource: JobResource | None) -> dict[str, Any]:
+    """What a job's list entry and its detail answer share, caps in whole cores."""
     return {
         "job": job.pk_job,
         "name": job.str_name,
@@ -338,6 +337,14 @@ def summarize_job(job: Job) -> dict[str, Any]:
         "priority": resource.int_priority if resource else None,
         "max_cores": _cores(resource.int_max_cores) if resource else None,
         "max_gpus": resource.int_max_gpus if resource else None,
+    }
+
+
+def summarize_job(job: Job) -> dict[str, Any]:
+    resource: JobResource | None = getattr(job, "resource", None)
+    stat: JobStat | None = getattr(job, "stat", None)
+    return {
+        **_job_fields(job, resource),
         "frames": _counts(stat),
         "started": _time(job.ts_started),
         "stopped": _time(job.ts_stopped),
@@ -416,17 +423,8 @@ def describe_job(job: Job) -> dict[str, Any]:
         describe_layer(layer, stats.get(layer.pk_layer))
         for layer in Layer.objects.filter(job=job).order_by("int_dispatch_order", "str_name")
     ]
-    max_cores = resource.int_max_cores if resource else None
     return {
-        "job": job.pk_job,
-        "name": job.str_name,
-        "show": job.str_show,
-        "user": job.str_user,
-        "state": job.str_state,
-        "paused": job.b_paused,
-        "priority": resource.int_priority if resource else None,
-        "max_cores": (max_cores // 100 if max_cores >= 0 else -1) if max_cores is not None else None,
-        "max_gpus": resource.int_max_gpus if resource else None,
+        **_job_fields(job, resource),
         "frames": _counts(JobStat.objects.filter(job=job).first()),
         "layers": layers,
     }
