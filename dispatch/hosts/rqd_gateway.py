@@ -143,6 +143,7 @@ def _rpc_reason(exc: grpc.RpcError) -> str:
 # ---------------------------------------------------------------------------------------
 
 HOST_SQL = "SELECT pk_host, str_rqd_address FROM host WHERE str_name = %s"
+HOST_HAS_PROCS_SQL = "SELECT count(*) FROM proc WHERE pk_host = %s"
 SET_ADDRESS_SQL = "UPDATE host SET str_rqd_address = %s WHERE pk_host = %s AND str_rqd_address IS DISTINCT FROM %s"
 # A proc booked within the grace may be a launch that landed on the new daemon (RQD serves
 # LaunchFrame before it sends its startup report): the status reports' orphan check decides it.
@@ -192,7 +193,8 @@ WHERE pk_host = %(host)s AND (pk_proc = ANY(%(procs)s::text[]) OR pk_frame = ANY
 # The run's max RSS on the frame, after the release ended it, in the same transaction (the frame
 # row is already this transaction's: no version race with another completion).
 FRAME_OF_PROC_SQL = (
-    "SELECT p.pk_frame, h.str_name FROM proc p JOIN host h ON h.pk_host = p.pk_host WHERE p.pk_proc = %s"
+    "SELECT p.pk_frame, h.str_name, h.str_rqd_address FROM proc p JOIN host h ON h.pk_host = p.pk_host"
+    " WHERE p.pk_proc = %s"
 )
 COMPLETION_MEMORY_SQL = """
 UPDATE frame SET int_mem_max_used = GREATEST(int_mem_max_used, %(max_rss)s),
@@ -264,6 +266,27 @@ def _register(
     return pk_host
 
 
+def _check_sender(conn: psycopg.Connection, pk_host: str, name: str, recorded: str | None, address: str | None) -> None:
+    """Refuse a report from another address than the one the host's RQD answers at while the
+    host has frames booked.
+
+    A report names its host, and RQD cannot prove it is that host: a cloned image with the
+    same name, or any client reaching the gateway, would otherwise release the real host's
+    procs while its frames run (counters LOW), kill them as strays, and take its launches.
+    With nothing booked there is nothing to lose, and a node that changed address is followed
+    (a host that moved with frames booked is released by the lost-host sweep first, counters
+    reading high meanwhile)."""
+    if recorded is None or address is None or recorded == address:
+        return
+    booked = conn.execute(HOST_HAS_PROCS_SQL, (pk_host,)).fetchone()[0]
+    if booked:
+        raise ReportError(
+            f"host {name!r} reports from {address}, but its RQD answers at {recorded} and runs {booked} "
+            "booked frame(s): refused (two RQDs with one host name?). It is followed once nothing is booked "
+            "there; or set host.str_rqd_address"
+        )
+
+
 def _ping(conn: psycopg.Connection, pk_host: str, host: report_pb2.RenderHost) -> None:
     conn.execute(
         PING_SQL,
@@ -280,6 +303,9 @@ def _ping(conn: psycopg.Connection, pk_host: str, host: report_pb2.RenderHost) -
 
 def report_startup(conn: psycopg.Connection, boot: report_pb2.BootReport, address: str | None) -> StatusResult:
     """ReportRqdStartup: register or update the host, release what its previous life left booked."""
+    known = conn.execute(HOST_SQL, (boot.host.name,)).fetchone() if boot.host.name else None
+    if known is not None:
+        _check_sender(conn, known[0], boot.host.name, known[1], address)
     pk_host = _register(conn, boot.host, boot.core_info, address)
     out = StatusResult(pk_host)
     procs = [r[0] for r in conn.execute(HOST_PROCS_SQL, (pk_host, conf.rqd_orphan_grace())).fetchall()]
@@ -306,6 +332,7 @@ def report_status(
         pk_host = _register(conn, host, report.core_info, address)  # Cuebot registers a host it hears first here
     else:
         pk_host = row[0]
+        _check_sender(conn, pk_host, host.name, row[1], address)
         with conn.transaction():
             if address is not None and row[1] != address:
                 conn.execute(SET_ADDRESS_SQL, (address, pk_host, address))
@@ -360,7 +387,9 @@ def exit_status_of(report: report_pb2.FrameCompleteReport) -> int:
     return 128 + report.exit_signal if report.exit_signal > 0 else report.exit_status
 
 
-def report_completion(conn: psycopg.Connection, report: report_pb2.FrameCompleteReport) -> CompletionResult:
+def report_completion(
+    conn: psycopg.Connection, report: report_pb2.FrameCompleteReport, address: str | None = None
+) -> CompletionResult:
     """ReportRunningFrameCompletion: the release path, keyed by proc, and the run's max RSS on
     its frame, in one transaction."""
     frame = report.frame
@@ -368,6 +397,11 @@ def report_completion(conn: psycopg.Connection, report: report_pb2.FrameComplete
         raise ReportError("the completion report has no resource_id (the proc it ends)")
     with conn.transaction(), conn.cursor() as cur:
         row = cur.execute(FRAME_OF_PROC_SQL, (frame.resource_id,)).fetchone()
+        if row is not None and address is not None and row[2] is not None and row[2] != address:
+            raise ReportError(
+                f"host {report.host.name!r} reports the end of proc {frame.resource_id} from {address}, "
+                f"but its RQD answers at {row[2]}: refused (two RQDs with one host name?)"
+            )
         if row is not None and row[1] != report.host.name:
             # A host ends only its own runs: releasing another host's proc would leave that
             # run going uncounted until its own RQD's next status report kills it.
@@ -501,7 +535,10 @@ class ReportServicer(report_pb2_grpc.RqdReportInterfaceServicer):
         self, request: report_pb2.RqdReportRunningFrameCompletionRequest, context: grpc.ServicerContext
     ) -> report_pb2.RqdReportRunningFrameCompletionResponse:
         report = request.frame_complete_report
-        self._run(context, f"completion of {report.frame.frame_name!r}", lambda c: report_completion(c, report))
+        address = f"{peer_host(context.peer())}:{rqd_port_of(report.host.tags)}"
+        self._run(
+            context, f"completion of {report.frame.frame_name!r}", lambda c: report_completion(c, report, address)
+        )
         self._count("completion")
         return report_pb2.RqdReportRunningFrameCompletionResponse()
 

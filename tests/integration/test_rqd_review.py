@@ -18,7 +18,7 @@ import pytest
 from opencue_proto import report_pb2, report_pb2_grpc, rqd_pb2, rqd_pb2_grpc
 
 from dispatch.hosts.launchers.rqd import RqdLauncher
-from dispatch.hosts.rqd_gateway import ReportError, report_startup, report_status
+from dispatch.hosts.rqd_gateway import ReportError, report_completion, report_startup, report_status
 from tests.integration.dispatch_support import autocommit, fast_launcher, make_loop, scalar, seed, violations, wait_for
 from tests.integration.rqd_support import gateway
 from tests.integration.runtime_support import running_scheduler
@@ -171,12 +171,6 @@ def test_a_pushed_status_report_the_database_refuses_is_answered_invalid_argumen
         assert violations(conn) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="not fixed: a status report is trusted for the host it names, whatever address it comes "
-    "from; two RQDs with the same OVERRIDE_HOSTNAME (a cloned image) release each other's procs while "
-    "those frames still run (uncounted), then kill them as strays, and flip host.str_rqd_address",
-)
 def test_a_status_report_from_another_address_than_the_hosts_rqd_does_not_release_its_procs() -> None:
     """Host h's RQD answers at 10.0.0.1 (its startup recorded it) and runs a frame booked an
     hour ago. A second daemon calling itself h reports from 10.0.0.2 with no frame: the proc
@@ -191,12 +185,32 @@ def test_a_status_report_from_another_address_than_the_hosts_rqd_does_not_releas
         conn.execute("UPDATE host SET str_rqd_address = '10.0.0.1:8444'")
         host = scalar(conn, "SELECT str_name FROM host")
         report = report_pb2.HostReport(host=report_pb2.RenderHost(name=host, total_mem=1 << 24, free_mem=1 << 23))
-        try:
+        with pytest.raises(ReportError, match=r"answers at 10\.0\.0\.1:8444"):
             report_status(conn, report, "10.0.0.2:8444")
-        except ReportError:
-            pass  # refusing the report is one acceptable answer
         assert scalar(conn, "SELECT count(*) FROM proc") == 1
         assert scalar(conn, "SELECT str_rqd_address FROM host") == "10.0.0.1:8444"
+        # A startup from the other address (a cloned image booting) is refused the same way:
+        # its release of "the previous life's" procs would release the real host's runs.
+        boot = report_pb2.BootReport(host=report_pb2.RenderHost(name=host, total_mem=1 << 24, free_mem=1 << 23))
+        with pytest.raises(ReportError, match=r"answers at 10\.0\.0\.1:8444"):
+            report_startup(conn, boot, "10.0.0.2:8444")
+        assert scalar(conn, "SELECT count(*) FROM proc") == 1
+        # And so is its completion of the real host's run.
+        pk_proc, pk_frame = conn.execute("SELECT pk_proc, pk_frame FROM proc").fetchone()
+        done = report_pb2.FrameCompleteReport(
+            host=report_pb2.RenderHost(name=host),
+            frame=report_pb2.RunningFrameInfo(resource_id=pk_proc, frame_id=pk_frame, frame_name="x"),
+            exit_status=0,
+        )
+        with pytest.raises(ReportError, match=r"answers at 10\.0\.0\.1:8444"):
+            report_completion(conn, done, "10.0.0.2:8444")
+        assert scalar(conn, "SELECT count(*) FROM proc") == 1
+        # From the recorded address the same completion is applied.
+        report_completion(conn, done, "10.0.0.1:8444")
+        assert scalar(conn, "SELECT count(*) FROM proc") == 0
+        # With nothing booked any more, a host that moved (a re-addressed node) is followed.
+        report_startup(conn, boot, "10.0.0.2:8444")
+        assert scalar(conn, "SELECT str_rqd_address FROM host") == "10.0.0.2:8444"
 
 
 class _SlowRqd(rqd_pb2_grpc.RqdInterfaceServicer):
