@@ -210,12 +210,36 @@ def proc_licence_triggers() -> list[pgtrigger.Trigger]:
     ]
 
 
+# The layers this transaction inserted, recorded by an AFTER INSERT trigger on layer (a row's
+# xmin is no such record: any UPDATE of the row in the transaction sets it too). A client can
+# set it as it can set the other markers (the trust boundary of docs/concepts.md).
+LAYERS_CREATED = "cuesched.layers_created"
+
+
+def layer_created_triggers() -> list[pgtrigger.Trigger]:
+    """Record the layers this transaction inserts (see _NEEDS_KEYS_LOCK)."""
+    return [
+        pgtrigger.Trigger(
+            name="acct_layer_created",
+            when=pgtrigger.After,
+            operation=pgtrigger.Insert,
+            level=pgtrigger.Statement,
+            referencing=pgtrigger.Referencing(new="new_rows"),
+            func=f"""
+    PERFORM set_config('{LAYERS_CREATED}', concat_ws(',', NULLIF(current_setting('{LAYERS_CREATED}', true), ''),
+                       (SELECT string_agg(pk_layer, ',') FROM new_rows)), true);
+    RETURN NULL;
+""",
+        )
+    ]
+
+
 # A layer created by this very transaction cannot have a proc anywhere (a proc's layer must be
 # visible to its writer, see _PROC_LAYER_VISIBLE): a submission tagging its new layers skips
 # the exclusive lock. A row whose layer is missing (deferred foreign key) takes it.
 _NEEDS_KEYS_LOCK = (
-    "SELECT 1 FROM new_rows n WHERE NOT EXISTS ("
-    "SELECT 1 FROM layer l WHERE l.pk_layer = n.pk_layer AND l.xmin = pg_current_xact_id()::xid)"
+    "SELECT 1 FROM new_rows n WHERE NOT n.pk_layer = ANY("
+    f"string_to_array(COALESCE(current_setting('{LAYERS_CREATED}', true), ''), ','))"
 )
 
 
@@ -315,10 +339,20 @@ def limit_record_triggers() -> list[pgtrigger.Trigger]:
             when=pgtrigger.Before,
             operation=pgtrigger.Insert,
             level=pgtrigger.Row,
-            func="""
-    -- A new limit is on no layer yet: it starts at 0, whatever the INSERT said.
-    NEW.int_running := 0;
-    NEW.int_frames := 0;
+            func=f"""
+    -- Usually on no layer yet (0), but with deferred foreign keys layer_limit rows may name it
+    -- already, or it is inserted again with the id of a row deleted in this transaction: count
+    -- what those layers run, whatever the INSERT said, and refuse a count over its max. The
+    -- layer_limit rows were written under their own lock, so no running frame is missed.
+    SELECT CASE WHEN NEW.b_host_limit THEN c.hosts ELSE c.frames END, c.frames
+    INTO NEW.int_running, NEW.int_frames
+    FROM (SELECT NEW.pk_limit_record AS pk_limit_record) r {COUNT_LATERAL};
+    IF NEW.int_max_value >= 0 AND NEW.int_running > NEW.int_max_value THEN
+        RAISE EXCEPTION USING
+            MESSAGE = format('limit %s is full: running=%s max=%s (%s)', NEW.str_name, NEW.int_running,
+                             NEW.int_max_value, CASE WHEN NEW.b_host_limit THEN 'hosts' ELSE 'frames' END),
+            ERRCODE = 'check_violation', CONSTRAINT = '{LIMIT_MAX_CONSTRAINT}';
+    END IF;
     RETURN NEW;
 """,
         ),

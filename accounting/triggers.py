@@ -717,6 +717,20 @@ def proc_triggers() -> list[pgtrigger.Trigger]:
             declare=[(f"v_d{i}", "bigint") for i in range(1, 6)],
             func=PROC_TRUNCATE_FUNC,
         ),
+        # Every proc trigger pairs a statement's old and new rows by pk_proc: a row whose id
+        # changed would be seen by none of them (its cores, keys or layer changed uncounted).
+        pgtrigger.Trigger(
+            name="acct_proc_keeps_id",
+            when=pgtrigger.Before,
+            operation=pgtrigger.Update,
+            level=pgtrigger.Row,
+            condition=pgtrigger.Condition("OLD.pk_proc IS DISTINCT FROM NEW.pk_proc"),
+            func="""
+    RAISE EXCEPTION USING
+        MESSAGE = format('cuesched: a proc keeps its id (%s); delete it and insert a new one', OLD.pk_proc),
+        ERRCODE = 'check_violation', CONSTRAINT = 'acct_proc_keeps_id';
+""",
+        ),
     ]
 
 
@@ -870,7 +884,7 @@ _JOB = {
     "changed": "(n.int_max_cores IS DISTINCT FROM o.int_max_cores OR n.int_max_gpus IS DISTINCT FROM o.int_max_gpus "
     "OR n.pk_job IS DISTINCT FROM o.pk_job) "
     f"AND NOT ({DISPLAY_LIFT} AND n.pk_job = o.pk_job AND n.int_max_gpus IS NOT DISTINCT FROM o.int_max_gpus "
-    "AND o.int_max_cores > 0 AND n.int_max_cores > o.int_max_cores)",
+    "AND o.int_max_cores >= 0 AND n.int_max_cores > o.int_max_cores)",
     "payload": cap_payload("job", "pk_job"),
     "removed": cap_removed_payload("job", "pk_job"),
     "order": "n.pk_job",

@@ -652,9 +652,9 @@ def plan_job(spec: Any, *, user: str | None) -> JobPlan:
     if priority is None:
         priority = folder.int_job_priority if folder.int_job_priority >= 0 else 1
     if max_cores is None:
-        max_cores = folder.int_job_max_cores if folder.int_job_max_cores > 0 else show.int_default_max_cores
+        max_cores = folder.int_job_max_cores if folder.int_job_max_cores >= 0 else show.int_default_max_cores
     if max_gpus is None:
-        max_gpus = folder.int_job_max_gpus if folder.int_job_max_gpus > 0 else show.int_default_max_gpus
+        max_gpus = folder.int_job_max_gpus if folder.int_job_max_gpus >= 0 else show.int_default_max_gpus
     return JobPlan(
         name=name,
         user=owner,

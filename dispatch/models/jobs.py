@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from django.db import models
 
+from accounting import licences
 from accounting import triggers as accounting_triggers
 from dispatch.models import depends as depend_triggers
 from dispatch.models import triggers as schema_triggers
@@ -140,7 +141,7 @@ class Layer(models.Model):
     class Meta:
         db_table = "layer"
         constraints = [models.UniqueConstraint(fields=["str_name", "job"], name="c_layer_str_name_pk_job")]
-        triggers = schema_triggers.layer_fanout_triggers()
+        triggers = [*schema_triggers.layer_fanout_triggers(), *licences.layer_created_triggers()]
 
     def __str__(self) -> str:
         return self.str_name

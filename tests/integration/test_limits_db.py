@@ -301,3 +301,73 @@ def test_a_limit_on_a_layer_created_in_the_same_transaction_needs_no_keys_lock(c
     finally:
         holder.execute("ROLLBACK")
         holder.close()
+
+
+def test_an_updated_layer_is_not_taken_for_a_new_one_and_takes_the_keys_lock(conn: psycopg.Connection) -> None:
+    """The lock skip for layers a submission creates tested the layer row's xmin, which any
+    UPDATE of the row in the transaction also sets: tagging an existing layer after touching it
+    skipped the exclusive lock, and a proc writer racing it was counted by no limit."""
+    farm = ff.tiny_farm(managed=False, frames=2)
+    limit = LimitRecord.objects.create(str_name=ff.unique("upd"), int_max_value=1)
+    holder = autocommit_conn()
+    try:
+        holder.execute("BEGIN")
+        holder.execute("SELECT pg_advisory_xact_lock_shared(%s, 0)", (0x61636374,))
+        with pytest.raises(pg_errors.LockNotAvailable), conn.transaction():
+            conn.execute("UPDATE layer SET str_tags = str_tags WHERE pk_layer = %s", (farm.layer.pk,))
+            conn.execute(
+                "INSERT INTO layer_limit (pk_layer_limit, pk_layer, pk_limit_record) VALUES (%s, %s, %s)",
+                (ff.unique("ll"), farm.layer.pk, limit.pk),
+            )
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+
+
+def test_a_limit_row_written_after_its_layer_limit_counts_the_running_frames(conn: psycopg.Connection) -> None:
+    """Deferred foreign keys let layer_limit name a limit that is inserted later in the same
+    transaction (or deleted and inserted again with its id): the new row was seeded at 0 while
+    the layer ran frames, and nothing refused a count over its max."""
+    farm = ff.tiny_farm(managed=False, frames=4)
+    for f in farm.frames[:3]:
+        _insert_proc(conn, farm.host.pk, f)
+    pk = ff.unique("late")
+    with pytest.raises(pg_errors.CheckViolation), conn.transaction():
+        conn.execute("SET CONSTRAINTS ALL DEFERRED")
+        conn.execute(
+            "INSERT INTO layer_limit (pk_layer_limit, pk_layer, pk_limit_record) VALUES (%s, %s, %s)",
+            (ff.unique("ll"), farm.layer.pk, pk),
+        )
+        conn.execute(
+            "INSERT INTO limit_record (pk_limit_record, str_name, int_max_value) VALUES (%s, %s, 1)",
+            (pk, ff.unique("late")),
+        )
+    limit = LimitRecord.objects.create(str_name=ff.unique("again"), int_max_value=5)
+    LayerLimit.objects.create(layer=farm.layer, limit=limit)
+    assert _running(conn, limit) == (3, 3)
+    with pytest.raises(pg_errors.CheckViolation), conn.transaction():
+        conn.execute("SET CONSTRAINTS ALL DEFERRED")
+        conn.execute("DELETE FROM limit_record WHERE pk_limit_record = %s", (limit.pk,))
+        conn.execute(
+            "INSERT INTO limit_record (pk_limit_record, str_name, int_max_value) VALUES (%s, %s, 1)",
+            (limit.pk, ff.unique("again")),
+        )
+    with conn.transaction():
+        conn.execute("SET CONSTRAINTS ALL DEFERRED")
+        conn.execute("DELETE FROM limit_record WHERE pk_limit_record = %s", (limit.pk,))
+        conn.execute(
+            "INSERT INTO limit_record (pk_limit_record, str_name, int_max_value) VALUES (%s, %s, 5)",
+            (limit.pk, ff.unique("again")),
+        )
+    assert _running(conn, limit) == (3, 3)
+
+
+def test_a_proc_keeps_its_id(conn: psycopg.Connection) -> None:
+    """The proc triggers pair old and new rows by pk_proc: an UPDATE that also changed pk_proc
+    was seen by none of them, so a proc could grow its cores or move to a limited layer
+    uncounted (and a later DELETE took the counters below zero)."""
+    farm = ff.tiny_farm(managed=False, frames=2)
+    _insert_proc(conn, farm.host.pk, farm.frames[0])
+    with pytest.raises(pg_errors.CheckViolation, match="keeps its id"):
+        conn.execute("UPDATE proc SET int_cores_reserved = 5000, pk_proc = gen_random_uuid()::text")
+    assert conn.execute("SELECT int_cores_reserved FROM proc").fetchone()[0] == 100
