@@ -27,19 +27,7 @@ from ops import (
 )
 from ops.admin_views import COLUMN_LABELS, shown_value
 from ops.models import Console, FolderCapEvent, JobCapEvent, KillSwitchEvent, ShowManagedEvent, SubscriptionCapEvent
-
-
-class ReadOnlyAdmin(admin.ModelAdmin):
-    """Nothing in the ops app is added, changed or deleted through the admin's forms."""
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
+from ops.readonly_admin import ReadOnlyAdmin
 
 
 @admin.register(Console)

@@ -44,6 +44,7 @@ from dispatch.jobs import actions as job_actions
 from dispatch.models import FarmAction, Frame, Host, Job, Proc
 from ops import permissions
 from ops.admin_views import refresh_seconds
+from ops.readonly_admin import ReadOnlyAdmin
 
 CENTI = 100
 KB_PER_GB = 1024 * 1024
@@ -666,7 +667,7 @@ class ProcListAdmin(FarmListMixin, dispatch_admin.ProcAdmin):
 # --- the audit rows of the controls ---------------------------------------------------------
 
 
-class FarmActionAdmin(admin.ModelAdmin):
+class FarmActionAdmin(ReadOnlyAdmin):
     """Read-only: the rows are written by the actions, in the transaction of the change."""
 
     list_display = ("ts_created", "str_action", "str_target_kind", "str_target_name", "int_changed", "str_username")
@@ -674,15 +675,6 @@ class FarmActionAdmin(admin.ModelAdmin):
     search_fields = ("str_target_name", "str_target", "str_username")
     ordering = ("-ts_created", "-id")
     show_full_result_count = False
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
 
 
 def register(site: admin.AdminSite) -> None:

@@ -19,6 +19,7 @@ from accounting import actions
 from dispatch.models import LayerLimit, LimitRecord
 from ops import permissions
 from ops.models import LimitRecordEvent
+from ops.readonly_admin import ReadOnlyAdmin
 
 
 @admin.register(LimitRecord)
@@ -84,7 +85,7 @@ class LimitRecordAdmin(admin.ModelAdmin):
 
 
 @admin.register(LimitRecordEvent)
-class LimitRecordEventAdmin(admin.ModelAdmin):
+class LimitRecordEventAdmin(ReadOnlyAdmin):
     list_display = (
         "pgh_created_at",
         "pgh_label",
@@ -102,35 +103,17 @@ class LimitRecordEventAdmin(admin.ModelAdmin):
         meta = obj.pgh_context.metadata if obj.pgh_context_id else {}
         return meta.get("username") or "—"
 
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
     def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return permissions.can_view(request.user)
 
 
 @admin.register(LayerLimit)
-class LayerLimitAdmin(admin.ModelAdmin):
+class LayerLimitAdmin(ReadOnlyAdmin):
     """Which layers hold which limit: set by the job spec's layer `limits`, read here."""
 
     list_display = ("pk_layer_limit", "layer", "limit")
     search_fields = ("limit__str_name", "layer__str_name", "pk_layer_limit")
     list_select_related = ("layer", "limit")
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
 
     def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return permissions.can_view(request.user)
