@@ -51,10 +51,22 @@ from django.db import OperationalError, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from accounting.licences import COUNT_LATERAL
+from accounting.triggers import CUEBOT_ACCOUNTS
 from cuesched_project.dburl import url_from_settings
 from dispatch import conf
 
 MIN_FLYWAY_VERSION = 45
+# A Cuebot database built by applying its migrations with psql (a test farm, a restored dump
+# without Flyway's table) is still Cuebot's: it is recognised by its objects, and its version
+# by V45's column, which is what adoption needs of V45.
+NO_FLYWAY = (
+    "recognised as Cuebot's schema by its verify_subscription trigger; "
+    "the version is judged by V45's show.b_scheduler_managed"
+)
+NOT_CUEBOT = (
+    "this is not a Cuebot database (no flyway_schema_history and no verify_subscription trigger on "
+    "subscription); use `manage.py migrate`"
+)
 REFERENCE_ALIAS = "cuesched_adopt_reference"
 
 # (table, cuesched trigger name without pgtrigger's prefix and hash) -> (Cuebot's trigger on that
@@ -151,6 +163,12 @@ class Catalog:
     views: dict[str, str] = field(default_factory=dict)
     unlogged: set[str] = field(default_factory=set)
     flyway_version: int | None = None
+
+    @property
+    def cuebot(self) -> bool:
+        """Cuebot's schema, told by its objects: Flyway's history, or Cuebot's verify_subscription
+        trigger (the same test as Cuebot mode's), for a database built without Flyway."""
+        return self.flyway_version is not None or ("subscription", "verify_subscription") in self.triggers
 
 
 def _rows(conn: BaseDatabaseWrapper, sql: str) -> list[tuple[Any, ...]]:
@@ -281,7 +299,11 @@ class Plan:
     flyway_version: int | None = None
 
     def lines(self) -> list[str]:
-        out = [f"Cuebot schema version: V{self.flyway_version}" if self.flyway_version else "no Flyway history"]
+        out = [
+            f"Cuebot schema version: V{self.flyway_version}"
+            if self.flyway_version
+            else f"no Flyway history: {NO_FLYWAY}"
+        ]
         out += [f"ERROR: {e}" for e in self.errors]
         out += [
             f"NOT READY: Cuebot's {m} is missing (a later Cuebot migration adds it; adoption leaves it to Flyway):"
@@ -330,10 +352,10 @@ def _owns_column(col: Column) -> bool:
 def make_plan(ref: Catalog, live: Catalog, applied: set[tuple[str, str]], recorded: list[tuple[str, str]]) -> Plan:
     """The additions that make `live` hold everything of `ref` that adoption may add."""
     plan = Plan(flyway_version=live.flyway_version)
-    if live.flyway_version is None:
-        plan.errors.append("no flyway_schema_history: this is not a Cuebot database (use migrate)")
+    if not live.cuebot:
+        plan.errors.append(NOT_CUEBOT)
         return plan
-    if live.flyway_version < MIN_FLYWAY_VERSION:
+    if live.flyway_version is not None and live.flyway_version < MIN_FLYWAY_VERSION:
         plan.errors.append(
             f"Cuebot schema V{live.flyway_version} is older than V{MIN_FLYWAY_VERSION} "
             "(show.b_scheduler_managed); upgrade Cuebot's schema with Flyway first"
@@ -621,8 +643,8 @@ def adopt(*, apply: bool, using: str = "default") -> Result:
     Raises AdoptionError (nothing written) when the database cannot be adopted."""
     live = connections[using]
     live_cat = read_catalog(live)
-    if live_cat.flyway_version is None:
-        raise AdoptionError("no flyway_schema_history: this is not a Cuebot database; use `manage.py migrate`")
+    if not live_cat.cuebot:
+        raise AdoptionError(NOT_CUEBOT)
     early = make_plan(Catalog(), live_cat, set(), [])  # version and needed objects, before any work
     if early.errors:
         raise AdoptionError("; ".join(early.errors))
@@ -690,12 +712,13 @@ def _apply(plan: Plan, live: BaseDatabaseWrapper, ref: BaseDatabaseWrapper, ref_
 def refuse_migrate_on_cuebot(using: str, plan: list[tuple[Any, bool]]) -> None:
     """Raise CommandError when `migrate` is about to apply migrations to a Cuebot database."""
     with connections[using].cursor() as cur:
-        cur.execute("SELECT to_regclass('public.flyway_schema_history') IS NOT NULL")
+        cur.execute(f"SELECT to_regclass('public.flyway_schema_history') IS NOT NULL OR {CUEBOT_ACCOUNTS}")
         cuebot = cur.fetchone()[0]
     if cuebot:
         names = ", ".join(f"{m.app_label}.{m.name}" for m, _backwards in plan[:5])
         raise CommandError(
-            f"this is a Cuebot database (flyway_schema_history) and migrate would apply {len(plan)} "
+            f"this is a Cuebot database (Flyway's history or Cuebot's verify_subscription trigger) and migrate "
+            f"would apply {len(plan)} "
             f"migration(s) ({names}{', ...' if len(plan) > 5 else ''}), creating or altering Cuebot's "
             "objects; run `manage.py adopt_cuebot_db --check`, then `--apply`, instead (nothing was written)"
         )

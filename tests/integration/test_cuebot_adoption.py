@@ -153,10 +153,41 @@ def test_a_database_that_is_not_cuebots_or_older_than_v45_is_refused_unchanged()
         assert done.returncode == 1
         assert "older than V45" in done.stderr and "nothing was written" in done.stderr
         assert cb.schema_dump(url) == before
+        # Without Flyway's history it is still recognised as Cuebot's, and still too old.
         with psycopg.connect(url, autocommit=True) as conn:
             conn.execute("DROP TABLE flyway_schema_history")
         done = cb.manage(url, "adopt_cuebot_db", "--check", check=False)
+        assert done.returncode == 1 and "show.b_scheduler_managed is missing" in done.stderr, done.stderr
+        # Not Cuebot's at all: neither Flyway's history nor Cuebot's verify_subscription trigger.
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute("DROP TRIGGER verify_subscription ON subscription")
+        done = cb.manage(url, "adopt_cuebot_db", "--check", check=False)
         assert done.returncode == 1 and "not a Cuebot database" in done.stderr
+    finally:
+        cb.drop_database(name)
+
+
+def test_a_cuebot_database_built_without_flyway_is_adopted_and_migrate_is_refused_on_it() -> None:
+    """A Cuebot schema loaded with psql (OpenCue's migrations in order, no Flyway, so no
+    flyway_schema_history) was refused as "not a Cuebot database", and `migrate` was let loose on
+    it. It is recognised by Cuebot's verify_subscription trigger, as Cuebot mode recognises it."""
+    name = cb.cuebot_db_name("noflyway")
+    url = cb.build_cuebot_db(name)
+    try:
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute("DROP TABLE flyway_schema_history")
+        before = cb.schema_dump(url)
+        done = cb.manage(url, "migrate", "--no-input", check=False)
+        assert done.returncode == 1 and "this is a Cuebot database" in done.stderr, done.stdout + done.stderr
+        assert cb.schema_dump(url) == before
+        check = cb.manage(url, "adopt_cuebot_db", "--check").stdout
+        assert "no Flyway history: recognised as Cuebot's schema" in check
+        assert "add column host.ts_last_updated" in check
+        cb.manage(url, "adopt_cuebot_db", "--apply")
+        after = cb.dump_lines(cb.schema_dump(url))
+        assert not cb.dump_lines(before) - after, "adoption dropped or changed a Cuebot object"
+        assert "nothing to add: the database is adopted" in cb.manage(url, "adopt_cuebot_db", "--check").stdout
+        assert "No migrations to apply." in cb.manage(url, "migrate", "--no-input").stdout
     finally:
         cb.drop_database(name)
 
