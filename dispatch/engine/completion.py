@@ -29,6 +29,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from accounting.triggers import LOCK_KEYS_SHARED_SQL
+from dispatch import cuebot_usage
 from dispatch.engine.booking import HOST_GIVE_BACK_TEMPLATE
 from dispatch.engine.placement import ALL, Shard, in_shard, shard_params
 
@@ -215,6 +216,8 @@ def complete_in_transaction(cur: psycopg.Cursor[Any], completions: Sequence[Comp
         else:
             out.host_rows.append((key, d, e, f, g))
     jobs_to_check: set[str] = set()
+    usage: dict[str, int] = {}  # pk_frame -> exit status, of the frames ended here (once each)
+    status = {c.pk_proc: c.exit_status for c in completions}
     for pk_proc, pk_frame, job in released:
         out.released += 1
         out.released_jobs.add(job)
@@ -223,8 +226,11 @@ def complete_in_transaction(cur: psycopg.Cursor[Any], completions: Sequence[Comp
             logger.warning("completion: proc %s released, but its frame was not RUNNING", pk_proc)
             continue
         out.states[state] = out.states.get(state, 0) + 1
+        usage.setdefault(pk_frame, status[pk_proc])
         if state in ("SUCCEEDED", "DEAD"):
             jobs_to_check.add(job)
+    if usage and cuebot_usage.has_cuebot_usage(cur):
+        cuebot_usage.record_completions(cur, list(usage.items()))
     if jobs_to_check:
         cur.execute(FINISH_JOBS_SQL, (sorted(jobs_to_check),))
         out.finished_jobs = [r[0] for r in cur.fetchall()]

@@ -43,6 +43,7 @@ from accounting import actions as accounting_actions
 from accounting import triggers as acct_triggers
 from accounting.actions import audit_context
 from accounting.notify import LIMIT_CHANNEL
+from dispatch import cuebot_usage
 from dispatch.engine.completion import EXIT_STATUS_KILLED, FINISH_JOBS_SQL, Completion, complete_in_transaction
 from dispatch.jobs.frameset import frame_name
 from dispatch.jobs.spec import JobPlan, SpecError, plan_job
@@ -113,6 +114,11 @@ def _count_new_job_sql() -> str:
         sums=", ".join(f"sum({col}) AS {col}" for _state, col in columns),
     )
 
+
+SET_GPUS_MAX_SQL = """
+UPDATE layer l SET int_gpus_max = x.gpus_max
+FROM unnest(%s::text[], %s::int[]) AS x(pk_layer, gpus_max) WHERE l.pk_layer = x.pk_layer
+"""
 
 # Kill step 2 and the end of step 3: frames of the job that could still start, eaten.
 EAT_UNSTARTED_SQL = """
@@ -298,6 +304,10 @@ def _write_job(plan: JobPlan) -> SubmitResult:
             int_gpu_mem_min=lp.gpu_memory,
             b_threadable=lp.threadable,
             str_tags=lp.str_tags,
+            str_services=lp.str_services,
+            int_cores_max=lp.cores_max,
+            int_timeout=lp.timeout,
+            int_timeout_llu=lp.timeout_llu,
         )
         for lp in plan.layers
     ]
@@ -330,6 +340,11 @@ def _write_job(plan: JobPlan) -> SubmitResult:
     with _pg() as cur:
         cur.execute(INSERT_FRAMES_SQL, {"job": job.pk_job, **cols})
         cur.execute(_count_new_job_sql(), {"job": job.pk_job})
+        gpus_max = [(layer_ids[lp.name], lp.gpus_max) for lp in plan.layers if lp.gpus_max]
+        if gpus_max:  # only a Cuebot service sets it, and only Cuebot's layer has the column
+            cur.execute(SET_GPUS_MAX_SQL, [[k for k, _ in gpus_max], [v for _, v in gpus_max]])
+        if cuebot_usage.has_cuebot_usage(cur):
+            cuebot_usage.record_submit(cur, job=job.pk_job, show=plan.show.pk_show, frames=len(cols["pk"]))
         if depend_rows:
             types, layer_er, layer_on, frame_er, frame_on = (list(c) for c in zip(*depend_rows, strict=True))
             signed = cur.execute(HAS_DEPEND_SIGNATURE_SQL).fetchone()[0]

@@ -32,6 +32,10 @@ has a default:
   `gpu_memory` "0GB", `threadable` true, `depends` none;
 * layer `tags` (a list, or one string joined by `|`): the tags of the allocations the show
   subscribes to in the job's facility, so the layer can run on any host the show may use;
+* layer `services` (a list of service names, first that exists wins): none. On a Cuebot
+  database the layer's unset fields (cores, memory, GPUs, GPU memory, tags, threadable) come
+  from the show's override of that service, else the service, else Cuebot's `default` service,
+  as Cuebot's own submit sets them (dispatch.jobs.services); an explicit field wins;
 * layer `limits` (a list of licence limit names, e.g. `["arnold"]`): none. Every frame of the
   layer holds one of each while it runs (one per host for a host limit); a frame starts only
   when every limit has room. Each name must be an existing limit: none is created here.
@@ -54,6 +58,7 @@ from typing import Any
 
 from django.db import connection
 
+from dispatch.jobs import services as cuebot_services
 from dispatch.jobs.frameset import Chunk, FrameRangeError, chunk_frames, parse_frames
 from dispatch.models import Dept, Facility, Folder, Job, LimitRecord, Show
 from dispatch.models.depends import FRAME_BY_FRAME, LAYER_ON_LAYER
@@ -104,7 +109,12 @@ LAYER_KEYS = {
     "threadable",
     "depends",
     "limits",
+    "services",
 }
+SERVICE_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,36}$")  # Cuebot's service.str_name is VARCHAR(36)
+MAX_SERVICES_LEN = 128  # layer.str_services
+# The layer fields a Cuebot service fills in when the spec leaves them out.
+SERVICE_FIELDS = ("cores", "memory", "gpus", "gpu_memory", "tags", "threadable")
 DEPEND_KEYS = {"layer", "type"}
 
 
@@ -142,10 +152,22 @@ class LayerPlan:
     # Licence limits by name (limit_record.str_name); resolved to ids in `limit_ids`.
     limits: list[str] = field(default_factory=list)
     limit_ids: list[str] = field(default_factory=list)
+    # Service names (Cuebot's str_services), the SERVICE_FIELDS the spec set, and what only a
+    # Cuebot service sets (0: none).
+    services: list[str] = field(default_factory=list)
+    explicit: frozenset[str] = frozenset()
+    cores_max: int = 0
+    gpus_max: int = 0
+    timeout: int = 0
+    timeout_llu: int = 0
 
     @property
     def str_tags(self) -> str:
         return " | ".join(self.tags)
+
+    @property
+    def str_services(self) -> str:
+        return ",".join(self.services) or "default"
 
 
 @dataclass
@@ -318,6 +340,7 @@ def _plan_layer(data: Any, index: int, errors: list[str]) -> _LayerDraft:
     tags = _tags(r)
     depends, referenced = _depends(r)
     limits = _limits(r)
+    services = _services(r)
     chunks: list[Chunk] = []
     if range_spec is not None:
         try:
@@ -334,7 +357,7 @@ def _plan_layer(data: Any, index: int, errors: list[str]) -> _LayerDraft:
         return _LayerDraft(name=draft_name, referenced=referenced, plan=None)
     assert name and command and range_spec and chunk_size and cores and memory is not None
     assert gpus is not None and gpu_memory is not None and tags is not None and depends is not None
-    assert limits is not None
+    assert limits is not None and services is not None
     plan = LayerPlan(
         name=name,
         command=command,
@@ -350,6 +373,8 @@ def _plan_layer(data: Any, index: int, errors: list[str]) -> _LayerDraft:
         chunks=chunks,
         order=index + 1,
         limits=limits,
+        services=services,
+        explicit=frozenset(k for k in SERVICE_FIELDS if data.get(k) is not None),
     )
     return _LayerDraft(name=name, referenced=referenced, plan=plan)
 
@@ -371,6 +396,22 @@ def _limits(r: _Reader) -> list[str] | None:
         if name not in out:
             out.append(name)
     return out
+
+
+def _services(r: _Reader) -> list[str] | None:
+    """Service names in order, repeats dropped (Cuebot's JobSpec drops them too)."""
+    value = r.data.get("services")
+    if value is None:
+        return []
+    items = value if isinstance(value, list) else None
+    if not items or not all(isinstance(v, str) and SERVICE_RE.match(v) for v in items):
+        r.error("services", f"must be a non-empty list of service names (1-36 of letters, digits, _.-), not {value!r}")
+        return None
+    names = list(dict.fromkeys(items))
+    if len(",".join(names)) > MAX_SERVICES_LEN:
+        r.error("services", f"are longer than {MAX_SERVICES_LEN} characters joined")
+        return None
+    return names
 
 
 def _memory(r: _Reader, key: str, default: int, *, allow_zero: bool) -> int | None:
@@ -631,6 +672,8 @@ def plan_job(spec: Any, *, user: str | None) -> JobPlan:
         dept = _one_by_name(Dept, dept_name, "dept", errors)
     if name is not None and Job.objects.filter(str_name=name).exists():
         errors.append(f"name: a job named {name!r} already exists")
+    if show is not None:
+        cuebot_services.apply_service_defaults(layers, show.str_name)
     if show is not None and facility is not None and any(not layer.tags for layer in layers):
         tags = _alloc_tags(show, facility)
         for layer in layers:

@@ -27,6 +27,12 @@ Which DAO each statement comes from:
   has one host), FrameDaoJdbc.UPDATE_FRAME_STARTED (without its limit subquery: no limits here),
   then `book`.
 - `complete`: FrameCompleteHandler: FrameDaoJdbc.UPDATE_FRAME_STOPPED (SUCCEEDED), then `unbook`.
+- `complete_with_usage`: FrameCompleteHandler for a report with any exit status: the stop and
+  unbook as in `complete` (SUCCEEDED on 0, else DEAD), then, in the next transaction as its
+  handlePostFrameCompleteOperations, DispatchSupportService.updateUsageCounters:
+  FrameDaoJdbc.getResourceUsage (its SELECT, then ResourceUsage's Java arithmetic: float
+  `corePoints / 100f`, truncated to long, at least 1), ShowDaoJdbc.updateFrameCounters,
+  JobDaoJdbc.updateUsage and LayerDaoJdbc.updateUsage (their UPDATE statements).
 - `orphans`: ProcDaoJdbc.GET_ORPHANED_PROC_LIST (procs whose ts_ping is older than
   ORPHANED_PROC_INTERVAL, 300 s), which Cuebot's MaintenanceManagerSupport then unbooks.
 - `recalculate_subs`: the V45 plpgsql function Cuebot's maintenance task calls.
@@ -34,6 +40,7 @@ Which DAO each statement comes from:
 
 from __future__ import annotations
 
+import struct
 import uuid
 from dataclasses import dataclass
 
@@ -79,6 +86,54 @@ UPDATE_FRAME_STOPPED = (
     "round(INTERVAL_TO_SECONDS(current_timestamp + interval '1' second - ts_started) * int_gpus) "
     "WHERE frame.pk_frame = %s AND frame.str_state = %s AND frame.int_version = %s"
 )
+
+# FrameDaoJdbc.getResourceUsage
+GET_RESOURCE_USAGE = (
+    "SELECT COALESCE(interval_to_seconds(current_timestamp - ts_started), 1) AS int_clock_time, "
+    "COALESCE(int_cores, 100) AS int_cores,int_gpus FROM frame WHERE pk_frame = %s"
+)
+# ShowDaoJdbc.updateFrameCounters (the column chosen by exit status > 0)
+SHOW_FRAME_SUCCESS = "UPDATE show_stats SET int_frame_success_count = int_frame_success_count + 1 WHERE pk_show=%s"
+SHOW_FRAME_FAIL = "UPDATE show_stats SET int_frame_fail_count = int_frame_fail_count + 1 WHERE pk_show=%s"
+# JobDaoJdbc.updateUsage
+JOB_USAGE_SUCCESS = (
+    "UPDATE job_usage SET int_core_time_success = int_core_time_success + %s,"
+    "int_gpu_time_success = int_gpu_time_success + %s,int_clock_time_success = int_clock_time_success + %s,"
+    "int_frame_success_count = int_frame_success_count + 1 WHERE pk_job = %s "
+)
+JOB_USAGE_HIGH = "UPDATE job_usage SET int_clock_time_high = %s WHERE pk_job = %s AND int_clock_time_high < %s"
+JOB_USAGE_FAIL = (
+    "UPDATE job_usage SET int_core_time_fail = int_core_time_fail + %s,"
+    "int_clock_time_fail = int_clock_time_fail + %s,int_frame_fail_count = int_frame_fail_count + 1 WHERE pk_job = %s "
+)
+# LayerDaoJdbc.updateUsage
+LAYER_USAGE_SUCCESS = (
+    "UPDATE layer_usage SET int_core_time_success = int_core_time_success + %s,"
+    "int_gpu_time_success = int_gpu_time_success + %s,int_clock_time_success = int_clock_time_success + %s,"
+    "int_frame_success_count = int_frame_success_count + 1 WHERE pk_layer = %s "
+)
+LAYER_USAGE_HIGH = "UPDATE layer_usage SET int_clock_time_high = %s WHERE pk_layer = %s AND int_clock_time_high < %s"
+LAYER_USAGE_LOW = (
+    "UPDATE layer_usage SET int_clock_time_low = %s WHERE pk_layer = %s "
+    "AND (%s < int_clock_time_low OR int_clock_time_low = 0)"
+)
+LAYER_USAGE_FAIL = (
+    "UPDATE layer_usage SET int_core_time_fail = int_core_time_fail + %s,"
+    "int_clock_time_fail = int_clock_time_fail + %s,int_frame_fail_count = int_frame_fail_count + 1 "
+    "WHERE pk_layer = %s "
+)
+
+
+def _f32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def resource_usage(clock_time: int, core_points: int, gpu_points: int) -> tuple[int, int, int]:
+    """ResourceUsage's constructor (Java float arithmetic): (clock, core, GPU) seconds."""
+    clock_time = max(clock_time, 1)
+    core_time = max(int(_f32(_f32(float(clock_time)) * _f32(_f32(float(core_points)) / _f32(100.0)))), 1)
+    return clock_time, core_time, clock_time * gpu_points
+
 
 # ProcDaoJdbc.INSERT_VIRTUAL_PROC
 INSERT_VIRTUAL_PROC = (
@@ -202,6 +257,32 @@ class CuebotStandIn:
         with self.conn.transaction():
             self.conn.execute(UPDATE_FRAME_STOPPED, ("SUCCEEDED", 0, 0, proc.frame, "RUNNING", proc.version))
             return self._unbook(proc)
+
+    def complete_with_usage(self, proc: Proc, exit_status: int) -> bool:
+        """FrameCompleteHandler for a report of `exit_status`, usage counters included."""
+        state = "SUCCEEDED" if exit_status == 0 else "DEAD"
+        with self.conn.transaction():
+            stopped = self.conn.execute(
+                UPDATE_FRAME_STOPPED, (state, exit_status, 0, proc.frame, "RUNNING", proc.version)
+            ).rowcount
+            self._unbook(proc)
+        if stopped != 1:
+            return False
+        with self.conn.transaction():
+            clock, cores, gpus = self.conn.execute(GET_RESOURCE_USAGE, (proc.frame,)).fetchone()
+            # pgjdbc's getLong of a numeric truncates, getInt of NULL is 0
+            clock_s, core_s, gpu_s = resource_usage(int(clock), int(cores), int(gpus or 0))
+            self.conn.execute(SHOW_FRAME_FAIL if exit_status > 0 else SHOW_FRAME_SUCCESS, (proc.show,))
+            if exit_status == 0:
+                self.conn.execute(JOB_USAGE_SUCCESS, (core_s, gpu_s, clock_s, proc.job))
+                self.conn.execute(JOB_USAGE_HIGH, (clock_s, proc.job, clock_s))
+                self.conn.execute(LAYER_USAGE_SUCCESS, (core_s, gpu_s, clock_s, proc.layer))
+                self.conn.execute(LAYER_USAGE_HIGH, (clock_s, proc.layer, clock_s))
+                self.conn.execute(LAYER_USAGE_LOW, (clock_s, proc.layer, clock_s))
+            else:
+                self.conn.execute(JOB_USAGE_FAIL, (core_s, clock_s, proc.job))
+                self.conn.execute(LAYER_USAGE_FAIL, (core_s, clock_s, proc.layer))
+        return True
 
     def book(self, *, host: str, alloc: str, show: str, job: str, layer: str, frame: str, cores: int) -> Proc:
         """DispatchSupportService.reserveProc -> ProcDaoJdbc.insertVirtualProc (+ procCreated)."""

@@ -1,0 +1,130 @@
+"""Cuebot's service defaults for a layer, applied by cuesched's submit on an adopted Cuebot database.
+
+Why: beside Cuebot, a show's layers get their defaults from Cuebot's `service` table and the
+show's `show_service` overrides (a show that renders "arnold" with 16 GB by default). A job
+submitted through cuesched to a show flipped to it must get the same layer as Cuebot's JobSpec
+would build, or the same spec books differently depending on who took it. cuesched's own schema
+has no service tables: there a layer keeps cuesched's spec defaults and only records the names.
+
+Cuebot's rules, from OpenCue cuebot/src/main/java/com/imageworks/spcue/:
+- service/JobSpec.determineResourceDefaults: of the layer's service names (empty ones and
+  repeats dropped), the first that resolves is the primary service; a name resolves through
+  ServiceManagerService.getService(name, show): the show's override (ServiceDaoJdbc.getOverride,
+  QUERY_FOR_SERVICE_OVER), else the service itself (ServiceDaoJdbc.get, QUERY_FOR_SERVICE). None
+  resolving: the `default` service (ServiceDaoJdbc.get, no show override), and its name is
+  appended to the layer's services. The primary service sets threadable, min and max cores, min
+  memory, min and max GPUs, min GPU memory, tags, timeout and LLU timeout.
+- then what the spec sets explicitly wins (determineMinimumCores, determineMinimumGpus,
+  determineTags, determineMinimumMemory, determineMinimumGpuMemory), and determineThreadable:
+  a layer of more than 0 and less than 100 centicores is never threadable, else an explicit
+  `threadable` wins. Max cores, max GPUs and the timeouts have no spec field: the service's.
+- ServiceDaoJdbc.splitTags: the service's tags split on " | ", spaces removed; LayerDaoJdbc
+  writes the layer's services joined by ",".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from django.db import connection
+
+if TYPE_CHECKING:
+    from dispatch.jobs.spec import LayerPlan
+
+DEFAULT_SERVICE = "default"  # JobSpec.DEFAULT_SERVICE
+
+HAS_SERVICES_SQL = "SELECT to_regclass('service') IS NOT NULL AND to_regclass('show_service') IS NOT NULL"
+
+_COLUMNS = (
+    "{t}.str_name, {t}.b_threadable, {t}.int_cores_min, {t}.int_cores_max, {t}.int_mem_min, {t}.int_gpus_min, "
+    "{t}.int_gpus_max, {t}.int_gpu_mem_min, {t}.str_tags, {t}.int_timeout, {t}.int_timeout_llu"
+)
+# ServiceDaoJdbc.QUERY_FOR_SERVICE + get(id)
+SERVICE_SQL = f"SELECT {_COLUMNS.format(t='service')} FROM service WHERE (pk_service=%s OR str_name=%s)"
+# ServiceDaoJdbc.QUERY_FOR_SERVICE_OVER + getOverride(id, show)
+SERVICE_OVERRIDE_SQL = (
+    f"SELECT {_COLUMNS.format(t='show_service')} FROM show_service, show "
+    "WHERE show_service.pk_show = show.pk_show "
+    "AND (show_service.pk_show_service=%s OR show_service.str_name=%s) AND (show.str_name=%s OR show.pk_show=%s)"
+)
+
+
+@dataclass(frozen=True)
+class Service:
+    name: str
+    threadable: bool
+    cores_min: int
+    cores_max: int
+    memory_min: int
+    gpus_min: int
+    gpus_max: int
+    gpu_memory_min: int
+    tags: list[str]
+    timeout: int
+    timeout_llu: int
+
+
+def _service(row: tuple | None) -> Service | None:
+    if row is None:
+        return None
+    name, threadable, cores_min, cores_max, mem, gpus_min, gpus_max, gpu_mem, tags, timeout, llu = row
+    split = [t.replace(" ", "") for t in (tags or "").split(" | ")]
+    return Service(
+        name, threadable, cores_min, cores_max, mem, gpus_min, gpus_max, gpu_mem, [t for t in split if t], timeout, llu
+    )
+
+
+def has_services() -> bool:
+    """Cuebot's service tables are in the database (the submit's own, Django's connection)."""
+    with connection.cursor() as cur:
+        cur.execute(HAS_SERVICES_SQL)
+        return bool(cur.fetchone()[0])
+
+
+def primary_service(names: list[str], show: str) -> tuple[Service | None, list[str]]:
+    """The layer's primary service for `show` (name or id) and its services as Cuebot records them."""
+    services = list(names)
+    with connection.cursor() as cur:
+        for name in services:
+            cur.execute(SERVICE_OVERRIDE_SQL, [name, name, show, show])
+            found = _service(cur.fetchone())
+            if found is None:
+                cur.execute(SERVICE_SQL, [name, name])
+                found = _service(cur.fetchone())
+            if found is not None:
+                return found, services
+        cur.execute(SERVICE_SQL, [DEFAULT_SERVICE, DEFAULT_SERVICE])
+        found = _service(cur.fetchone())
+    if found is not None:
+        services.append(found.name)
+    return found, services
+
+
+def apply_service_defaults(layers: list[LayerPlan], show: str) -> None:
+    """Each layer's unset fields from its primary service, as Cuebot's JobSpec sets them."""
+    if not layers or not has_services():
+        return
+    for layer in layers:
+        service, layer.services = primary_service(layer.services, show)
+        if service is None:
+            continue  # no `default` service either: Cuebot refuses the job; cuesched keeps its defaults
+        given = layer.explicit
+        layer.cores_max = service.cores_max
+        layer.gpus_max = service.gpus_max
+        layer.timeout = service.timeout
+        layer.timeout_llu = service.timeout_llu
+        if "cores" not in given:
+            layer.cores = service.cores_min
+        if "gpus" not in given:
+            layer.gpus = service.gpus_min
+        if "memory" not in given:
+            layer.memory = service.memory_min
+        if "gpu_memory" not in given:
+            layer.gpu_memory = service.gpu_memory_min
+        if "tags" not in given and service.tags:
+            layer.tags = list(service.tags)
+        if 0 < layer.cores < 100:
+            layer.threadable = False
+        elif "threadable" not in given:
+            layer.threadable = service.threadable
