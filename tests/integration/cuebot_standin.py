@@ -24,8 +24,15 @@ Which DAO each statement comes from:
 - `dispatch_one`: DispatchSupportService.startFrameAndProc (one transaction): the frame picked
   as Cuebot's DispatchQuery would (a WAITING frame of a PENDING, unpaused job of a show with
   b_scheduler_managed = false; the query's ordering and host matching are left out, the stand-in
-  has one host), FrameDaoJdbc.UPDATE_FRAME_STARTED (without its limit subquery: no limits here),
-  then `book`.
+  has one host), FrameDaoJdbc.updateFrameStarted: lockFrameForUpdate (SELECT ... FOR UPDATE
+  NOWAIT) and UPDATE_FRAME_STARTED verbatim, with its licence-limit subquery (Cuebot counts the
+  RUNNING frames of the limit's layers from layer_stat.int_running_count, which its
+  update_frame_status_counts trigger keeps, against limit_record.int_max_value) and its
+  ts_start_after gate (V47); 0 rows (a full limit, a frame taken) is Cuebot's
+  FrameReservationException, returned as None. Then `book`: its proc INSERT meets cuesched's
+  licence trigger, which refuses a count over the max with check_violation (raised: Cuebot's
+  DataAccessException, the whole startFrameAndProc rolled back).
+- `create_limit` / `add_limit`: LimitDaoJdbc.createLimit, LayerDaoJdbc.addLimit (INSERT_LIMIT).
 - `complete`: FrameCompleteHandler: FrameDaoJdbc.UPDATE_FRAME_STOPPED (SUCCEEDED), then `unbook`.
 - `complete_with_usage`: FrameCompleteHandler for a report with any exit status: the stop and
   unbook as in `complete` (SUCCEEDED on 0, else DEAD), then, in the next transaction as its
@@ -70,12 +77,55 @@ DISPATCHABLE_FRAME = (
     "WHERE f.str_state = 'WAITING' AND j.str_state = 'PENDING' AND NOT j.b_paused "
     "AND s.b_scheduler_managed = false AND j.pk_job = %s LIMIT 1"
 )
-# FrameDaoJdbc.UPDATE_FRAME_STARTED (limit subquery left out)
-UPDATE_FRAME_STARTED = (
-    "UPDATE frame SET str_state = %s, str_host = %s, int_cores = %s, int_mem_reserved = %s, int_gpus = %s, "
-    "int_gpu_mem_reserved = %s, ts_updated = current_timestamp, ts_started = current_timestamp, "
-    "ts_stopped = null, int_version = int_version + 1 WHERE pk_frame = %s AND str_state = %s AND int_version = %s"
+# FrameDaoJdbc.lockFrameForUpdate
+LOCK_FRAME_FOR_UPDATE = (
+    "SELECT pk_frame FROM frame WHERE pk_frame=%s AND str_state=%s AND int_version =%s FOR UPDATE NOWAIT"
 )
+# FrameDaoJdbc.UPDATE_FRAME_STARTED, verbatim (its string concatenation joined; ? -> %s)
+UPDATE_FRAME_STARTED = (
+    "UPDATE frame "
+    "SET "
+    "str_state = %s, "
+    "str_host = %s, "
+    "int_cores = %s, "
+    "int_mem_reserved = %s, "
+    "int_gpus = %s, "
+    "int_gpu_mem_reserved = %s, "
+    "ts_updated = current_timestamp, "
+    "ts_started = current_timestamp, "
+    "ts_stopped = null, "
+    "int_version = int_version + 1 "
+    "WHERE pk_frame = %s "
+    "AND str_state = %s "
+    "AND int_version = %s "
+    "AND frame.pk_layer IN ("
+    "SELECT layer.pk_layer "
+    "FROM layer "
+    "LEFT JOIN layer_limit ON layer_limit.pk_layer = layer.pk_layer "
+    "LEFT JOIN limit_record ON limit_record.pk_limit_record = layer_limit.pk_limit_record "
+    "LEFT JOIN ("
+    "SELECT "
+    "limit_record.pk_limit_record, "
+    "SUM(layer_stat.int_running_count) AS int_sum_running "
+    "FROM layer_limit "
+    "LEFT JOIN limit_record ON layer_limit.pk_limit_record = limit_record.pk_limit_record "
+    "LEFT JOIN layer_stat ON layer_stat.pk_layer = layer_limit.pk_layer "
+    "GROUP BY limit_record.pk_limit_record) AS sum_running "
+    "ON limit_record.pk_limit_record = sum_running.pk_limit_record "
+    "WHERE ("
+    "sum_running.int_sum_running < limit_record.int_max_value "
+    "OR sum_running.int_sum_running IS NULL"
+    ") "
+    "AND ("
+    "layer.ts_start_after IS NULL "
+    "OR layer.ts_start_after <= current_timestamp"
+    ") "
+    ")"
+)
+# LimitDaoJdbc.createLimit
+CREATE_LIMIT = "INSERT INTO limit_record (pk_limit_record,str_name, int_max_value) VALUES (%s,%s,%s)"
+# LayerDaoJdbc.INSERT_LIMIT (addLimit)
+INSERT_LIMIT = "INSERT INTO layer_limit (pk_layer_limit,pk_layer,pk_limit_record)VALUES (%s,%s,%s)"
 # FrameDaoJdbc.UPDATE_FRAME_STOPPED
 UPDATE_FRAME_STOPPED = (
     "UPDATE frame SET str_state=%s, int_exit_status = %s, ts_stopped = current_timestamp + interval '1' second, "
@@ -236,13 +286,23 @@ class CuebotStandIn:
     def dispatch_one(self, *, host: str, host_name: str, alloc: str, job: str, cores: int) -> Proc | None:
         """startFrameAndProc for one WAITING frame of `job`, if its show is Cuebot's (unmanaged).
 
-        None when there is no such frame or another writer took it; a cap refusal by Cuebot's
-        verify_* triggers raises (psycopg.errors.RaiseException) and nothing is written."""
+        None when there is no such frame, another writer took it or holds its row, or its layer's
+        limit reads full to Cuebot's subquery (UPDATE_FRAME_STARTED updates 0 rows). A cap refusal
+        by Cuebot's verify_* triggers (psycopg.errors.RaiseException) or by cuesched's licence
+        count (psycopg.errors.CheckViolation, constraint acct_limit_max) raises; nothing is written."""
+        try:
+            return self._start_frame_and_proc(host=host, host_name=host_name, alloc=alloc, job=job, cores=cores)
+        except psycopg.errors.LockNotAvailable:
+            return None  # lockFrameForUpdate's FrameReservationException: the transaction rolled back
+
+    def _start_frame_and_proc(self, *, host: str, host_name: str, alloc: str, job: str, cores: int) -> Proc | None:
         with self.conn.transaction():
             row = self.conn.execute(DISPATCHABLE_FRAME, (job,)).fetchone()
             if row is None:
                 return None
             frame, layer, _job, version, show = row
+            if self.conn.execute(LOCK_FRAME_FOR_UPDATE, (frame, "WAITING", version)).fetchone() is None:
+                return None
             started = self.conn.execute(
                 UPDATE_FRAME_STARTED, ("RUNNING", host_name, cores, 1_048_576, 0, 0, frame, "WAITING", version)
             )
@@ -251,6 +311,16 @@ class CuebotStandIn:
             proc = self._book(Proc(str(uuid.uuid4()), host, alloc, show, job, layer, frame, cores))
         proc.version = version + 1
         return proc
+
+    def create_limit(self, name: str, max_value: int) -> str:
+        """LimitDaoJdbc.createLimit (SqlUtil.genKeyRandom is a random UUID)."""
+        pk = str(uuid.uuid4())
+        self.conn.execute(CREATE_LIMIT, (pk, name, max_value))
+        return pk
+
+    def add_limit(self, layer: str, limit: str) -> None:
+        """LayerDaoJdbc.addLimit."""
+        self.conn.execute(INSERT_LIMIT, (str(uuid.uuid4()), layer, limit))
 
     def complete(self, proc: Proc) -> bool:
         """FrameCompleteHandler for a frame Cuebot started: frame SUCCEEDED, then its proc unbooked."""
