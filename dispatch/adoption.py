@@ -21,13 +21,35 @@ functions, triggers, views). The difference is the plan, with these rules:
   added only where Cuebot has no index on the same columns; constraints (unique, check, foreign
   keys) are never added to Cuebot's tables (they would refuse Cuebot's own writes);
 - cuesched's functions are added when missing; one whose name exists with another body is
-  reported and left alone;
+  replaced only if it is certainly cuesched's (below), otherwise reported and left alone;
 - cuesched's triggers are added, except where Cuebot keeps a trigger that does the same work
   (CUEBOT_OWNS): counting frames by state, the child rows of a folder/job/layer, the usage
   columns of the cap tables, dependency satisfaction. Installing both would count twice;
 - Django's migration state (django_migrations) is then recorded as applied, so a later
   `migrate` has nothing to do. After upgrading cuesched, run adoption again before `migrate`:
   it adds what the new migrations add, under the same rules.
+
+Upgrading (the same command after a cuesched release): `migrate` is refused on a Cuebot
+database, so this is the only way a changed trigger body reaches an adopted farm. Functions and
+triggers that are certainly cuesched's and differ from the reference are replaced, stale ones
+(the reference no longer has them) dropped. "Certainly" is one of two proofs, never a name alone:
+
+- adoption's mark: every function it creates or replaces gets `COMMENT ON FUNCTION ... IS MARK ||
+  sha256(definition)`, hashed in the database from the definition as stored. A comment, not a
+  table of our own, because it lives and dies with the object: a function dropped and recreated
+  by someone else (Cuebot taking the name) has no mark, and one rewritten in place (CREATE OR
+  REPLACE keeps the comment) no longer matches its hash, so it is reported, not overwritten;
+- pgtrigger's own objects: a `pgtrigger_<name>_<5 hex>()` function whose body opens with
+  pgtrigger's ignore guard (`_pgtrigger_should_ignore(TG_NAME)`), and a trigger of the same name
+  with pgtrigger's 40-hex hash as its comment running such a function. No Cuebot object calls
+  pgtrigger's guard, so this also covers databases adopted before the mark existed. pgtrigger's
+  5-hex suffix hashes the model and trigger name, not the body: a new body keeps its name and is
+  replaced in place; the comment hash (pgtrigger's own "is it current" test) is then rewritten.
+
+Everything else of a cuesched name (Cuebot's `trigger__*`, `tier`, `recalculate_subs`, and the
+library helpers `_pgtrigger_should_ignore` / `_pgh_attach_context` on a database adopted before
+the mark, which no certain proof covers) is reported and kept. A body equal to cuesched's is no
+proof either, so nothing is marked that adoption did not write.
 
 Everything is one transaction: either all of the plan is applied or nothing is. The version
 check needs Flyway's history at V45 or later (`show.b_scheduler_managed` is Cuebot's V45).
