@@ -21,7 +21,7 @@ functions, triggers, views). The difference is the plan, with these rules:
   added only where Cuebot has no index on the same columns; constraints (unique, check, foreign
   keys) are never added to Cuebot's tables (they would refuse Cuebot's own writes);
 - cuesched's functions are added when missing; one whose name exists with another body is
-  reported and left alone;
+  replaced only if it is certainly cuesched's (below), otherwise reported and left alone;
 - cuesched's triggers are added, except where Cuebot keeps a trigger that does the same work
   (CUEBOT_OWNS): counting frames by state, the child rows of a folder/job/layer, the usage
   columns of the cap tables, dependency satisfaction. Installing both would count twice;
@@ -29,12 +29,35 @@ functions, triggers, views). The difference is the plan, with these rules:
   `migrate` has nothing to do. After upgrading cuesched, run adoption again before `migrate`:
   it adds what the new migrations add, under the same rules.
 
+Upgrading (the same command after a cuesched release): `migrate` is refused on a Cuebot
+database, so this is the only way a changed trigger body reaches an adopted farm. Functions and
+triggers that are certainly cuesched's and differ from the reference are replaced, stale ones
+(the reference no longer has them) dropped. "Certainly" is one of two proofs, never a name alone:
+
+- adoption's mark: every function it creates or replaces gets `COMMENT ON FUNCTION ... IS MARK ||
+  sha256(definition)`, hashed in the database from the definition as stored. A comment, not a
+  table of our own, because it lives and dies with the object: a function dropped and recreated
+  by someone else (Cuebot taking the name) has no mark, and one rewritten in place (CREATE OR
+  REPLACE keeps the comment) no longer matches its hash, so it is reported, not overwritten;
+- pgtrigger's own objects: a `pgtrigger_<name>_<5 hex>()` function whose body opens with
+  pgtrigger's ignore guard (`_pgtrigger_should_ignore(TG_NAME)`), and a trigger of the same name
+  with pgtrigger's 40-hex hash as its comment running such a function. No Cuebot object calls
+  pgtrigger's guard, so this also covers databases adopted before the mark existed. pgtrigger's
+  5-hex suffix hashes the model and trigger name, not the body: a new body keeps its name and is
+  replaced in place; the comment hash (pgtrigger's own "is it current" test) is then rewritten.
+
+Everything else of a cuesched name (Cuebot's `trigger__*`, `tier`, `recalculate_subs`, and the
+library helpers `_pgtrigger_should_ignore` / `_pgh_attach_context` on a database adopted before
+the mark, which no certain proof covers) is reported and kept. A body equal to cuesched's is no
+proof either, so nothing is marked that adoption did not write.
+
 Everything is one transaction: either all of the plan is applied or nothing is. The version
 check needs Flyway's history at V45 or later (`show.b_scheduler_managed` is Cuebot's V45).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import subprocess
@@ -131,6 +154,11 @@ LICENCE_RECOUNT = [
 ]
 
 _PGTRIGGER_NAME = re.compile(r"^pgtrigger_(?P<name>.+)_[0-9a-f]{5}$")
+# Every function pgtrigger compiles opens with this guard; no Cuebot function calls it.
+PGTRIGGER_GUARD = '"public"._pgtrigger_should_ignore(TG_NAME)'
+# The COMMENT adoption puts on every function it creates or replaces: the proof, on later runs,
+# that the function is cuesched's and unchanged since (the hash is of its whole definition).
+MARK = "cuesched adopt_cuebot_db: installed by cuesched, definition sha256 "
 
 
 class AdoptionError(Exception):
@@ -159,6 +187,8 @@ class Catalog:
     indexes: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = field(default_factory=dict)  # -> (def, columns)
     triggers: dict[tuple[str, str], tuple[str, str | None]] = field(default_factory=dict)  # -> (def, comment)
     functions: dict[str, str] = field(default_factory=dict)  # 'name(args)' -> definition
+    function_comments: dict[str, str | None] = field(default_factory=dict)  # 'name(args)' -> COMMENT
+    function_ids: dict[str, str] = field(default_factory=dict)  # 'name(args)' -> regprocedure text
     sequences: dict[str, str] = field(default_factory=dict)  # name -> owning 'table.column' or ''
     views: dict[str, str] = field(default_factory=dict)
     unlogged: set[str] = field(default_factory=set)
@@ -235,16 +265,21 @@ def read_catalog(conn: BaseDatabaseWrapper) -> Catalog:
     ):
         # pgtrigger keeps each trigger's hash in its comment (how `pgtrigger ls` tells it is current).
         cat.triggers[(table, name)] = (definition, comment)
-    for signature, definition in _rows(
+    for signature, definition, comment, ident in _rows(
         conn,
         """
-        SELECT p.proname || '(' || pg_get_function_identity_arguments(p.oid) || ')', pg_get_functiondef(p.oid)
+        SELECT p.proname || '(' || pg_get_function_identity_arguments(p.oid) || ')', pg_get_functiondef(p.oid),
+               obj_description(p.oid, 'pg_proc'), 'public.' || quote_ident(p.proname) || '('
+               || COALESCE((SELECT string_agg(format_type(t, NULL), ', ' ORDER BY k)
+                            FROM unnest(p.proargtypes::oid[]) WITH ORDINALITY AS a(t, k)), '') || ')'
         FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
         WHERE n.nspname = 'public' AND p.prokind IN ('f', 'p')
           AND NOT EXISTS (SELECT 1 FROM pg_depend d WHERE d.objid = p.oid AND d.deptype = 'e')
         """,
     ):
         cat.functions[signature] = definition
+        cat.function_comments[signature] = comment
+        cat.function_ids[signature] = ident
     for name, owner in _rows(
         conn,
         """
@@ -281,10 +316,14 @@ def read_catalog(conn: BaseDatabaseWrapper) -> Catalog:
 
 @dataclass
 class Step:
-    kind: str  # table, column, recount, rows, index, constraint, function, trigger, sequence, view, migrations
+    kind: str  # lock, table, column, recount, rows, index, constraint, function, trigger, sequence, view
     name: str
     sql: list[str]
     note: str = ""
+    verb: str = "add"  # add | replace | drop | update | lock
+
+    def key(self) -> tuple[str, str, str, tuple[str, ...]]:
+        return (self.verb, self.kind, self.name, tuple(self.sql))
 
 
 @dataclass
@@ -310,13 +349,18 @@ class Plan:
             " apply Cuebot's Flyway migrations before starting run_scheduler"
             for m in self.missing_cuebot
         ]
-        out += [f"add {s.kind} {s.name}" + (f" ({s.note})" if s.note else "") for s in self.steps]
+        out += [
+            f"lock {s.name} in {s.note} mode, its writers held off until the commit"
+            if s.kind == "lock"
+            else f"{s.verb} {s.kind} {s.name}" + (f" ({s.note})" if s.note else "")
+            for s in self.steps
+        ]
         if self.migrations:
             out.append(f"record {len(self.migrations)} Django migrations as applied")
         out += [f"skip {s}" for s in self.skipped]
         out += [f"keep Cuebot's {d}" for d in self.differences]
         if not self.steps and not self.migrations and not self.errors:
-            out.append("nothing to add: the database is adopted")
+            out.append("nothing to add: the database is adopted and cuesched's own objects are current")
         return out
 
 
@@ -471,24 +515,7 @@ def make_plan(ref: Catalog, live: Catalog, applied: set[tuple[str, str]], record
                 continue
         plan.steps.append(Step("index", f"{table}.{name}", [definition]))
 
-    for signature, definition in sorted(ref.functions.items()):
-        if signature in live.functions:
-            if _norm(live.functions[signature]) != _norm(definition):
-                plan.differences.append(f"function {signature} (a function of that name differs from cuesched's)")
-            continue
-        plan.steps.append(Step("function", signature, [definition]))
-
-    for (table, name), (definition, comment) in sorted(ref.triggers.items()):
-        if (table, name) in live.triggers or table not in present:
-            continue
-        owner = CUEBOT_OWNS.get((table, _trigger_base(name)))
-        if owner is not None and (table, owner[0]) in live.triggers:
-            plan.skipped.append(f"trigger {name} on {table}: Cuebot's {owner[0]} does this ({owner[1]})")
-            continue
-        sql = [definition]
-        if comment is not None:
-            sql.append(f"COMMENT ON TRIGGER {_q(name)} ON {_q(table)} IS {_literal(comment)}")
-        plan.steps.append(Step("trigger", f"{table}.{name}", sql))
+    _plan_functions_and_triggers(plan, ref, live, present)
 
     for view, definition in sorted(ref.views.items()):
         if view not in live.views:
@@ -500,6 +527,211 @@ def make_plan(ref: Catalog, live: Catalog, applied: set[tuple[str, str]], record
 
     plan.migrations = [m for m in recorded if m not in applied]
     return plan
+
+
+# ---------------------------------------------------------------------------------------------
+# Ownership and upgrade of cuesched's functions and triggers
+
+
+def function_mark_sql(ident: str) -> str:
+    """COMMENT the function with MARK and the sha256 of its definition as PostgreSQL renders it
+    back (computed in the database, so read_catalog's next read hashes the very same text)."""
+    target = _literal(ident)
+    return (
+        f"DO $mark$ BEGIN EXECUTE format('COMMENT ON FUNCTION %s IS %L', {target}::regprocedure, "
+        f"{_literal(MARK)} || encode(sha256(convert_to(pg_get_functiondef({target}::regprocedure), 'UTF8')), 'hex'));"
+        " END $mark$"
+    )
+
+
+def _mark_of(definition: str) -> str:
+    return MARK + hashlib.sha256(definition.encode("utf-8")).hexdigest()
+
+
+def _function_name(signature: str) -> str:
+    return signature.split("(", 1)[0]
+
+
+def function_owner(live: Catalog, signature: str) -> str | None:
+    """Why the live function `signature` is certainly cuesched's, or None when it is not certain.
+
+    Two proofs, nothing else (a name alone is never one): the function carries adoption's MARK
+    with the hash of the very definition it has now, or it is pgtrigger's (pgtrigger's name
+    pattern and pgtrigger's ignore guard calling _pgtrigger_should_ignore(TG_NAME), which no
+    Cuebot function calls). A marked function whose definition changed since was rewritten by
+    someone else (a Cuebot migration reusing the name, a DBA): not certain."""
+    definition = live.functions[signature]
+    if live.function_comments.get(signature) == _mark_of(definition):
+        return "marked by adoption"
+    if _PGTRIGGER_NAME.match(_function_name(signature)) and signature.endswith("()") and PGTRIGGER_GUARD in definition:
+        return "pgtrigger's"
+    return None
+
+
+def _executes(definition: str) -> str | None:
+    m = re.search(r"EXECUTE (?:FUNCTION|PROCEDURE) (?:public\.)?\"?([A-Za-z0-9_]+)\"?\(", definition)
+    return m.group(1) if m else None
+
+
+def trigger_owned(live: Catalog, table: str, name: str) -> bool:
+    """pgtrigger's name, pgtrigger's hash in its comment, and it runs a function of the same name
+    that is certainly cuesched's (function_owner): a Cuebot trigger satisfies none of the three."""
+    definition, comment = live.triggers[(table, name)]
+    if not _PGTRIGGER_NAME.match(name) or not re.fullmatch(r"[0-9a-f]{40}", comment or ""):
+        return False
+    if _executes(definition) != name or f"{name}()" not in live.functions:
+        return False
+    return function_owner(live, f"{name}()") is not None
+
+
+def _trigger_sql(table: str, name: str, definition: str, comment: str | None) -> list[str]:
+    sql = [definition]
+    if comment is not None:
+        sql.append(f"COMMENT ON TRIGGER {_q(name)} ON {_q(table)} IS {_literal(comment)}")
+    return sql
+
+
+def _plan_functions_and_triggers(plan: Plan, ref: Catalog, live: Catalog, present: set[str]) -> None:
+    """Add what is missing; replace or drop what is certainly cuesched's and out of date; report
+    (and keep) every function of that name that is not certainly cuesched's."""
+    # Functions first: a trigger is only upgraded when the function it runs is cuesched's.
+    for signature, definition in sorted(ref.functions.items()):
+        mark = function_mark_sql(ref.function_ids[signature])
+        if signature not in live.functions:
+            plan.steps.append(Step("function", signature, [definition, mark]))
+            continue
+        if _norm(live.functions[signature]) == _norm(definition):
+            continue
+        owner = function_owner(live, signature)
+        if owner is None:
+            changed = (live.function_comments.get(signature) or "").startswith(MARK)
+            why = "changed after adoption installed it" if changed else "not certainly cuesched's"
+            plan.differences.append(f"function {signature} (a function of that name differs from cuesched's; {why})")
+            continue
+        plan.steps.append(
+            Step("function", signature, [definition, mark], note=f"body differs; {owner}", verb="replace")
+        )
+
+    # Stale: cuesched's triggers and functions the reference no longer has (renamed, moved or removed).
+    stale = sorted(k for k in live.triggers if k not in ref.triggers and trigger_owned(live, *k))
+    dropped = set(stale)
+    for (table, name), (definition, comment) in sorted(ref.triggers.items()):
+        owner = CUEBOT_OWNS.get((table, _trigger_base(name)))
+        cuebots = owner is not None and (table, owner[0]) in live.triggers
+        if (table, name) in live.triggers:
+            if cuebots and trigger_owned(live, table, name):
+                # Installing both would count twice: a later cuesched leaves this work to Cuebot.
+                plan.steps.append(
+                    Step(
+                        "trigger",
+                        f"{table}.{name}",
+                        [f"DROP TRIGGER {_q(name)} ON {_q(table)}"],
+                        note=f"Cuebot's {owner[0]} does this ({owner[1]})",
+                        verb="drop",
+                    )
+                )
+                dropped.add((table, name))
+                continue
+            live_def, live_comment = live.triggers[(table, name)]
+            if live_comment == comment and (comment is not None or _norm(live_def) == _norm(definition)):
+                continue  # pgtrigger's own test: the hash of the whole compiled trigger matches
+            if not trigger_owned(live, table, name):
+                plan.differences.append(f"trigger {name} on {table} (not certainly cuesched's)")
+                continue
+            if _norm(live_def) == _norm(definition):
+                # Only the function changed (replaced above, atomically): record pgtrigger's new hash.
+                plan.steps.append(
+                    Step(
+                        "trigger",
+                        f"{table}.{name}",
+                        _trigger_sql(table, name, "", comment)[1:],
+                        note="pgtrigger's hash, for its new body",
+                        verb="update",
+                    )
+                )
+            else:
+                plan.steps.append(
+                    Step(
+                        "trigger",
+                        f"{table}.{name}",
+                        [f"DROP TRIGGER {_q(name)} ON {_q(table)}", *_trigger_sql(table, name, definition, comment)],
+                        note="definition differs",
+                        verb="replace",
+                    )
+                )
+            continue
+        if table not in present:
+            continue
+        if cuebots:
+            plan.skipped.append(f"trigger {name} on {table}: Cuebot's {owner[0]} does this ({owner[1]})")
+            continue
+        replaces = [n for (t, n) in stale if t == table and _trigger_base(n) == _trigger_base(name)]
+        plan.steps.append(
+            Step(
+                "trigger",
+                f"{table}.{name}",
+                _trigger_sql(table, name, definition, comment),
+                note=f"replaces stale {replaces[0]}" if replaces else "",
+            )
+        )
+    for table, name in stale:
+        newer = [n for (t, n) in ref.triggers if t == table and _trigger_base(n) == _trigger_base(name)]
+        plan.steps.append(
+            Step(
+                "trigger",
+                f"{table}.{name}",
+                [f"DROP TRIGGER {_q(name)} ON {_q(table)}"],
+                note=f"stale, replaced by {newer[0]}" if newer else "stale: cuesched no longer has it",
+                verb="drop",
+            )
+        )
+    # A stale function goes too, unless a trigger that stays still runs it (DROP would then fail).
+    kept_users = {_executes(d) for k, (d, _c) in live.triggers.items() if k not in dropped}
+    for signature in sorted(live.functions):
+        if signature in ref.functions or function_owner(live, signature) is None:
+            continue
+        if _function_name(signature) in kept_users:
+            plan.differences.append(f"function {signature} (stale, but a trigger that stays runs it)")
+            continue
+        plan.steps.append(
+            Step("function", signature, [f"DROP FUNCTION {live.function_ids[signature]}"], note="stale", verb="drop")
+        )
+    _plan_locks(plan, live)
+
+
+def _plan_locks(plan: Plan, live: Catalog) -> None:
+    """Hold off the writers of every existing table whose triggers change, from the first
+    statement to the commit, when anything of cuesched's is replaced or dropped.
+
+    Why: CREATE OR REPLACE FUNCTION takes no table lock, so without this a writer's transaction
+    could run one statement under the old body and the next under the new one, and a DROP and
+    CREATE of a trigger must not let a write fall between (they are atomic to other sessions
+    anyway, being one transaction). ACCESS EXCLUSIVE where a trigger is dropped or a column
+    added (what DROP TRIGGER and ALTER TABLE take; taken up front, so no lock is upgraded
+    later, which is how a reader-then-writer would deadlock with us), SHARE ROW EXCLUSIVE
+    (what CREATE TRIGGER takes; readers go on) elsewhere. One table after another in name order;
+    each waits at most the adoption lock timeout."""
+    if not any(s.verb in ("replace", "drop", "update") for s in plan.steps):
+        return
+    runs: dict[str, set[str]] = {}
+    for (table, _name), (definition, _c) in live.triggers.items():
+        runs.setdefault(_executes(definition) or "", set()).add(table)
+    modes: dict[str, str] = {}
+    for step in plan.steps:
+        if step.kind == "function" and step.verb != "add":
+            tables = runs.get(_function_name(step.name), set())
+        elif step.kind in ("trigger", "column"):
+            tables = {step.name.split(".", 1)[0]}
+        else:
+            continue
+        strong = step.kind == "column" or (step.kind == "trigger" and step.verb in ("drop", "replace"))
+        for table in tables & set(live.tables):
+            if strong or modes.get(table) != "ACCESS EXCLUSIVE":
+                modes[table] = "ACCESS EXCLUSIVE" if strong else "SHARE ROW EXCLUSIVE"
+    plan.steps[:0] = [
+        Step("lock", table, [f"LOCK TABLE {_q(table)} IN {mode} MODE"], note=mode, verb="lock")
+        for table, mode in sorted(modes.items())
+    ]
 
 
 def _literal(text: str) -> str:
@@ -668,7 +900,7 @@ def adopt(*, apply: bool, using: str = "default") -> Result:
             return result
         try:
             started = time.monotonic()
-            result.rows = _apply(plan, live, ref, ref_cat, using)
+            result.rows = _apply(plan, live, ref, ref_cat, recorded, using)
             result.apply_seconds = time.monotonic() - started
         except OperationalError as exc:
             if getattr(exc.__cause__, "sqlstate", None) == "55P03":  # lock_not_available
@@ -683,27 +915,71 @@ def adopt(*, apply: bool, using: str = "default") -> Result:
         drop_reference(using, name)
 
 
-def _apply(plan: Plan, live: BaseDatabaseWrapper, ref: BaseDatabaseWrapper, ref_cat: Catalog, using: str) -> list[str]:
+def _phase(step: Step) -> int:
+    """Order inside the transaction: locks first; stale triggers go before the functions they
+    run; rows before constraints and triggers (the reference's rows satisfy them, and a
+    keep-row trigger must not see its table half filled)."""
+    if step.kind == "lock":
+        return 0
+    if step.kind == "function" and step.verb == "drop":
+        return 4
+    if step.kind == "trigger":
+        return 3 if step.verb == "drop" else 5
+    order = ("sequence", "table", "column", "recount", "function", "view")
+    if step.kind in order:
+        return 1
+    return 2  # constraint, index (after the rows)
+
+
+def _step_keys(plan: Plan) -> list[tuple[str, str, str, tuple[str, ...]]]:
+    return [s.key() for s in plan.steps if s.kind != "rows"]
+
+
+def _apply(
+    plan: Plan,
+    live: BaseDatabaseWrapper,
+    ref: BaseDatabaseWrapper,
+    ref_cat: Catalog,
+    recorded: list[tuple[str, str]],
+    using: str,
+) -> list[str]:
     """The plan in one transaction: a failure anywhere (a lock not granted, the connection lost)
     rolls all of it back, so the database is either adopted or untouched. Each lock is waited
-    for at most CUESCHED_ADOPT_LOCK_TIMEOUT: a longer wait would queue Cuebot's writes behind it."""
+    for at most CUESCHED_ADOPT_LOCK_TIMEOUT: a longer wait would queue Cuebot's writes behind it.
+
+    The plan was made from a catalog read before the transaction (the reference takes seconds to
+    build); once the writers are held off it is made again from the catalog as it is now, and a
+    difference (a Cuebot migration or a second adoption ran meanwhile) fails it whole, so no step
+    acts on ownership decided from a stale read."""
+    kinds = ("sequence", "table", "column", "recount", "function", "view")
     with transaction.atomic(using=using, durable=True):
         with live.cursor() as cur:
             cur.execute("SELECT set_config('lock_timeout', %s, true)", [f"{int(conf.adopt_lock_timeout() * 1000)}ms"])
-            for kind in ("sequence", "table", "column", "recount", "function", "view"):
+            for step in plan.steps:
+                if _phase(step) == 0:
+                    for sql in step.sql:
+                        cur.execute(sql)
+        live_cat = read_catalog(live)
+        again = make_plan(ref_cat, live_cat, set(_applied_migrations(live, live_cat)), recorded)
+        if _step_keys(again) != _step_keys(plan) or again.migrations != plan.migrations:
+            raise AdoptionError(
+                "the database changed while the plan was being made (a Cuebot migration or another adoption?): "
+                "nothing was written; run --check again"
+            )
+        with live.cursor() as cur:
+            for kind in kinds:
                 for step in plan.steps:
-                    if step.kind == kind:
+                    if step.kind == kind and _phase(step) == 1:
                         for sql in step.sql:
                             cur.execute(sql)
-        # Rows before constraints and triggers: the reference's rows satisfy them, and a
-        # keep-row trigger must not see its table half filled.
         rows = _copy_rows(ref, live, [s.name for s in plan.steps if s.kind == "rows"], ref_cat)
         with live.cursor() as cur:
-            for kind in ("constraint", "index", "trigger"):
-                for step in plan.steps:
-                    if step.kind == kind:
-                        for sql in step.sql:
-                            cur.execute(sql)
+            for phase in (2, 3, 4, 5):
+                for kind in ("constraint", "index", "trigger", "function"):
+                    for step in plan.steps:
+                        if step.kind == kind and _phase(step) == phase:
+                            for sql in step.sql:
+                                cur.execute(sql)
             for app, mig in plan.migrations:
                 cur.execute("INSERT INTO django_migrations (app, name, applied) VALUES (%s, %s, now())", [app, mig])
     return rows

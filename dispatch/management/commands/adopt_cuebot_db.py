@@ -1,6 +1,8 @@
 """Install cuesched on an existing Cuebot (OpenCue) database, adding only what is missing.
 
-`--check` prints the plan and writes nothing; `--apply` carries it out in one transaction. Why
+`--check` prints the plan and writes nothing; `--apply` carries it out in one transaction. Run
+again after upgrading cuesched, it also replaces or drops cuesched's own out-of-date functions
+and triggers (only those certainly cuesched's; see dispatch/adoption.py). Why
 this is its own command and not `migrate`, and the rules it follows: `dispatch/adoption.py` and
 docs/runbook.md ("Install on a Cuebot database").
 """
@@ -18,7 +20,8 @@ class Command(BaseCommand):
     help = (
         "Adopt a Cuebot database: compare it with cuesched's schema (a scratch reference database migrated "
         "on the same server), add only missing tables, nullable or defaulted columns, indexes, functions and "
-        "triggers, never drop, retype or re-index a Cuebot object, and record Django's migrations as applied."
+        "triggers, upgrade cuesched's own out-of-date functions and triggers, never drop, retype, re-index or "
+        "replace a Cuebot object, and record Django's migrations as applied."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
