@@ -30,7 +30,7 @@ from django.utils import timezone
 
 from accounting import db
 from accounting.models import SETTINGS_ROW_ID, AccountingSettings
-from accounting.units import CENTICORES_PER_CORE, UNLIMITED, centicores_to_cores
+from accounting.units import CENTICORES_PER_CORE, UNLIMITED, centicores_to_cores, is_unlimited_cap
 from dispatch.models import FolderResource, JobResource, LimitRecord, Show, Subscription
 
 # What is booked right now, from the record of truth (non-local procs), in centicores / GPUs.
@@ -268,6 +268,18 @@ def _max_wanted(max_cores: int | None, max_gpus: int | None) -> dict[str, int]:
     return wanted
 
 
+def _current_caps(row: FolderResource | JobResource) -> dict[str, int]:
+    """The row's caps as the actions compare them: any unlimited form is -1.
+
+    On a Cuebot database an unlimited job cap is stored as 2**31-1 (see
+    accounting.triggers.cuebot_job_caps_trigger); asking for -1 again changes nothing.
+    """
+    return {
+        column: UNLIMITED if is_unlimited_cap(value) else value
+        for column, value in (("int_max_cores", row.int_max_cores), ("int_max_gpus", row.int_max_gpus))
+    }
+
+
 def set_folder_caps(
     folder_id: str, *, max_cores: int | None = None, max_gpus: int | None = None, actor: Any
 ) -> ActionResult:
@@ -276,7 +288,7 @@ def set_folder_caps(
     result = ActionResult(target=folder_id)
     with transaction.atomic(durable=True), audit_context(actor, "set_folder_caps"):
         row = FolderResource.objects.select_for_update().only("int_max_cores", "int_max_gpus").get(folder_id=folder_id)
-        current = {"int_max_cores": row.int_max_cores, "int_max_gpus": row.int_max_gpus}
+        current = _current_caps(row)
         result.changes = _write(FolderResource, row.pk, current, wanted)
         if result.changes:
             result.warnings = _max_warning("folder", *_booked(FOLDER_BOOKED_SQL, folder_id), wanted)
@@ -289,7 +301,7 @@ def set_job_caps(job_id: str, *, max_cores: int | None = None, max_gpus: int | N
     result = ActionResult(target=job_id)
     with transaction.atomic(durable=True), audit_context(actor, "set_job_caps"):
         row = JobResource.objects.select_for_update().only("int_max_cores", "int_max_gpus").get(job_id=job_id)
-        current = {"int_max_cores": row.int_max_cores, "int_max_gpus": row.int_max_gpus}
+        current = _current_caps(row)
         result.changes = _write(JobResource, row.pk, current, wanted)
         if result.changes:
             result.warnings = _max_warning("job", *_booked(JOB_BOOKED_SQL, job_id), wanted)

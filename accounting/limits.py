@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import psycopg
 
 from accounting.store import PgSnapshot, Store
-from accounting.units import centicores_to_cores, centicores_to_cores_cap
+from accounting.units import centicores_to_cores, centicores_to_cores_cap, gpus_cap
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +91,8 @@ def read_limits(conn: psycopg.Connection) -> LimitRows:
     try:
         snap = begin_snapshot(conn)
         subs = {(show, alloc): centicores_to_cores(burst) for show, alloc, burst in conn.execute(SUB_LIMITS_SQL)}
-        folders = {fid: (centicores_to_cores_cap(mc), int(mg)) for fid, mc, mg in conn.execute(FOLDER_LIMITS_SQL)}
-        jobs = {jid: (centicores_to_cores_cap(mc), int(mg)) for jid, mc, mg in conn.execute(JOB_LIMITS_SQL)}
+        folders = {fid: (centicores_to_cores_cap(mc), gpus_cap(mg)) for fid, mc, mg in conn.execute(FOLDER_LIMITS_SQL)}
+        jobs = {jid: (centicores_to_cores_cap(mc), gpus_cap(mg)) for jid, mc, mg in conn.execute(JOB_LIMITS_SQL)}
         conn.execute("COMMIT")
     except BaseException:
         abort_snapshot(conn)
@@ -148,9 +148,11 @@ def fill_caps(store: Store, conn: psycopg.Connection, folders: list[str], jobs: 
         snap = begin_snapshot(conn)
         params = {"folders": folders, "jobs": jobs}
         folder_rows = {
-            fid: (centicores_to_cores_cap(mc), int(mg)) for fid, mc, mg in conn.execute(FILL_FOLDERS_SQL, params)
+            fid: (centicores_to_cores_cap(mc), gpus_cap(mg)) for fid, mc, mg in conn.execute(FILL_FOLDERS_SQL, params)
         }
-        job_rows = {jid: (centicores_to_cores_cap(mc), int(mg)) for jid, mc, mg in conn.execute(FILL_JOBS_SQL, params)}
+        job_rows = {
+            jid: (centicores_to_cores_cap(mc), gpus_cap(mg)) for jid, mc, mg in conn.execute(FILL_JOBS_SQL, params)
+        }
         conn.execute("COMMIT")
     except BaseException:
         abort_snapshot(conn)

@@ -70,6 +70,7 @@ from accounting.notify import (
     RESYNC_CHANNEL,
     STORE_ACCOUNTED_SETTING,
 )
+from accounting.units import CUEBOT_UNLIMITED_CAP
 
 SETTINGS_TABLE = "cuesched_accounting_settings"
 EPOCH_TABLE = "cuesched_accounting_epoch"
@@ -113,9 +114,23 @@ def usage_cores(expr: str) -> str:
     )
 
 
+# Cuebot has no unlimited job cap (its verify_job_resources refuses any booking over a negative
+# max, and its dispatcher reads `int_cores < int_max_cores`), so on a Cuebot database an
+# unlimited job cap is stored as CUEBOT_UNLIMITED_CAP, the column's largest value, which both
+# read as unlimited (see cuebot_job_caps_trigger).
+
+
 def cores_cap(expr: str) -> str:
-    """Folder/job max cores: any negative value is the unlimited sentinel -1."""
-    return f"(CASE WHEN ({expr}) < 0 THEN -1 ELSE ({expr})::bigint / {CORE_MULTIPLIER} END)"
+    """Folder/job max cores: any negative value (or Cuebot's unlimited) is the sentinel -1."""
+    return (
+        f"(CASE WHEN ({expr}) < 0 OR ({expr}) >= {CUEBOT_UNLIMITED_CAP} THEN -1 "
+        f"ELSE ({expr})::bigint / {CORE_MULTIPLIER} END)"
+    )
+
+
+def gpus_cap(expr: str) -> str:
+    """Folder/job max GPUs: any negative value (or Cuebot's unlimited) is the sentinel -1."""
+    return f"(CASE WHEN ({expr}) < 0 OR ({expr}) >= {CUEBOT_UNLIMITED_CAP} THEN -1 ELSE ({expr})::bigint END)"
 
 
 def _tail() -> str:
@@ -471,8 +486,7 @@ DB_APPLY = f"""
 # count that release. Read per statement, and only when an unmanaged show is in it: the
 # managed hot path never pays for it.
 CUEBOT_ACCOUNTS = (
-    "EXISTS (SELECT 1 FROM pg_trigger WHERE tgname = 'verify_subscription' "
-    "AND tgrelid = to_regclass('subscription'))"
+    "EXISTS (SELECT 1 FROM pg_trigger WHERE tgname = 'verify_subscription' AND tgrelid = to_regclass('subscription'))"
 )
 WRITER_SETTING = "cuesched.writer"
 WRITER_OPTION = f"-c {WRITER_SETTING}=on"
@@ -489,7 +503,13 @@ APPLY_UNMANAGED = f"""
 
 
 def usage_func(
-    keyed: str, *, guard: str = "", prologue: str = "", rows: str | None = None, outside_check: str = ""
+    keyed: str,
+    *,
+    guard: str = "",
+    prologue: str = "",
+    rows: str | None = None,
+    outside_check: str = "",
+    keyed_check: str = "",
 ) -> str:
     """A trigger body: optional cheap exit, the lock, the keyed deltas, then both halves.
 
@@ -498,6 +518,7 @@ def usage_func(
     told from the show flags alone (no host or job join) on the booking hot path.
     `outside_check` runs for every other writer only: the scheduler's booking statement checks
     its rows' hosts and jobs itself (and keys them exactly), so it is spared a second join.
+    `keyed_check` runs once the deltas and their shows' flags are read, before either half.
     """
     fast = ""
     if rows is not None:
@@ -518,7 +539,7 @@ def usage_func(
     {read_deltas(keyed)}
     IF v_show IS NULL THEN
         RETURN NULL;
-    END IF;
+    END IF;{keyed_check}
     {NOTIFY_MANAGED}
     {APPLY_UNMANAGED}
     RETURN NULL;
@@ -672,11 +693,31 @@ KEYS_VISIBLE = """
             ERRCODE = 'foreign_key_violation';
     END IF;"""
 
+# Beside Cuebot, a proc of a scheduler-managed show inserted by anyone but cuesched is a Cuebot
+# booking that read the show as its own (DispatchQuery, b_scheduler_managed = false) before a
+# flip to the scheduler committed: the flip's exclusive lock cannot hold it off, since Cuebot
+# takes the shared one only at this INSERT. Sent to the Store it would be counted once, but
+# checked against no cap: the scheduler may have filled the burst since, and SUM(proc) would
+# pass it. It is refused whole instead (Cuebot's startFrameAndProc rolls back, the frame stays
+# WAITING, its dispatcher moves on); the flag read here follows the shared lock, so it sees
+# every flip committed before and holds off every later one.
+MANAGED_BOOKED_OUTSIDE = "acct_managed_show_booked_outside"
+REFUSE_CUEBOT_BOOKING_OF_MANAGED = f"""
+    IF true = ANY(v_managed) AND {CUEBOT_WRITES} THEN
+        RAISE EXCEPTION USING
+            MESSAGE = format('cuesched: show %s is scheduler-managed: its frames are booked by cuesched, not Cuebot',
+                             (SELECT d.pk_show FROM {DELTAS} WHERE d.managed LIMIT 1)),
+            HINT = 'The show was flipped to the scheduler after this transaction read it as unmanaged; '
+                   'nothing was written. cuesched''s own connections carry {WRITER_SETTING}=on.',
+            ERRCODE = 'check_violation', CONSTRAINT = '{MANAGED_BOOKED_OUTSIDE}';
+    END IF;"""
+
 PROC_INSERT_FUNC = usage_func(
     PROC_INSERT_KEYED,
     guard="IF NOT EXISTS (SELECT 1 FROM new_procs WHERE NOT b_local) THEN RETURN NULL; END IF;",
     outside_check=KEYS_VISIBLE,
     rows="new_procs",
+    keyed_check=REFUSE_CUEBOT_BOOKING_OF_MANAGED,
 )
 PROC_DELETE_FUNC = usage_func(
     PROC_DELETE_KEYED,
@@ -841,7 +882,7 @@ def cap_payload(vertex: str, id_column: str) -> str:
     return (
         f'\'{{"vertex":"{vertex}","id":\' || {json_id("n." + id_column)}'
         f" || ',\"max_cores\":' || {cores_cap('n.int_max_cores')}"
-        f" || ',\"max_gpus\":' || n.int_max_gpus"
+        f" || ',\"max_gpus\":' || {gpus_cap('n.int_max_gpus')}"
         f" || {_tail()}"
     )
 
@@ -1003,7 +1044,53 @@ def folder_resource_triggers() -> list[pgtrigger.Trigger]:
 
 
 def job_resource_triggers() -> list[pgtrigger.Trigger]:
-    return [*_limit_triggers("job", "job_resource", _JOB), *usage_guard_triggers("job_resource")]
+    return [
+        *_limit_triggers("job", "job_resource", _JOB),
+        *usage_guard_triggers("job_resource"),
+        cuebot_job_caps_trigger(),
+    ]
+
+
+# --- unlimited job caps beside Cuebot ----------------------------------------------------------
+
+# Why in the database, in one BEFORE trigger: the writers of a job cap are many (the submit, the
+# job CLI, the API, the console, the recompute's lift and restore, a psql UPDATE, a row written
+# before this trigger existed and touched again by a booking) and a missed one leaves a job that
+# Cuebot can never book once its show is Cuebot's again. A BEFORE row trigger rewrites NEW before
+# the row is stored and before Cuebot's verify_job_resources (a later trigger name; PostgreSQL
+# runs BEFORE triggers by name and evaluates their WHEN on the NEW they leave) reads it, so a
+# booking's own `int_cores = int_cores + n` against an old -1 row passes. Only on a Cuebot
+# database: elsewhere -1 stays cuesched's unlimited. Folders keep -1 (Cuebot's folder -1 is
+# unlimited and it has no folder verify trigger).
+CUEBOT_JOB_CAPS_FUNC = f"""
+    IF {CUEBOT_ACCOUNTS} THEN
+        IF NEW.int_max_cores < 0 THEN
+            NEW.int_max_cores := {CUEBOT_UNLIMITED_CAP};
+        END IF;
+        IF NEW.int_max_gpus < 0 THEN
+            NEW.int_max_gpus := {CUEBOT_UNLIMITED_CAP};
+        END IF;
+    END IF;
+    RETURN NEW;
+"""
+# The rows written before the trigger was installed (the migration that installs it runs this).
+NORMALIZE_CUEBOT_JOB_CAPS_SQL = f"""
+UPDATE job_resource
+SET int_max_cores = CASE WHEN int_max_cores < 0 THEN {CUEBOT_UNLIMITED_CAP} ELSE int_max_cores END,
+    int_max_gpus = CASE WHEN int_max_gpus < 0 THEN {CUEBOT_UNLIMITED_CAP} ELSE int_max_gpus END
+WHERE (int_max_cores < 0 OR int_max_gpus < 0) AND {CUEBOT_ACCOUNTS}
+"""
+
+
+def cuebot_job_caps_trigger() -> pgtrigger.Trigger:
+    return pgtrigger.Trigger(
+        name="cuebot_job_caps_unlimited",
+        when=pgtrigger.Before,
+        operation=pgtrigger.Insert | pgtrigger.Update,
+        level=pgtrigger.Row,
+        condition=pgtrigger.Condition("NEW.int_max_cores < 0 OR NEW.int_max_gpus < 0"),
+        func=CUEBOT_JOB_CAPS_FUNC,
+    )
 
 
 # --- the usage columns of unmanaged shows: only the triggers write them -------------------------
@@ -1105,6 +1192,68 @@ _TO_UNMANAGED = """
     SELECT n.pk_show FROM new_rows n JOIN old_rows o ON o.pk_show = n.pk_show
     WHERE o.b_scheduler_managed AND NOT n.b_scheduler_managed
 """
+# Beside Cuebot, the rebuild of a flip to unmanaged writes SUM(proc) into rows whose cap Cuebot's
+# verify_subscription / verify_job_resources check on every increase: a burst or job max lowered
+# while the show was the scheduler's, under frames still running, failed the whole flip with
+# Cuebot's "exceeded" error (the show could not be handed back until frames finished). A
+# rebuild writes the truth, over a cap too, as Cuebot's own recalculate_subs() (V45) does: in
+# the flip's transaction the caps of just the rows about to go over are lifted to the value
+# written, then put back. The lift is hidden from the Store under DISPLAY_LIFT (only a
+# loosening can be hidden: see DISPLAY_LIFT_SETTING), the mark is put back as it was after, and
+# the rows stay locked to the commit, so no one books against a lifted cap. Cuebot then refuses
+# new bookings of the show until it is under its caps again.
+FLIP_LIFT_DECLARE = [
+    ("v_lift_mark", "text"),
+    ("v_lift_kind", "text[]"),
+    ("v_lift_pk", "text[]"),
+    ("v_lift_c", "bigint[]"),
+    ("v_lift_g", "bigint[]"),
+]
+FLIP_LIFT_SQL = f"""
+    WITH target AS MATERIALIZED ({_TO_UNMANAGED}),
+    live AS (
+        SELECT p.pk_show, h.pk_alloc, p.pk_job, p.int_cores_reserved::bigint AS cc, p.int_gpus_reserved::bigint AS g
+        FROM proc p JOIN host h ON h.pk_host = p.pk_host
+        WHERE NOT p.b_local AND p.pk_show IN (SELECT pk_show FROM target)
+    ),
+    sub_lift AS (
+        UPDATE subscription t SET int_burst = u.cc
+        FROM (SELECT s.pk_subscription AS pk, s.int_burst AS old, SUM(l.cc) AS cc
+              FROM subscription s JOIN live l ON l.pk_show = s.pk_show AND l.pk_alloc = s.pk_alloc
+              GROUP BY s.pk_subscription, s.int_burst, s.int_cores
+              HAVING SUM(l.cc) > s.int_burst AND SUM(l.cc) > s.int_cores) u
+        WHERE t.pk_subscription = u.pk
+        RETURNING 's'::text AS kind, t.pk_subscription AS pk, u.old::bigint AS c, NULL::bigint AS g
+    ),
+    job_lift AS (
+        UPDATE job_resource t SET int_max_cores = GREATEST(u.old_c, u.cc), int_max_gpus = GREATEST(u.old_g, u.g)
+        FROM (SELECT jr.pk_job_resource AS pk, jr.int_max_cores AS old_c, jr.int_max_gpus AS old_g,
+                     SUM(l.cc) AS cc, SUM(l.g) AS g
+              FROM job_resource jr JOIN live l ON l.pk_job = jr.pk_job
+              GROUP BY jr.pk_job_resource, jr.int_max_cores, jr.int_max_gpus
+              HAVING SUM(l.cc) > jr.int_max_cores OR SUM(l.g) > jr.int_max_gpus) u
+        WHERE t.pk_job_resource = u.pk
+        RETURNING 'j'::text AS kind, t.pk_job_resource AS pk, u.old_c::bigint AS c, u.old_g::bigint AS g
+    )
+    SELECT array_agg(x.kind), array_agg(x.pk), array_agg(x.c), array_agg(x.g)
+    INTO v_lift_kind, v_lift_pk, v_lift_c, v_lift_g
+    FROM (SELECT * FROM sub_lift UNION ALL SELECT * FROM job_lift) x;"""
+# A job of the show whose cap is still -1 (written before cuebot_job_caps_unlimited existed)
+# would never be booked by Cuebot again: the flip that hands the show to Cuebot normalizes it
+# (the write goes through that trigger).
+FLIP_NORMALIZE_JOB_CAPS_SQL = f"""
+    UPDATE job_resource t SET int_max_cores = t.int_max_cores, int_max_gpus = t.int_max_gpus
+    FROM job j WHERE j.pk_job = t.pk_job AND (t.int_max_cores < 0 OR t.int_max_gpus < 0)
+    AND j.pk_show IN ({_TO_UNMANAGED});"""
+FLIP_RESTORE_SQL = """
+    WITH lifted AS (SELECT * FROM unnest(v_lift_kind, v_lift_pk, v_lift_c, v_lift_g) AS l(kind, pk, c, g)),
+    sub_back AS (
+        UPDATE subscription t SET int_burst = l.c FROM lifted l WHERE l.kind = 's' AND t.pk_subscription = l.pk
+        RETURNING 1
+    )
+    UPDATE job_resource t SET int_max_cores = l.c, int_max_gpus = l.g
+    FROM lifted l WHERE l.kind = 'j' AND t.pk_job_resource = l.pk;"""
+
 # Every flip, either way, bumps the show's generation. The scheduler publishes a show as managed
 # with the generation its seed read, and its booking transaction checks it: a show that went
 # unmanaged and back since the seed (however fast) books nothing until it is seeded again.
@@ -1128,7 +1277,19 @@ SHOW_FLIP_FUNC = f"""
     -- To unmanaged: the database path adds and subtracts from the five tables from now on, so
     -- they are rewritten to SUM(proc) in the flipping transaction, caps unchecked.
     IF EXISTS ({_TO_UNMANAGED}) THEN
+        IF {CUEBOT_ACCOUNTS} THEN
+            v_lift_mark := COALESCE(current_setting('{DISPLAY_LIFT_SETTING}', true), '');
+            PERFORM set_config('{DISPLAY_LIFT_SETTING}', 'on', true);
+            {FLIP_NORMALIZE_JOB_CAPS_SQL}
+            {FLIP_LIFT_SQL}
+        END IF;
         {rebuild_sql(_TO_UNMANAGED, into="INTO v_d1, v_d2, v_d3, v_d4, v_d5")};
+        IF v_lift_pk IS NOT NULL THEN
+            {FLIP_RESTORE_SQL}
+        END IF;
+        IF v_lift_mark IS NOT NULL THEN
+            PERFORM set_config('{DISPLAY_LIFT_SETTING}', v_lift_mark, true);
+        END IF;
     END IF;
     RETURN NULL;
 """
@@ -1143,7 +1304,7 @@ def show_triggers() -> list[pgtrigger.Trigger]:
             operation=pgtrigger.Update,
             level=pgtrigger.Statement,
             referencing=pgtrigger.Referencing(old="old_rows", new="new_rows"),
-            declare=[*[(f"v_d{i}", "bigint") for i in range(1, 6)], *LOCK_DECLARE],
+            declare=[*[(f"v_d{i}", "bigint") for i in range(1, 6)], *FLIP_LIFT_DECLARE, *LOCK_DECLARE],
             func=SHOW_FLIP_FUNC,
         ),
     ]

@@ -18,7 +18,38 @@ CENTICORES_PER_CORE = 100
 """Cuebot's `CENTICORES_PER_CORE` and the scheduler's default `queue.core_multiplier`."""
 
 UNLIMITED = -1
-"""The cap sentinel Cuebot writes for "no limit" (any negative folder/job cap is unlimited; 0 books nothing)."""
+"""The cap sentinel for "no limit" (any negative folder/job cap is unlimited; 0 books nothing)."""
+
+CUEBOT_UNLIMITED_CAP = 2**31 - 1
+"""An unlimited job cap as a Cuebot database stores it (the INT column's largest value): Cuebot
+has no unlimited job cap (its verify_job_resources refuses anything over a negative max), so
+there -1 is written as this, which both read as unlimited (accounting.triggers, the same value)."""
+
+
+def is_unlimited_cap(value: int | Decimal) -> bool:
+    """A folder/job max cores or GPUs that means "no limit": any negative value, or Cuebot's."""
+    return value < 0 or value >= CUEBOT_UNLIMITED_CAP
+
+
+def gpus_cap(value: int | Decimal) -> int:
+    """Folder/job max GPUs for the Store and the screen: -1 when unlimited, else the count."""
+    number = _as_int(value)
+    return UNLIMITED if is_unlimited_cap(number) else number
+
+
+def format_cap(value: int | Decimal | None, *, gpus: bool = False, multiplier: int = CENTICORES_PER_CORE) -> str:
+    """A folder/job max as the console and the CLI show it: "unlimited", "N cores", "N GPUs".
+
+    The one formatter of stored job and folder caps (centicores for cores), so that Cuebot's
+    unlimited (2147483647) never reads as 21474836 cores anywhere.
+    """
+    if value is None:
+        return "-"
+    if is_unlimited_cap(value):
+        return "unlimited"
+    if gpus:
+        return f"{_as_int(value)} GPUs"
+    return f"{centicores_to_cores_cap(value, multiplier)} cores"
 
 
 def _as_int(value: int | Decimal) -> int:
@@ -53,14 +84,14 @@ def centicores_to_cores(value: int | Decimal, multiplier: int = CENTICORES_PER_C
 
 
 def centicores_to_cores_cap(value: int | Decimal, multiplier: int = CENTICORES_PER_CORE) -> int:
-    """Folder and job max cores: any negative value is the unlimited sentinel -1.
+    """Folder and job max cores: any negative value (or Cuebot's unlimited) is the sentinel -1.
 
-    Cuebot writes -1 but also accepts other negatives (a job max of -100 means unlimited);
+    Cuebot writes -1 for folders but also accepts other negatives (-100 means unlimited);
     truncating -100 would give -1 by luck, -50 would give 0, so the sentinel is mapped first.
     """
     number = _as_int(value)
     _check_multiplier(multiplier)
-    if number < 0:
+    if is_unlimited_cap(number):
         return UNLIMITED
     return number // multiplier
 

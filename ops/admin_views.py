@@ -22,7 +22,7 @@ from django.utils.html import format_html
 from django.views.decorators.http import require_http_methods
 
 from accounting import actions
-from accounting.units import centicores_to_cores, centicores_to_cores_cap
+from accounting.units import centicores_to_cores, format_cap
 from cuesched_project import conf
 from dispatch.models import FarmAction, Folder, Job, Show, Subscription
 from ops import counters, freshness, permissions, status, why
@@ -300,10 +300,7 @@ def shown_value(column: str, value: Any) -> str:
         return "yes" if value else "no"
     if column in ("int_burst", "int_size"):
         return f"{centicores_to_cores(value)} cores"
-    if column == "int_max_cores":
-        cores = centicores_to_cores_cap(value)
-        return "unlimited" if cores < 0 else f"{cores} cores"
-    return "unlimited" if value < 0 else f"{value} GPUs"
+    return format_cap(value, gpus=column != "int_max_cores")
 
 
 def target_names(kind: str, events: list[Any]) -> dict[str, str]:

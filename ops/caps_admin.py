@@ -32,7 +32,7 @@ from django.urls import reverse
 from django.utils.html import format_html, format_html_join
 
 from accounting import actions
-from accounting.units import CENTICORES_PER_CORE
+from accounting.units import CENTICORES_PER_CORE, is_unlimited_cap
 from ops import admin_views, permissions, status
 from ops.forms import cap_formfield, db_to_cores
 
@@ -92,7 +92,7 @@ def cap_shown(model_name: str, column: str, value: int | None) -> str:
     field = cap_formfield(model_name, column)
     if field is None:
         return str(value)
-    if value < 0 and field.unlimited_ok:
+    if field.unlimited_ok and is_unlimited_cap(value):
         return "unlimited (-1)"
     shown = field.to_screen(value)
     if value == 0:

@@ -38,6 +38,7 @@ from django.urls import reverse
 from django.utils import timezone
 from django.utils.html import format_html
 
+from accounting.units import format_cap
 from dispatch import admin as dispatch_admin
 from dispatch import conf as dispatch_conf
 from dispatch.jobs import actions as job_actions
@@ -347,8 +348,7 @@ class JobListAdmin(FarmListMixin, dispatch_admin.JobAdmin):
 
     @admin.display(description="max cores", ordering="resource__int_max_cores")
     def max_cores(self, obj: Job) -> str:
-        value = obj.resource.int_max_cores
-        return "unlimited" if value <= 0 else cores(value)
+        return format_cap(obj.resource.int_max_cores)
 
     # The actions: each one calls dispatch.jobs.actions once per job (its own transaction).
     def _jobs(self, queryset: QuerySet[Job]) -> list[Job]:

@@ -17,7 +17,7 @@ from django import forms
 from django.core.exceptions import ValidationError
 
 from accounting import actions
-from accounting.units import CENTICORES_PER_CORE, UNLIMITED
+from accounting.units import CENTICORES_PER_CORE, UNLIMITED, is_unlimited_cap
 
 
 class CapField(forms.IntegerField):
@@ -31,10 +31,10 @@ class CapField(forms.IntegerField):
         super().__init__(**kwargs)
 
     def to_screen(self, db_value: int) -> int | float:
+        if self.unlimited_ok and is_unlimited_cap(db_value):
+            return UNLIMITED
         if not self.cores:
             return db_value
-        if db_value < 0 and self.unlimited_ok:
-            return UNLIMITED
         if db_value % CENTICORES_PER_CORE == 0:
             return db_value // CENTICORES_PER_CORE
         # A fraction written by another tool is shown as it is; saving it asks for a whole value.
@@ -110,7 +110,9 @@ def cap_formfield(model_name: str, field_name: str, **kw: Any) -> CapField | Non
 
 def db_to_cores(column: str, value: int) -> int:
     """A cleaned cap (database units) back into what the actions take (whole cores / GPUs)."""
-    if column == "int_max_gpus" or value == UNLIMITED:
+    if is_unlimited_cap(value):
+        return UNLIMITED
+    if column == "int_max_gpus":
         return value
     return value // CENTICORES_PER_CORE
 

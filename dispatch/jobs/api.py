@@ -56,6 +56,7 @@ from django.http import HttpRequest, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from accounting import actions as cap_actions
+from accounting.units import centicores_to_cores_cap, gpus_cap
 from dispatch.jobs import actions
 from dispatch.jobs.spec import SpecError, load_spec
 from dispatch.jobs.tokens import user_for_token
@@ -299,13 +300,6 @@ def _time(value: datetime | None) -> str | None:
     return value.isoformat() if value is not None else None
 
 
-def _cores(centicores: int | None) -> int | None:
-    """Whole cores for the answer; -1 (unlimited) for any negative cap, 0 (books nothing) for 0."""
-    if centicores is None:
-        return None
-    return centicores // 100 if centicores >= 0 else -1
-
-
 def list_jobs(request: HttpRequest) -> JsonResponse:
     """GET /api/jobs: jobs, newest first, filtered by show, state, user (exact) and name (part of it)."""
     given, limit, offset = _query(request, JOB_FILTERS)
@@ -335,8 +329,9 @@ def _job_fields(job: Job, resource: JobResource | None) -> dict[str, Any]:
         "state": job.str_state,
         "paused": job.b_paused,
         "priority": resource.int_priority if resource else None,
-        "max_cores": _cores(resource.int_max_cores) if resource else None,
-        "max_gpus": resource.int_max_gpus if resource else None,
+        # Whole cores; -1 for unlimited, whichever way the database stores it (Cuebot's is 2**31-1).
+        "max_cores": centicores_to_cores_cap(resource.int_max_cores) if resource else None,
+        "max_gpus": gpus_cap(resource.int_max_gpus) if resource else None,
     }
 
 

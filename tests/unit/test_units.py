@@ -84,3 +84,15 @@ def test_numeric_sums_accepted_when_integral() -> None:
 def test_trunc_div_matches_c_semantics(numerator: int, denominator: int) -> None:
     expected = int(numerator / denominator)  # exact for these small values
     assert trunc_div(numerator, denominator) == expected
+
+
+def test_cuebots_unlimited_job_cap_reads_as_unlimited() -> None:
+    """2**31-1 is how a Cuebot database stores an unlimited job cap: never 21474836 cores."""
+    from accounting.units import CUEBOT_UNLIMITED_CAP, centicores_to_cores_cap, format_cap, gpus_cap
+
+    assert centicores_to_cores_cap(CUEBOT_UNLIMITED_CAP) == -1 and gpus_cap(CUEBOT_UNLIMITED_CAP) == -1
+    assert (
+        format_cap(CUEBOT_UNLIMITED_CAP) == "unlimited" == format_cap(-1) == format_cap(CUEBOT_UNLIMITED_CAP, gpus=True)
+    )
+    assert format_cap(0) == "0 cores" and format_cap(250) == "2 cores" and format_cap(3, gpus=True) == "3 GPUs"
+    assert centicores_to_cores_cap(CUEBOT_UNLIMITED_CAP - 1) == (CUEBOT_UNLIMITED_CAP - 1) // 100
