@@ -700,15 +700,24 @@ KEYS_VISIBLE = """
 # checked against no cap: the scheduler may have filled the burst since, and SUM(proc) would
 # pass it. It is refused whole instead (Cuebot's startFrameAndProc rolls back, the frame stays
 # WAITING, its dispatcher moves on); the flag read here follows the shared lock, so it sees
-# every flip committed before and holds off every later one.
+# every flip committed before and holds off every later one. The same holds for an UPDATE that
+# grows a managed proc or moves it onto another key of a managed show (the positive half of the
+# move books what the Store never checked): refused alike. Shrinking and releasing stay allowed.
 MANAGED_BOOKED_OUTSIDE = "acct_managed_show_booked_outside"
+# The managed keys this statement books more on, net (an UPDATE's deltas are its new rows plus
+# its old rows negated: a shrink in place nets negative).
+MANAGED_GROWN = f"""SELECT d.pk_show FROM {DELTAS} WHERE d.managed
+    GROUP BY d.pk_show, d.pk_alloc, d.pk_folder, d.pk_job, d.pk_layer, d.pk_dept
+    HAVING SUM(d.cc) > 0 OR SUM(d.g) > 0"""
 REFUSE_CUEBOT_BOOKING_OF_MANAGED = f"""
-    IF true = ANY(v_managed) AND {CUEBOT_WRITES} THEN
+    IF true = ANY(v_managed) AND {CUEBOT_WRITES}
+       AND EXISTS ({MANAGED_GROWN}) THEN
         RAISE EXCEPTION USING
             MESSAGE = format('cuesched: show %s is scheduler-managed: its frames are booked by cuesched, not Cuebot',
-                             (SELECT d.pk_show FROM {DELTAS} WHERE d.managed LIMIT 1)),
-            HINT = 'The show was flipped to the scheduler after this transaction read it as unmanaged; '
-                   'nothing was written. cuesched''s own connections carry {WRITER_SETTING}=on.',
+                             ({MANAGED_GROWN} LIMIT 1)),
+            HINT = 'Only cuesched (connections with {WRITER_SETTING}=on) books a managed show''s capacity, and '
+                   'nothing was written; a Cuebot transaction that read the show as unmanaged before a flip '
+                   'to the scheduler meets this.',
             ERRCODE = 'check_violation', CONSTRAINT = '{MANAGED_BOOKED_OUTSIDE}';
     END IF;"""
 
@@ -733,6 +742,7 @@ PROC_UPDATE_FUNC = usage_func(
         f"WHERE {PROC_CHANGED}) THEN RETURN NULL; END IF;"
     ),
     outside_check=KEYS_VISIBLE,
+    keyed_check=REFUSE_CUEBOT_BOOKING_OF_MANAGED,
 )
 
 PROC_TRUNCATE_FUNC = f"""

@@ -351,3 +351,37 @@ def test_a_cuesched_submit_stamps_ts_eligible_as_cuebot_does(
         ).fetchone()[0]
         == 0
     )
+
+
+def test_an_unmarked_writer_cannot_grow_or_move_a_managed_proc_either(
+    cuebot_url: str, conn: psycopg.Connection
+) -> None:
+    """The sibling of the refused INSERT: beside Cuebot, an UPDATE by an unmarked writer (Cuebot,
+    psql) that grows a managed show's proc, or moves it onto another job of the show, books
+    capacity the Store never checked, exactly as that INSERT did. It is refused the same way;
+    shrinking or releasing stays allowed (the Store applies the release)."""
+    farm, other = Farm(conn), Farm(conn)
+    _flip(conn, True)
+    pk = str(uuid.uuid4())
+    with psycopg.connect(_writer_url(cuebot_url), autocommit=True) as w:
+        w.execute(
+            "INSERT INTO proc (pk_proc, pk_host, pk_show, pk_job, pk_layer, pk_frame, int_cores_reserved, "
+            "int_mem_reserved, int_mem_pre_reserved) VALUES (%s, %s, %s, %s, %s, %s, 200, 1048576, 1048576)",
+            (pk, farm.host, SHOW, farm.job, farm.layer, farm.frames[0]),
+        )
+    for stmt, params in (
+        ("UPDATE proc SET int_cores_reserved = 300 WHERE pk_proc = %s", (pk,)),
+        (
+            "UPDATE proc SET pk_job = %s, pk_layer = %s, pk_frame = %s WHERE pk_proc = %s",
+            (other.job, other.layer, other.frames[0], pk),
+        ),
+    ):
+        with pytest.raises(psycopg.errors.CheckViolation) as refused:
+            conn.execute(stmt, params)
+        assert refused.value.diag.constraint_name == "acct_managed_show_booked_outside", stmt
+    assert conn.execute("SELECT int_cores_reserved, pk_job FROM proc WHERE pk_proc = %s", (pk,)).fetchone() == (
+        200,
+        farm.job,
+    )
+    conn.execute("UPDATE proc SET int_cores_reserved = 100 WHERE pk_proc = %s", (pk,))
+    conn.execute("DELETE FROM proc WHERE pk_proc = %s", (pk,))
