@@ -18,6 +18,8 @@ so the events are:
 | subscription, folder_resource, job_resource | INSERT, UPDATE, DELETE | `acct_limit_change`, every show |
 | subscription, folder_resource, job_resource | TRUNCATE | `acct_resync` |
 | show | UPDATE OF b_scheduler_managed | flip generation; to unmanaged: rebuild from SUM(proc) |
+| subscription, folder_resource, job_resource, layer_resource, point | UPDATE | beside Cuebot, an unmarked writer's change, into its outside ledger |
+| cuesched_outside_ledger | INSERT (deferred to commit) | beside Cuebot, the top-up of what the transaction still owes |
 | cuesched_accounting_settings, _epoch | DELETE | refused: the single rows must stay |
 
 Each delta goes to the side that owns its show at that moment: a scheduler-managed show's

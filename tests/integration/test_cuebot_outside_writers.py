@@ -22,7 +22,7 @@ import pytest
 
 from tests.integration.cuebot_standin import CuebotStandIn, Proc
 from tests.integration.cuebot_support import build_cuebot_db, cuebot_db_name, drop_database
-from tests.integration.test_cuebot_mode import ALLOC, FOLDER, ROOT, SHOW, Farm, counters
+from tests.integration.test_cuebot_mode import ALLOC, DEPT, FOLDER, ROOT, SHOW, Farm, counters
 
 RAW_INSERT = (
     "INSERT INTO proc (pk_proc, pk_host, pk_show, pk_job, pk_layer, pk_frame, int_cores_reserved, "
@@ -386,3 +386,23 @@ def test_raw_writers_beside_cuebot_under_load_never_read_low_nor_breach(
     assert stats["samples"] > 20 and stats["cuebot"] > 0 and stats["raw"] > 0 and stats["raw_rr"] > 0, stats
     assert not low, f"a counter read below SUM(proc), or SUM(proc) passed the burst: {low[:5]}"
     _exact(conn, farm, 0)
+
+
+def test_a_raw_gpu_proc_is_counted_in_every_gpu_counter(conn: psycopg.Connection, raw: psycopg.Connection) -> None:
+    """GPUs are owed and topped up as cores are (a proc given GPUs after its insert, same transaction)."""
+    farm = Farm(conn)
+    with raw.transaction():
+        pk = _insert(raw, farm, 0, 100)
+        raw.execute("UPDATE proc SET int_gpus_reserved = 2 WHERE pk_proc = %s", (pk,))
+    gpus = conn.execute(
+        """
+        SELECT (SELECT int_gpus FROM subscription WHERE pk_show = %(show)s AND pk_alloc = %(alloc)s),
+               (SELECT int_gpus FROM folder_resource WHERE pk_folder = %(folder)s),
+               (SELECT int_gpus FROM job_resource WHERE pk_job = %(job)s),
+               (SELECT int_gpus FROM layer_resource WHERE pk_layer = %(layer)s),
+               (SELECT int_gpus FROM point WHERE pk_show = %(show)s AND pk_dept = %(dept)s)
+        """,
+        {"show": SHOW, "alloc": ALLOC, "folder": FOLDER, "job": farm.job, "layer": farm.layer, "dept": DEPT},
+    ).fetchone()
+    assert gpus == (2, 2, 2, 2, 2)
+    _exact(conn, farm, 100)
