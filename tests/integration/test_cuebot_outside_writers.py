@@ -240,10 +240,18 @@ def test_a_raw_decrement_without_a_proc_is_undone_but_recalculate_subs_still_low
 
 
 def test_the_ledger_is_empty_after_commit(conn: psycopg.Connection, raw: psycopg.Connection) -> None:
+    """Every row is the committing transaction's own and is taken by its top-up."""
     farm = Farm(conn)
     with raw.transaction():
         _insert(raw, farm, 0, 100)
     assert conn.execute("SELECT count(*) FROM cuesched_outside_ledger").fetchone()[0] == 0
+    # Adoption made it as the migration does: UNLOGGED, its top-up a deferred constraint trigger.
+    persistence, deferred = conn.execute(
+        "SELECT c.relpersistence, t.tgdeferrable AND t.tginitdeferred FROM pg_class c "
+        "JOIN pg_trigger t ON t.tgrelid = c.oid WHERE c.relname = 'cuesched_outside_ledger' "
+        "AND t.tgname LIKE 'pgtrigger_acct_outside_topup_%'"
+    ).fetchone()
+    assert (persistence, deferred) == ("u", True)
 
 
 def test_raw_writers_beside_cuebot_under_load_never_read_low_nor_breach(
