@@ -5,9 +5,14 @@ show is counted twice or not at all.
 
 * Unmanaged shows are Cuebot's. Its Java code (ProcDaoJdbc.procCreated / procDestroyed) and its
   triggers (after_job_moved, after_job_dept_update) keep their five counter tables, and its
-  verify_* triggers enforce their caps. cuesched's proc triggers stand down for them
-  (accounting.triggers.CUEBOT_ACCOUNTS, decided in the database per statement, so every writer
-  sees it from adoption on, with or without a scheduler), the reconcile loop that rewrites
+  verify_* triggers enforce their caps. cuesched's proc triggers do not add to them for writers
+  without the cuesched mark (accounting.triggers.CUEBOT_ACCOUNTS, decided in the database per
+  statement, so every writer sees it from adoption on, with or without a scheduler). Not every
+  unmarked writer is Cuebot, though: a psql session that inserts a proc without Cuebot's counter
+  UPDATEs would be counted by nobody, a counter LOW. So such a transaction keeps a ledger of what
+  its procs owe each counter row less what its own counter UPDATEs paid, and a deferred trigger
+  tops up the rest at commit, caps checked (accounting.triggers, OUTSIDE_LEDGER_TABLE). Cuebot's
+  SQL pays as it goes and owes nothing at commit: counted once. The reconcile loop that rewrites
   unmanaged counters from SUM(proc) does not run (it would race Cuebot's relative updates and
   could write a counter LOW), and the scheduler books managed shows only.
 * Managed shows are the Store's. The expected configuration is Cuebot's

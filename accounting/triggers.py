@@ -18,6 +18,8 @@ so the events are:
 | subscription, folder_resource, job_resource | INSERT, UPDATE, DELETE | `acct_limit_change`, every show |
 | subscription, folder_resource, job_resource | TRUNCATE | `acct_resync` |
 | show | UPDATE OF b_scheduler_managed | flip generation; to unmanaged: rebuild from SUM(proc) |
+| the five counter tables | UPDATE | beside Cuebot, an unmarked writer's change, into its outside ledger |
+| cuesched_outside_ledger | INSERT (deferred to commit) | beside Cuebot, the top-up of what the transaction still owes |
 | cuesched_accounting_settings, _epoch | DELETE | refused: the single rows must stay |
 
 Each delta goes to the side that owns its show at that moment: a scheduler-managed show's
@@ -478,8 +480,9 @@ DB_APPLY = f"""
 # (ProcDaoJdbc.procCreated / procDestroyed, its after_job_moved and after_job_dept_update
 # triggers) keeps the five tables of the shows it owns, the unmanaged ones, in the writing
 # transaction, and its verify_* triggers enforce their caps. Applying the deltas here as well
-# would count every Cuebot booking twice, so the unmanaged half stands down there for every
-# writer but cuesched's own. cuesched's connections carry `cuesched.writer=on` from their
+# would count every Cuebot booking twice, so the unmanaged half does not apply them there for
+# any writer but cuesched's own; for the others it records what they owe instead, settled at
+# commit (RECORD_OUTSIDE below). cuesched's connections carry `cuesched.writer=on` from their
 # start (WRITER_OPTION, set by accounting.db.connect and Django's settings): a frame the
 # scheduler booked while the show was managed and completes after a flip back is deleted by
 # our completion path, which Cuebot's Java never sees, so our trigger is the only one to
@@ -492,12 +495,50 @@ WRITER_SETTING = "cuesched.writer"
 WRITER_OPTION = f"-c {WRITER_SETTING}=on"
 CUEBOT_WRITES = f"(COALESCE(current_setting('{WRITER_SETTING}', true), '') <> 'on' AND {CUEBOT_ACCOUNTS})"
 
+# --- beside Cuebot: writers that count nothing themselves ----------------------------------------
+# Standing down for every unmarked writer trusted that writer to be Cuebot, whose Java updates the
+# five tables in the same transaction. A psql session or script that writes a proc without those
+# UPDATEs was counted by nobody: the counters read LOW and Cuebot booked past the burst. So an
+# unmarked transaction in Cuebot mode keeps a ledger of what it owes each counter row: its proc
+# deltas (recorded here, by the proc triggers) minus the change anybody else made to that row's
+# int_cores / int_gpus in the same transaction (Cuebot's UPDATEs, its own triggers,
+# recalculate_subs(); recorded by the counter tables' statement triggers). A deferred constraint
+# trigger tops up at commit whatever is still owed (OUTSIDE_TOPUP_FUNC): Cuebot's own SQL owes
+# nothing and is counted once; a raw INSERT owes its cores and is counted at commit, caps checked.
+# Rows are the transaction's own (keyed by its xid), so a rollback, or a rollback to a savepoint,
+# takes them back together with the writes they describe.
+OUTSIDE_LEDGER_TABLE = "cuesched_outside_ledger"
+# Set around the top-up's own counter writes, which the counter triggers must not record.
+OUTSIDE_TOPUP_SETTING = "cuesched.outside_topup"
+# tbl: the counter table, numbered in the order Cuebot's procCreated updates them (and the top-up
+# locks them): subscription, layer_resource, job_resource, folder_resource, point.
+OUTSIDE_SUB, OUTSIDE_LAYER, OUTSIDE_JOB, OUTSIDE_FOLDER, OUTSIDE_POINT = 1, 2, 3, 4, 5
+_LEDGER_UPSERT = f"""
+    INSERT INTO {OUTSIDE_LEDGER_TABLE} AS t (xid, tbl, k1, k2, cc, g)
+    SELECT {CURRENT_XID}, x.tbl, x.k1, x.k2, SUM(x.cc)::bigint, SUM(x.g)::bigint
+    FROM ({{owed}}) AS x(tbl, k1, k2, cc, g)
+    GROUP BY x.tbl, x.k1, x.k2 HAVING SUM(x.cc) <> 0 OR SUM(x.g) <> 0
+    ORDER BY x.tbl, x.k1, x.k2
+    ON CONFLICT (xid, tbl, k1, k2) DO UPDATE SET cc = t.cc + EXCLUDED.cc, g = t.g + EXCLUDED.g;"""
+RECORD_OUTSIDE = _LEDGER_UPSERT.format(
+    owed=f"""
+        SELECT {OUTSIDE_SUB}, d.pk_show, d.pk_alloc, d.cc, d.g FROM {DELTAS} WHERE NOT d.managed
+        UNION ALL SELECT {OUTSIDE_LAYER}, d.pk_layer, '', d.cc, d.g FROM {DELTAS} WHERE NOT d.managed
+        UNION ALL SELECT {OUTSIDE_JOB}, d.pk_job, '', d.cc, d.g FROM {DELTAS} WHERE NOT d.managed
+        UNION ALL SELECT {OUTSIDE_FOLDER}, d.pk_folder, '', d.cc, d.g FROM {DELTAS} WHERE NOT d.managed
+        UNION ALL SELECT {OUTSIDE_POINT}, d.pk_show, d.pk_dept, d.cc, d.g FROM {DELTAS} WHERE NOT d.managed"""
+)
+
 APPLY_UNMANAGED = f"""
-    IF false = ANY(v_managed) AND NOT {CUEBOT_WRITES} THEN
-        {LOCK_DB_SHOWS.format(rows=f"(SELECT * FROM {DELTAS} WHERE NOT d.managed)")}
-        {DB_APPLY}
-        IF v_message IS NOT NULL THEN
-            RAISE EXCEPTION USING MESSAGE = v_message, ERRCODE = 'check_violation', CONSTRAINT = v_constraint;
+    IF false = ANY(v_managed) THEN
+        IF NOT {CUEBOT_WRITES} THEN
+            {LOCK_DB_SHOWS.format(rows=f"(SELECT * FROM {DELTAS} WHERE NOT d.managed)")}
+            {DB_APPLY}
+            IF v_message IS NOT NULL THEN
+                RAISE EXCEPTION USING MESSAGE = v_message, ERRCODE = 'check_violation', CONSTRAINT = v_constraint;
+            END IF;
+        ELSE
+            {RECORD_OUTSIDE}
         END IF;
     END IF;"""
 
@@ -1046,11 +1087,19 @@ def _limit_triggers(vertex: str, table: str, spec: dict[str, str]) -> list[pgtri
 
 
 def subscription_triggers() -> list[pgtrigger.Trigger]:
-    return [*_limit_triggers("sub", "subscription", _SUB), *usage_guard_triggers("subscription")]
+    return [
+        *_limit_triggers("sub", "subscription", _SUB),
+        *usage_guard_triggers("subscription"),
+        counter_outside_trigger("subscription"),
+    ]
 
 
 def folder_resource_triggers() -> list[pgtrigger.Trigger]:
-    return [*_limit_triggers("folder", "folder_resource", _FOLDER), *usage_guard_triggers("folder_resource")]
+    return [
+        *_limit_triggers("folder", "folder_resource", _FOLDER),
+        *usage_guard_triggers("folder_resource"),
+        counter_outside_trigger("folder_resource"),
+    ]
 
 
 def job_resource_triggers() -> list[pgtrigger.Trigger]:
@@ -1058,6 +1107,7 @@ def job_resource_triggers() -> list[pgtrigger.Trigger]:
         *_limit_triggers("job", "job_resource", _JOB),
         *usage_guard_triggers("job_resource"),
         cuebot_job_caps_trigger(),
+        counter_outside_trigger("job_resource"),
     ]
 
 
@@ -1188,6 +1238,260 @@ def usage_guard_triggers(table: str) -> list[pgtrigger.Trigger]:
     END IF;
     RETURN NEW;
 """,
+        ),
+    ]
+
+
+# --- beside Cuebot: the counter tables' side of the outside writers' ledger ----------------------
+# (table, primary key, the two key columns of a counter row; '' where the row has one key)
+_OUTSIDE_COUNTERS = {
+    "subscription": (OUTSIDE_SUB, "pk_subscription", "pk_show", "pk_alloc"),
+    "layer_resource": (OUTSIDE_LAYER, "pk_layer_resource", "pk_layer", None),
+    "job_resource": (OUTSIDE_JOB, "pk_job_resource", "pk_job", None),
+    "folder_resource": (OUTSIDE_FOLDER, "pk_folder_resource", "pk_folder", None),
+    "point": (OUTSIDE_POINT, "pk_point", "pk_show", "pk_dept"),
+}
+_NOT_OUTSIDE = (
+    f"COALESCE(current_setting('{WRITER_SETTING}', true), '') = 'on' "
+    f"OR COALESCE(current_setting('{OUTSIDE_TOPUP_SETTING}', true), '') = 'on'"
+)
+
+
+def counter_outside_func(table: str) -> str:
+    """What anybody else changed in a counter row, subtracted from what the transaction owes it.
+
+    Cuebot's procCreated adds a proc's cores to the five rows itself: that change pays the
+    proc's debt, so its booking owes nothing at commit. A row moved to another key (a
+    subscription to another allocation) pays the new key and charges the old one back.
+    cuesched's own writers and the top-up's write are not recorded: neither leaves a debt.
+    """
+    tbl, pk, k1, k2 = _OUTSIDE_COUNTERS[table]
+    keys = [k1] if k2 is None else [k1, k2]
+    changed = (
+        f"FROM new_rows n JOIN old_rows o ON o.{pk} = n.{pk} WHERE "
+        f"ROW(n.int_cores, n.int_gpus, {', '.join('n.' + k for k in keys)}) IS DISTINCT FROM "
+        f"ROW(o.int_cores, o.int_gpus, {', '.join('o.' + k for k in keys)})"
+    )
+
+    def key(alias: str) -> str:
+        return f"{alias}.{k1}, " + (f"{alias}.{k2}" if k2 else "''")
+
+    owed = f"""
+        SELECT {tbl}, {key("n")}, -n.int_cores::bigint, -n.int_gpus::bigint {changed}
+        UNION ALL
+        SELECT {tbl}, {key("o")}, o.int_cores::bigint, o.int_gpus::bigint {changed}"""
+    return f"""
+    IF {_NOT_OUTSIDE} THEN
+        RETURN NULL;
+    END IF;
+    IF NOT EXISTS (SELECT 1 {changed}) OR NOT {CUEBOT_ACCOUNTS} THEN
+        RETURN NULL;
+    END IF;
+    {_LEDGER_UPSERT.format(owed=owed)}
+    RETURN NULL;
+"""
+
+
+def counter_outside_trigger(table: str) -> pgtrigger.Trigger:
+    return pgtrigger.Trigger(
+        name="acct_outside_paid",
+        when=pgtrigger.After,
+        operation=pgtrigger.Update,
+        level=pgtrigger.Statement,
+        referencing=pgtrigger.Referencing(old="old_rows", new="new_rows"),
+        func=counter_outside_func(table),
+    )
+
+
+def layer_resource_triggers() -> list[pgtrigger.Trigger]:
+    return [counter_outside_trigger("layer_resource")]
+
+
+def point_triggers() -> list[pgtrigger.Trigger]:
+    return [counter_outside_trigger("point")]
+
+
+# The top-up, at commit (a DEFERRABLE INITIALLY DEFERRED constraint trigger on the ledger: PREPARE
+# TRANSACTION runs it too). Each ledger row inserted queues one event; the first takes every row
+# of the transaction, the others find none.
+#
+# What it adds: at READ COMMITTED, the counter is raised to SUM(proc) of its key if below, read in
+# a fresh statement after the counter rows are locked (a booking in flight either holds the row,
+# and committed before the lock was granted, or will add its own share after this commit), so a
+# counter that already read high absorbs the debt, and Cuebot's recalculate_subs(), which owes the
+# excess it removed, is not undone. At REPEATABLE READ or SERIALIZABLE a SUM read from the
+# snapshot could miss procs committed since, so the debt itself is added, relative to the row; a
+# row changed by anybody since the snapshot fails the lock with a serialization failure (40001),
+# and the writer retries: safe. Nothing is ever topped down (high is allowed).
+#
+# Locks: the accounting-keys lock (shared), then the counter rows in Cuebot's procCreated order
+# (subscription, layer, job, folder, point; by key within a table), so it queues behind Cuebot's
+# bookings instead of deadlocking with them. Caps are cuesched's (-1 unlimited, 0 books nothing,
+# folder caps) and Cuebot's verify_* triggers fire on the write as well; a breach raises and the
+# whole transaction rolls back.
+_OWED = "unnest(v_tbl, v_k1, v_k2, v_cc, v_g) AS o(tbl, k1, k2, cc, g)"
+_KEY_SHOW = f"""CASE o.tbl WHEN {OUTSIDE_SUB} THEN o.k1 WHEN {OUTSIDE_POINT} THEN o.k1
+        WHEN {OUTSIDE_LAYER} THEN
+            (SELECT j.pk_show FROM layer l JOIN job j ON j.pk_job = l.pk_job WHERE l.pk_layer = o.k1)
+        WHEN {OUTSIDE_JOB} THEN (SELECT j.pk_show FROM job j WHERE j.pk_job = o.k1)
+        WHEN {OUTSIDE_FOLDER} THEN (SELECT f.pk_show FROM folder f WHERE f.pk_folder = o.k1) END"""
+_COUNTER_NOW = f"""
+        SELECT t.int_cores::bigint, t.int_gpus::bigint FROM subscription t
+        WHERE o.tbl = {OUTSIDE_SUB} AND t.pk_show = o.k1 AND t.pk_alloc = o.k2
+        UNION ALL SELECT t.int_cores::bigint, t.int_gpus::bigint FROM layer_resource t
+        WHERE o.tbl = {OUTSIDE_LAYER} AND t.pk_layer = o.k1
+        UNION ALL SELECT t.int_cores::bigint, t.int_gpus::bigint FROM job_resource t
+        WHERE o.tbl = {OUTSIDE_JOB} AND t.pk_job = o.k1
+        UNION ALL SELECT t.int_cores::bigint, t.int_gpus::bigint FROM folder_resource t
+        WHERE o.tbl = {OUTSIDE_FOLDER} AND t.pk_folder = o.k1
+        UNION ALL SELECT t.int_cores::bigint, t.int_gpus::bigint FROM point t
+        WHERE o.tbl = {OUTSIDE_POINT} AND t.pk_show = o.k1 AND t.pk_dept = o.k2"""
+_SUM_PROC = "SELECT SUM(p.int_cores_reserved)::bigint AS cc, SUM(p.int_gpus_reserved)::bigint AS g"
+_PROC_NOW = f"""
+        SELECT COALESCE(SUM(z.cc), 0)::bigint, COALESCE(SUM(z.g), 0)::bigint FROM (
+            {_SUM_PROC} FROM proc p JOIN host h ON h.pk_host = p.pk_host
+            WHERE o.tbl = {OUTSIDE_SUB} AND p.pk_show = o.k1 AND h.pk_alloc = o.k2 AND NOT p.b_local
+            UNION ALL {_SUM_PROC} FROM proc p WHERE o.tbl = {OUTSIDE_LAYER} AND p.pk_layer = o.k1 AND NOT p.b_local
+            UNION ALL {_SUM_PROC} FROM proc p WHERE o.tbl = {OUTSIDE_JOB} AND p.pk_job = o.k1 AND NOT p.b_local
+            UNION ALL {_SUM_PROC} FROM proc p JOIN job j ON j.pk_job = p.pk_job
+            WHERE o.tbl = {OUTSIDE_FOLDER} AND j.pk_folder = o.k1 AND NOT p.b_local
+            UNION ALL {_SUM_PROC} FROM proc p JOIN job j ON j.pk_job = p.pk_job
+            WHERE o.tbl = {OUTSIDE_POINT} AND p.pk_show = o.k1 AND j.pk_dept = o.k2 AND NOT p.b_local
+        ) z"""
+_TOPUP_LOCKS = "\n    ".join(
+    f"PERFORM 1 FROM {table} t WHERE ({', '.join('t.' + k for k in keys)}) IN "
+    f"(SELECT {', '.join(cols)} FROM {_OWED} WHERE o.tbl = {tbl}) "
+    f"ORDER BY {', '.join('t.' + k for k in keys)} FOR UPDATE OF t;"
+    for table, tbl, keys, cols in (
+        ("subscription", OUTSIDE_SUB, ("pk_show", "pk_alloc"), ("o.k1", "o.k2")),
+        ("layer_resource", OUTSIDE_LAYER, ("pk_layer",), ("o.k1",)),
+        ("job_resource", OUTSIDE_JOB, ("pk_job",), ("o.k1",)),
+        ("folder_resource", OUTSIDE_FOLDER, ("pk_folder",), ("o.k1",)),
+        ("point", OUTSIDE_POINT, ("pk_show", "pk_dept"), ("o.k1", "o.k2")),
+    )
+)
+_ARRAYS = "array_agg(x.tbl), array_agg(x.k1), array_agg(x.k2), array_agg(x.cc), array_agg(x.g)"
+_INTO = "INTO v_tbl, v_k1, v_k2, v_cc, v_g"
+OUTSIDE_TOPUP_FUNC = f"""
+    WITH gone AS (DELETE FROM {OUTSIDE_LEDGER_TABLE} WHERE xid = NEW.xid RETURNING tbl, k1, k2, cc, g)
+    SELECT {_ARRAYS} {_INTO}
+    FROM (SELECT tbl::int, k1, k2, GREATEST(cc, 0) AS cc, GREATEST(g, 0) AS g FROM gone WHERE cc > 0 OR g > 0) x;
+    IF v_tbl IS NULL THEN
+        RETURN NULL;
+    END IF;
+    {LOCK_KEYS_SHARED}
+    v_rc := {READ_COMMITTED};
+    -- Only the shows Cuebot keeps: a managed show's counters are the Store's display.
+    SELECT {_ARRAYS} {_INTO}
+    FROM (SELECT o.* FROM {_OWED} JOIN show s ON s.pk_show = {_KEY_SHOW} WHERE NOT s.b_scheduler_managed) x;
+    IF v_tbl IS NULL THEN
+        RETURN NULL;
+    END IF;
+    {_TOPUP_LOCKS}
+    -- A fresh statement: at READ COMMITTED it sees every booking that held a row locked above.
+    SELECT {_ARRAYS} {_INTO} FROM (
+        SELECT o.tbl, o.k1, o.k2,
+               CASE WHEN v_rc THEN GREATEST(0, u.cc - COALESCE(c.cc, 0)) ELSE o.cc END AS cc,
+               CASE WHEN v_rc THEN GREATEST(0, u.g - COALESCE(c.g, 0)) ELSE o.g END AS g
+        FROM {_OWED}
+        LEFT JOIN LATERAL ({_COUNTER_NOW}) AS c(cc, g) ON true
+        LEFT JOIN LATERAL ({_PROC_NOW}) AS u(cc, g) ON v_rc
+    ) x WHERE x.cc > 0 OR x.g > 0;
+    IF v_tbl IS NULL THEN
+        RETURN NULL;
+    END IF;
+    PERFORM set_config('{OUTSIDE_TOPUP_SETTING}', 'on', true);
+    WITH a AS (SELECT * FROM {_OWED.replace(" o(", " a(")}),
+    sub_u AS (
+        UPDATE subscription t SET int_cores = t.int_cores + a.cc, int_gpus = t.int_gpus + a.g
+        FROM a WHERE a.tbl = {OUTSIDE_SUB} AND t.pk_show = a.k1 AND t.pk_alloc = a.k2
+        RETURNING t.pk_show, t.pk_alloc, t.int_cores, t.int_burst, a.cc AS add_cc
+    ),
+    layer_u AS (
+        UPDATE layer_resource t SET int_cores = t.int_cores + a.cc, int_gpus = t.int_gpus + a.g
+        FROM a WHERE a.tbl = {OUTSIDE_LAYER} AND t.pk_layer = a.k1
+    ),
+    job_u AS (
+        UPDATE job_resource t SET int_cores = t.int_cores + a.cc, int_gpus = t.int_gpus + a.g
+        FROM a WHERE a.tbl = {OUTSIDE_JOB} AND t.pk_job = a.k1
+        RETURNING t.pk_job, t.int_cores, t.int_gpus, t.int_max_cores, t.int_max_gpus, a.cc AS add_cc, a.g AS add_g
+    ),
+    folder_u AS (
+        UPDATE folder_resource t SET int_cores = t.int_cores + a.cc, int_gpus = t.int_gpus + a.g
+        FROM a WHERE a.tbl = {OUTSIDE_FOLDER} AND t.pk_folder = a.k1
+        RETURNING t.pk_folder, t.int_cores, t.int_gpus, t.int_max_cores, t.int_max_gpus, a.cc AS add_cc, a.g AS add_g
+    ),
+    point_u AS (
+        INSERT INTO point AS t (pk_point, pk_show, pk_dept, int_cores, int_gpus)
+        SELECT gen_random_uuid()::text, a.k1, a.k2, a.cc, a.g FROM a WHERE a.tbl = {OUTSIDE_POINT}
+        ON CONFLICT (pk_show, pk_dept) DO UPDATE
+        SET int_cores = t.int_cores + EXCLUDED.int_cores, int_gpus = t.int_gpus + EXCLUDED.int_gpus
+    )
+    SELECT v.con, v.msg INTO v_constraint, v_message FROM (
+        SELECT 1 AS ord, '{CAP_SUBSCRIPTION_MISSING}' AS con, format(
+            'no subscription for show=%s alloc=%s: cannot book %s centicores', a.k1, a.k2, a.cc) AS msg
+        FROM a WHERE a.tbl = {OUTSIDE_SUB} AND a.cc > 0
+          AND NOT EXISTS (SELECT 1 FROM sub_u u WHERE u.pk_show = a.k1 AND u.pk_alloc = a.k2)
+        UNION ALL
+        SELECT 2, '{CAP_SUBSCRIPTION_BURST}', format(
+            'subscription has exceeded burst size: show=%s alloc=%s cores=%s burst=%s (centicores)',
+            u.pk_show, u.pk_alloc, u.int_cores, u.int_burst)
+        FROM sub_u u WHERE u.add_cc > 0 AND u.int_cores > u.int_burst
+        UNION ALL
+        SELECT 3, '{CAP_FOLDER_MISSING}', format(
+            'no folder_resource row for folder=%s: cannot book %s centicores', a.k1, a.cc)
+        FROM a WHERE a.tbl = {OUTSIDE_FOLDER} AND NOT EXISTS (SELECT 1 FROM folder_u u WHERE u.pk_folder = a.k1)
+        UNION ALL
+        SELECT 4, '{CAP_FOLDER_MAX_CORES}', format(
+            'folder has exceeded max cores: folder=%s cores=%s max_cores=%s (centicores)',
+            u.pk_folder, u.int_cores, u.int_max_cores)
+        FROM folder_u u WHERE u.add_cc > 0 AND u.int_max_cores >= 0 AND u.int_cores > u.int_max_cores
+        UNION ALL
+        SELECT 5, '{CAP_JOB_MISSING}', format('no job_resource row for job=%s: cannot book %s centicores', a.k1, a.cc)
+        FROM a WHERE a.tbl = {OUTSIDE_JOB} AND NOT EXISTS (SELECT 1 FROM job_u u WHERE u.pk_job = a.k1)
+        UNION ALL
+        SELECT 6, '{CAP_JOB_MAX_CORES}', format(
+            'job has exceeded max cores: job=%s cores=%s max_cores=%s (centicores)',
+            u.pk_job, u.int_cores, u.int_max_cores)
+        FROM job_u u WHERE u.add_cc > 0 AND u.int_max_cores >= 0 AND u.int_cores > u.int_max_cores
+        UNION ALL
+        SELECT 7, '{CAP_FOLDER_MAX_GPUS}', format(
+            'folder has exceeded max GPUs: folder=%s gpus=%s max_gpus=%s', u.pk_folder, u.int_gpus, u.int_max_gpus)
+        FROM folder_u u WHERE u.add_g > 0 AND u.int_max_gpus >= 0 AND u.int_gpus > u.int_max_gpus
+        UNION ALL
+        SELECT 8, '{CAP_JOB_MAX_GPUS}', format(
+            'job has exceeded max GPUs: job=%s gpus=%s max_gpus=%s', u.pk_job, u.int_gpus, u.int_max_gpus)
+        FROM job_u u WHERE u.add_g > 0 AND u.int_max_gpus >= 0 AND u.int_gpus > u.int_max_gpus
+    ) v
+    ORDER BY v.ord, v.msg
+    LIMIT 1;
+    PERFORM set_config('{OUTSIDE_TOPUP_SETTING}', '', true);
+    IF v_message IS NOT NULL THEN
+        RAISE EXCEPTION USING MESSAGE = v_message, ERRCODE = 'check_violation', CONSTRAINT = v_constraint;
+    END IF;
+    RETURN NULL;
+"""
+
+
+def outside_ledger_triggers() -> list[pgtrigger.Trigger]:
+    return [
+        pgtrigger.Trigger(
+            name="acct_outside_topup",
+            when=pgtrigger.After,
+            operation=pgtrigger.Insert,
+            level=pgtrigger.Row,
+            timing=pgtrigger.Deferred,
+            declare=[
+                ("v_tbl", "int[]"),
+                ("v_k1", "text[]"),
+                ("v_k2", "text[]"),
+                ("v_cc", "bigint[]"),
+                ("v_g", "bigint[]"),
+                ("v_rc", "boolean"),
+                ("v_constraint", "text"),
+                ("v_message", "text"),
+            ],
+            func=OUTSIDE_TOPUP_FUNC,
         ),
     ]
 

@@ -474,7 +474,8 @@ def make_plan(ref: Catalog, live: Catalog, applied: set[tuple[str, str]], record
     # Constraints: whole on new tables (primary and unique first, foreign keys last); never on Cuebot's.
     order = {"p": 0, "u": 1, "c": 2, "x": 2, "f": 3}
     for (table, name), (typ, definition) in sorted(ref.constraints.items(), key=lambda kv: order.get(kv[1][0], 9)):
-        if typ == "n" or table not in present:
+        # A constraint trigger's constraint ("t") comes with its CREATE CONSTRAINT TRIGGER below.
+        if typ in ("n", "t") or table not in present:
             continue
         if table in cuebot:
             same = any(t == table and d == definition for (t, _n), (_ty, d) in live.constraints.items())

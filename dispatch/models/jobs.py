@@ -158,6 +158,7 @@ class LayerResource(models.Model):
 
     class Meta:
         db_table = "layer_resource"
+        triggers = accounting_triggers.layer_resource_triggers()
 
     def __str__(self) -> str:
         return f"resources of layer {self.layer.str_name}"

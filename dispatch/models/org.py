@@ -122,6 +122,7 @@ class Point(models.Model):
     class Meta:
         db_table = "point"
         constraints = [models.UniqueConstraint(fields=["show", "dept"], name="c_point_pk_show_dept")]
+        triggers = accounting_triggers.point_triggers()
 
     def __str__(self) -> str:
         return f"{self.show_id}:{self.dept_id}"
