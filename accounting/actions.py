@@ -429,11 +429,14 @@ def limit_use() -> list[dict[str, Any]]:
             "id": pk,
             "name": name,
             "max": mx,
+            # What every writer's check compares with: a NULL max, or a negative one on a Cuebot
+            # database (Cuebot reads it as none), is 0 here, whatever `max` says.
+            "max_read": max_read,
             "host_limit": host,
             "running": running,
             "counted_from_procs": counted,
             "frames": frames,
-            "full": mx >= 0 and running >= mx,
+            "full": max_read >= 0 and running >= max_read,
         }
-        for pk, name, mx, host, running, counted, frames in rows
+        for pk, name, mx, host, running, counted, frames, max_read in rows
     ]

@@ -23,6 +23,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from accounting.licences import limit_max
 from accounting.notify import (
     CHANNELS,
     HEARTBEAT_CHANNEL,
@@ -201,6 +202,10 @@ def parse_licence(payload: str) -> LicenceNotice:
     host = data.get("host", False)
     if not isinstance(host, bool):
         raise PayloadError(f"field 'host' must be a boolean, got {type(host).__name__}")
-    max_value = _int(data, "max", INT32_MIN, INT32_MAX)
+    if "max" in data and data["max"] is None:
+        # A limit without a max runs nothing (accounting.licences.limit_max), never unlimited.
+        max_value: int | None = limit_max(None, cuebot=False)
+    else:
+        max_value = _int(data, "max", INT32_MIN, INT32_MAX)
     running = _int(data, "running", 0, INT32_MAX)
     return LicenceNotice(limit, max_value, host, running, False, _xid(data))  # type: ignore[arg-type]

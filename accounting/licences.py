@@ -14,7 +14,7 @@ under that row's lock in its own transaction:
   for), RECOUNTS the limit from `proc` JOIN `layer_limit`: frames, and distinct hosts for a
   `b_host_limit`. The count is therefore never a running sum that can drift: it is SUM(proc)
   of that moment, recomputed under the lock every write of the limit takes;
-* if the count rose and is above `int_max_value` (>= 0), the statement fails with
+* if the count rose and is above the limit's max as `limit_max_sql` reads it (>= 0), the statement fails with
   `check_violation` and the constraint name `acct_limit_max` (the scheduler's batch writer
   then drops exactly that booking). A count that did not rise (a release, a max lowered below
   use) never fails: "refuse new bookings, never negative";
@@ -45,6 +45,7 @@ import pgtrigger
 
 from accounting.notify import LICENCE_CHANNEL, RESYNC_CHANNEL
 from accounting.triggers import (
+    CUEBOT_ACCOUNTS,
     CURRENT_XID,
     EPOCH_BUMP,
     EPOCH_GUARD,
@@ -60,6 +61,55 @@ LIMIT_MAX_CONSTRAINT = "acct_limit_max"
 LIMIT_TABLE = "limit_record"
 LAYER_LIMIT_TABLE = "layer_limit"
 
+
+# --- what a limit's max means: decided here, once for SQL and once for Python ----------------
+#
+# cuesched's own schema reads a negative max as unlimited and 0 as "runs nothing"; its column is
+# NOT NULL. Cuebot starts a frame under a limit only while `sum_running < int_max_value`
+# (FrameDaoJdbc.UPDATE_FRAME_STARTED): a negative max starts nothing, and so does a NULL one (its
+# column is nullable, with no default, and a comparison with NULL is never true). One
+# limit_record row is shared by both on an adopted database, and reading -1 as unlimited there
+# would book without bound what Cuebot never starts. So on a Cuebot database (CUEBOT_ACCOUNTS)
+# a negative max reads as 0, and a NULL max reads as 0 on any schema: the stricter reading.
+# Every reader (the triggers, the Store's reseed and notifications, the feed, why-not-booking,
+# the console, the API) takes the max through one of these two.
+
+
+def limit_max_sql(column: str) -> str:
+    """The max the count is compared with, from a raw `int_max_value`: < 0 unlimited, 0 nothing runs.
+
+    The Cuebot test is an uncorrelated subquery, evaluated once per statement and only when a
+    negative max is met: the recount on every proc write pays nothing for it.
+    """
+    return (
+        f"(CASE WHEN {column} IS NULL THEN 0 WHEN {column} >= 0 THEN {column}"
+        f" WHEN {CUEBOT_ACCOUNTS} THEN 0 ELSE {column} END)"
+    )
+
+
+def limit_max(raw: int | None, *, cuebot: bool) -> int:
+    """`limit_max_sql` for a value already in Python (a notification, a model row)."""
+    if raw is None or (raw < 0 and cuebot):
+        return 0
+    return raw
+
+
+def limit_max_problem(name: str, raw: int | None, *, cuebot: bool) -> str | None:
+    """Why a limit runs nothing although its max does not say 0, or None when it says what it means."""
+    if raw is None:
+        return f"limit {name} has no max (NULL), which Cuebot reads as none: nothing runs under it"
+    if raw < 0 and cuebot:
+        return f"limit {name} has a negative max ({raw}), which Cuebot reads as none: nothing runs under it"
+    return None
+
+
+# The same, in SQL, for the trigger's refusal message and the adoption check.
+LIMIT_MAX_NOTE_SQL = (
+    "(CASE WHEN {col} IS NULL THEN ', no max (NULL), which Cuebot reads as none'"
+    " WHEN {col} < 0 AND " + CUEBOT_ACCOUNTS + " THEN ', a negative max, which Cuebot reads as none'"
+    " ELSE '' END)"
+)
+
 # The use of one limit, from proc: frames, and distinct hosts (what a b_host_limit compares).
 # Local procs count too: a frame run by hand on a workstation holds its licence all the same.
 COUNT_LATERAL = """
@@ -72,11 +122,16 @@ COUNT_LATERAL = """
 # The SQL a reader uses to see every limit's use from proc (the audit, the recompute, the reseed).
 LIMIT_USE_SQL = f"""
 SELECT r.pk_limit_record, r.str_name, r.int_max_value, r.b_host_limit, r.int_running,
-       CASE WHEN r.b_host_limit THEN c.hosts ELSE c.frames END AS counted, c.frames
+       CASE WHEN r.b_host_limit THEN c.hosts ELSE c.frames END AS counted, c.frames,
+       {limit_max_sql("r.int_max_value")} AS max_read
 FROM limit_record r {COUNT_LATERAL}
 """
 
 _DECLARE = [("v_limits", "text[]"), ("v_message", "text"), *LOCK_DECLARE]
+
+
+_MAX_U = limit_max_sql("u.int_max_value")
+_MAX_NEW = limit_max_sql("NEW.int_max_value")
 
 
 def _recount(grow: bool) -> str:
@@ -103,10 +158,11 @@ def _recount(grow: bool) -> str:
         FROM c WHERE t.pk_limit_record = c.pk_limit_record
         RETURNING t.pk_limit_record, t.str_name, t.int_max_value, t.b_host_limit, t.int_running, c.old_running
     )
-    SELECT format('limit %s is full: running=%s max=%s (%s)', u.str_name, u.int_running, u.int_max_value,
-                  CASE WHEN u.b_host_limit THEN 'hosts' ELSE 'frames' END)
+    SELECT format('limit %s is full: running=%s max=%s (%s%s)', u.str_name, u.int_running,
+                  COALESCE(u.int_max_value::text, 'NULL'), CASE WHEN u.b_host_limit THEN 'hosts' ELSE 'frames' END,
+                  {LIMIT_MAX_NOTE_SQL.format(col="u.int_max_value")})
     INTO v_message FROM u
-    WHERE u.int_max_value >= 0 AND u.int_running > u.old_running AND u.int_running > u.int_max_value
+    WHERE {_MAX_U} >= 0 AND u.int_running > u.old_running AND u.int_running > {_MAX_U}
     ORDER BY u.pk_limit_record LIMIT 1;
     {check}"""
 
@@ -316,7 +372,7 @@ def _payload(row: str) -> str:
     return (
         f"'{{\"id\":' || {json_id(row + '.pk_limit_record')}"
         f" || ',\"name\":' || {json_id(row + '.str_name')}"
-        f" || ',\"max\":' || {row}.int_max_value"
+        f" || ',\"max\":' || {limit_max_sql(row + '.int_max_value')}"
         f" || ',\"host\":' || CASE WHEN {row}.b_host_limit THEN 'true' ELSE 'false' END"
         f" || ',\"running\":' || {row}.int_running"
         "|| ',\"xid\":' || v_xid || ',\"seq\":' || v_seq || '}'"
@@ -347,10 +403,12 @@ def limit_record_triggers() -> list[pgtrigger.Trigger]:
     SELECT CASE WHEN NEW.b_host_limit THEN c.hosts ELSE c.frames END, c.frames
     INTO NEW.int_running, NEW.int_frames
     FROM (SELECT NEW.pk_limit_record AS pk_limit_record) r {COUNT_LATERAL};
-    IF NEW.int_max_value >= 0 AND NEW.int_running > NEW.int_max_value THEN
+    IF {_MAX_NEW} >= 0 AND NEW.int_running > {_MAX_NEW} THEN
         RAISE EXCEPTION USING
-            MESSAGE = format('limit %s is full: running=%s max=%s (%s)', NEW.str_name, NEW.int_running,
-                             NEW.int_max_value, CASE WHEN NEW.b_host_limit THEN 'hosts' ELSE 'frames' END),
+            MESSAGE = format('limit %s is full: running=%s max=%s (%s%s)', NEW.str_name, NEW.int_running,
+                             COALESCE(NEW.int_max_value::text, 'NULL'),
+                             CASE WHEN NEW.b_host_limit THEN 'hosts' ELSE 'frames' END,
+                             {LIMIT_MAX_NOTE_SQL.format(col="NEW.int_max_value")}),
             ERRCODE = 'check_violation', CONSTRAINT = '{LIMIT_MAX_CONSTRAINT}';
     END IF;
     RETURN NEW;

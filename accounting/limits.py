@@ -20,10 +20,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import psycopg
 
+from accounting.licences import limit_max_problem, limit_max_sql
 from accounting.store import PgSnapshot, Store
+from accounting.triggers import CUEBOT_ACCOUNTS
 from accounting.units import centicores_to_cores, centicores_to_cores_cap, gpus_cap
 
 logger = logging.getLogger(__name__)
@@ -100,20 +103,43 @@ def read_limits(conn: psycopg.Connection) -> LimitRows:
     return LimitRows(subs=subs, folders=folders, jobs=jobs, pg_snapshot=snap)
 
 
-LICENCES_SQL = "SELECT pk_limit_record, int_max_value, b_host_limit, int_running FROM limit_record"
+LICENCES_SQL = f"""
+SELECT pk_limit_record, str_name, int_max_value, {limit_max_sql("int_max_value")}, b_host_limit, int_running,
+       {CUEBOT_ACCOUNTS}
+FROM limit_record
+"""
+
+
+def _licence_row(row: tuple[Any, ...]) -> tuple[int, bool, int]:
+    """One limit as the Store holds it; a row it cannot read runs nothing (max 0), logged by name.
+
+    The max arrives as `limit_max_sql` reads it, so a NULL or (on a Cuebot database) negative
+    one is 0 already; the raw value is only for the log line, which says why nothing runs there.
+    """
+    pk, name, raw, max_read, host, running, cuebot = row
+    problem = limit_max_problem(name, raw, cuebot=bool(cuebot))
+    if problem is not None:
+        logger.warning("licence reseed: %s (limit_record %s): give it a max", problem, pk)
+    try:
+        return int(max_read), bool(host), int(running)
+    except (TypeError, ValueError):
+        # A count the triggers never write (NULL): the limit is refused until the row is fixed.
+        logger.error("licence reseed: limit_record %s (%s) is unreadable %r: nothing runs under it", pk, name, row)
+        return 0, bool(host), 0
 
 
 def reseed_licences(store: Store, conn: psycopg.Connection) -> dict[str, tuple[int, bool, int]]:
     """Every licence limit's max and database count into the Store, fenced by the read's snapshot.
 
     Limits span shows, so all of them are read, whoever uses them. The count is the triggers'
-    (recounted from proc under the limit's lock by every writer), read as committed.
+    (recounted from proc under the limit's lock by every writer), read as committed. One bad row
+    never stops the read: it is held as running nothing, and the caps' reseed that follows runs.
     """
     incarnation = store.incarnation
     token = store.begin_licence_read()
     try:
         snap = begin_snapshot(conn)
-        rows = {pk: (int(mx), bool(host), int(running)) for pk, mx, host, running in conn.execute(LICENCES_SQL)}
+        rows = {row[0]: _licence_row(row) for row in conn.execute(LICENCES_SQL)}
         conn.execute("COMMIT")
     except BaseException:
         abort_snapshot(conn)

@@ -73,7 +73,7 @@ from django.core.management.base import CommandError
 from django.db import OperationalError, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from accounting.licences import COUNT_LATERAL
+from accounting.licences import COUNT_LATERAL, limit_max_problem, limit_max_sql
 from accounting.triggers import CUEBOT_ACCOUNTS
 from cuesched_project.dburl import url_from_settings
 from dispatch import conf
@@ -332,6 +332,7 @@ class Plan:
     skipped: list[str] = field(default_factory=list)  # what cuesched has and adoption leaves out, and why
     differences: list[str] = field(default_factory=list)  # Cuebot's definition kept where cuesched's differs
     errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # rows an operator should fix first (see limit_warnings)
     missing_cuebot: list[str] = field(default_factory=list)  # Cuebot's objects a later Cuebot version adds
     migrations: list[tuple[str, str]] = field(default_factory=list)
     new_tables: list[str] = field(default_factory=list)
@@ -344,6 +345,7 @@ class Plan:
             else f"no Flyway history: {NO_FLYWAY}"
         ]
         out += [f"ERROR: {e}" for e in self.errors]
+        out += [f"WARNING: {w}" for w in self.warnings]
         out += [
             f"NOT READY: Cuebot's {m} is missing (a later Cuebot migration adds it; adoption leaves it to Flyway):"
             " apply Cuebot's Flyway migrations before starting run_scheduler"
@@ -896,6 +898,7 @@ def adopt(*, apply: bool, using: str = "default") -> Result:
                 step.note = f"{counts[step.name]} rows that cuesched's migrations put there"
         if plan.errors:
             raise AdoptionError("; ".join(plan.errors))
+        plan.warnings = limit_warnings(live)
         result = Result(plan, applied=False, reference_seconds=reference_seconds)
         if not apply:
             return result
@@ -934,6 +937,30 @@ def _phase(step: Step) -> int:
 
 def _step_keys(plan: Plan) -> list[tuple[str, str, str, tuple[str, ...]]]:
     return [s.key() for s in plan.steps if s.kind != "rows"]
+
+
+# Limits whose max does not read as written: a NULL one anywhere, a negative one beside Cuebot.
+LIMIT_MAX_CHECK_SQL = f"""
+SELECT str_name, int_max_value FROM limit_record
+WHERE {limit_max_sql("int_max_value")} IS DISTINCT FROM int_max_value
+ORDER BY str_name
+"""
+
+
+def limit_warnings(conn: BaseDatabaseWrapper) -> list[str]:
+    """Limits that run nothing although their max does not say 0, for the operator to fix first.
+
+    Cuebot starts nothing under a NULL or negative max, and cuesched reads them the same way on
+    its database; an operator who meant "unlimited" by -1 finds out here, not from idle frames.
+    """
+    out = []
+    for name, raw in _rows(conn, LIMIT_MAX_CHECK_SQL):
+        problem = limit_max_problem(name, raw, cuebot=True)
+        out.append(
+            f"{problem} (runs nothing under cuesched as under Cuebot); give it a max: 0 keeps that, "
+            "a large number lets its frames run"
+        )
+    return out
 
 
 def _apply(

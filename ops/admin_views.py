@@ -295,7 +295,8 @@ def shown_value(column: str, value: Any) -> str:
     if column == "notify_enabled":
         return "on" if value else "OFF"
     if column == "int_max_value":
-        return "unlimited" if value < 0 else f"{value} licences"
+        # Negative is unlimited on cuesched's schema only: beside Cuebot nothing runs (licences.limit_max).
+        return f"{value}: unlimited (beside Cuebot: nothing runs)" if value < 0 else f"{value} licences"
     if column == "b_host_limit":
         return "yes" if value else "no"
     if column in ("int_burst", "int_size"):

@@ -12,10 +12,13 @@ from typing import Any
 
 from django.contrib import admin, messages
 from django.core.exceptions import ValidationError
+from django.db.models import QuerySet
+from django.db.models.expressions import RawSQL
 from django.forms import ModelForm
 from django.http import HttpRequest, HttpResponse
 
 from accounting import actions
+from accounting.licences import limit_max, limit_max_sql
 from dispatch.models import LayerLimit, LimitRecord
 from ops import permissions
 from ops.models import LimitRecordEvent
@@ -24,14 +27,33 @@ from ops.readonly_admin import ReadOnlyAdmin
 
 @admin.register(LimitRecord)
 class LimitRecordAdmin(admin.ModelAdmin):
-    list_display = ("str_name", "int_max_value", "b_host_limit", "int_running", "int_frames", "full")
+    list_display = ("str_name", "int_max_value", "max_read_text", "b_host_limit", "int_running", "int_frames", "full")
     search_fields = ("str_name",)
     readonly_fields = ("int_running", "int_frames")
     fields = ("str_name", "int_max_value", "b_host_limit", "int_running", "int_frames")
 
+    def get_queryset(self, request: HttpRequest) -> QuerySet[LimitRecord]:
+        # The max as every writer's check reads it (a NULL one, or a negative one beside Cuebot, runs nothing).
+        return super().get_queryset(request).annotate(max_read=RawSQL(limit_max_sql("limit_record.int_max_value"), ()))
+
+    @staticmethod
+    def _max_read(obj: LimitRecord) -> int:
+        max_read = getattr(obj, "max_read", None)
+        return limit_max(obj.int_max_value, cuebot=False) if max_read is None else max_read
+
     @admin.display(boolean=True, description="full")
     def full(self, obj: LimitRecord) -> bool:
-        return obj.int_max_value >= 0 and obj.int_running >= obj.int_max_value
+        max_read = self._max_read(obj)
+        return max_read >= 0 and obj.int_running >= max_read
+
+    @admin.display(description="max as read")
+    def max_read_text(self, obj: LimitRecord) -> str:
+        max_read = self._max_read(obj)
+        if max_read < 0:
+            return "unlimited"
+        if max_read != obj.int_max_value:
+            return "0: runs nothing (Cuebot reads this max as none)"
+        return str(max_read)
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> tuple[str, ...]:
         # The name is what job specs refer to: set once.

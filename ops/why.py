@@ -26,6 +26,8 @@ from typing import Any
 
 from django.db import connection
 
+from accounting.licences import limit_max_problem, limit_max_sql
+from accounting.triggers import CUEBOT_ACCOUNTS
 from accounting.units import centicores_to_cores
 from dispatch import conf as dispatch_conf
 from dispatch.engine.feed import FRAME_READY
@@ -80,8 +82,9 @@ FROM host h JOIN host_stat hs ON hs.pk_host = h.pk_host JOIN alloc a ON a.pk_all
 WHERE EXISTS (SELECT 1 FROM host_tag t WHERE t.pk_host = h.pk_host AND t.str_tag = ANY(%(tags)s::text[]))
 """
 # The licence limits of layers, with their use (the triggers' count, what every writer checks).
-LAYER_LIMITS_SQL = """
-SELECT ll.pk_layer, r.str_name, r.int_running, r.int_max_value, r.b_host_limit
+LAYER_LIMITS_SQL = f"""
+SELECT ll.pk_layer, r.str_name, r.int_running, r.int_max_value, r.b_host_limit,
+       {limit_max_sql("r.int_max_value")}, {CUEBOT_ACCOUNTS}
 FROM layer_limit ll JOIN limit_record r ON r.pk_limit_record = ll.pk_limit_record
 WHERE ll.pk_layer = ANY(%(layers)s::text[])
 ORDER BY ll.pk_layer, r.str_name
@@ -349,18 +352,24 @@ def explain_job(job: str, view: dict[str, Any] | None, *, layer: str | None = No
 def _limit_reason(why: Why, ready_layers: list[tuple[Any, ...]]) -> None:
     """Every ready layer holds a licence limit that is full: name them with their numbers."""
     full: dict[str, list[str]] = {}
-    for pk_layer, name, running, max_value, host in _all(LAYER_LIMITS_SQL, {"layers": [r[0] for r in ready_layers]}):
-        if max_value >= 0 and running >= max_value:
-            full.setdefault(pk_layer, []).append(f"{name} {running}/{max_value} {'hosts' if host else 'frames'}")
+    problems: set[str] = set()
+    rows = _all(LAYER_LIMITS_SQL, {"layers": [r[0] for r in ready_layers]})
+    for pk_layer, name, running, raw, host, max_read, cuebot in rows:
+        if max_read >= 0 and running >= max_read:
+            problem = limit_max_problem(name, raw, cuebot=cuebot)
+            if problem is not None:
+                problems.add(problem)
+                full.setdefault(pk_layer, []).append(problem)
+            else:
+                full.setdefault(pk_layer, []).append(f"{name} {running}/{max_read} {'hosts' if host else 'frames'}")
     if not full or any(r[0] not in full for r in ready_layers):
         return
     names = sorted({text for texts in full.values() for text in texts})
+    hint = "Raise the limit's max value, or wait for frames holding it to finish."
+    if problems:
+        hint = "Give the limit a max (a large number for unlimited beside Cuebot); " + hint
     why.reasons.append(
-        Reason(
-            "limit_full",
-            f"Every ready layer holds a licence limit that is full: {', '.join(names)}.",
-            "Raise the limit's max value, or wait for frames holding it to finish.",
-        )
+        Reason("limit_full", f"Every ready layer holds a licence limit that is full: {', '.join(names)}.", hint)
     )
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import psycopg
 
+from accounting.licences import limit_max_sql
 from dispatch import conf
 from dispatch.engine.placement import ALL, CENTI, Demand, HostRec, Shard, in_shard, parse_tags, shard_params
 
@@ -41,11 +42,14 @@ LAYER_LIMITS_COLUMN = (
     "ARRAY(SELECT ll.pk_limit_record FROM layer_limit ll WHERE ll.pk_layer = l.pk_layer"
     " ORDER BY ll.pk_limit_record) AS limits"
 )
-LAYER_LIMITS_FILTER = """NOT EXISTS (
+# The max is read as accounting.licences reads it (a NULL one, or a negative one on a Cuebot
+# database, lets nothing run).
+_MAX = limit_max_sql("r.int_max_value")
+LAYER_LIMITS_FILTER = f"""NOT EXISTS (
     SELECT 1 FROM layer_limit ll JOIN limit_record r ON r.pk_limit_record = ll.pk_limit_record
     WHERE ll.pk_layer = l.pk_layer
       AND (r.pk_limit_record = ANY(%(skip_limits)s::text[])
-           OR (r.int_max_value >= 0 AND r.int_running >= r.int_max_value)))"""
+           OR ({_MAX} >= 0 AND r.int_running >= {_MAX})))"""
 
 # The top jobs first (job-level filters only, so the sort and the limit see one row per job),
 # then their layers. Whether a layer has WAITING frames is left to the frame query, which
@@ -136,7 +140,7 @@ WITH live_sub AS (
     AND j.b_auto_book AND NOT s.b_paused AND s.b_booking_enabled AND s.b_dispatch_enabled
     AND (s.b_scheduler_managed OR NOT %(managed_only)s)
     AND NOT (j.pk_job = ANY(%(skip_jobs)s::text[]))
-    AND {in_shard('j.pk_job')}
+    AND {in_shard("j.pk_job")}
     AND NOT (j.pk_show = ANY(%(skip_shows)s::text[]))
     AND NOT (j.pk_folder = ANY(%(skip_folders)s::text[]))
     -- Some subscription with room (and, with check_hosts, a free host that fits) on one allocation.

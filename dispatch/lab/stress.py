@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 
 from accounting import db, live, singleton
+from accounting.licences import limit_max_sql
 from accounting.scheduler import SchedulerOptions, SchedulerProcess
 from accounting.service import AccountingService
 from accounting.units import centicores_to_cores
@@ -100,7 +101,7 @@ PHASE_LETTERS: dict[str, str] = {
 
 # SUM(proc) of the farm's shows against every cap, in one statement (one snapshot); only the
 # rows over the cap come back: (vertex, key, booked centicores, cap centicores, newest booking).
-WATCH_SQL = """
+WATCH_SQL = f"""
 WITH p AS (
   SELECT p.pk_show, h.pk_alloc, j.pk_folder, p.pk_job, p.int_cores_reserved AS c, p.ts_dispatched AS decided
   FROM proc p JOIN host h ON h.pk_host = p.pk_host JOIN job j ON j.pk_job = p.pk_job
@@ -122,13 +123,13 @@ JOIN job_resource jr ON jr.pk_job = x.pk_job
 WHERE jr.int_max_cores >= 0 AND x.c > jr.int_max_cores
 UNION ALL
 -- Licence limits span shows: every limit, counted from proc (frames, or hosts) against its max.
-SELECT 'limit', r.pk_limit_record, c.counted, r.int_max_value, EXTRACT(EPOCH FROM c.last)::float8
+SELECT 'limit', r.pk_limit_record, c.counted, {limit_max_sql("r.int_max_value")}, EXTRACT(EPOCH FROM c.last)::float8
 FROM limit_record r CROSS JOIN LATERAL (
   SELECT CASE WHEN r.b_host_limit THEN count(DISTINCT p.pk_host) ELSE count(*) END AS counted,
          max(p.ts_dispatched) AS last
   FROM layer_limit ll JOIN proc p ON p.pk_layer = ll.pk_layer WHERE ll.pk_limit_record = r.pk_limit_record
 ) c
-WHERE r.int_max_value >= 0 AND c.counted > r.int_max_value
+WHERE {limit_max_sql("r.int_max_value")} >= 0 AND c.counted > {limit_max_sql("r.int_max_value")}
 """
 
 # SUM(proc) per Store key of the farm: (vertex, key, centicores, gpus).

@@ -17,7 +17,7 @@ import psycopg
 import pytest
 from psycopg import errors as pg_errors
 
-from accounting.licences import LIMIT_MAX_CONSTRAINT, LIMIT_USE_SQL
+from accounting.licences import LIMIT_MAX_CONSTRAINT, LIMIT_USE_SQL, limit_max
 from dispatch.models import LayerLimit, LimitRecord
 from tests.integration import farm_fixtures as ff
 from tests.integration.runtime_support import autocommit_conn
@@ -64,6 +64,17 @@ def _limited_farm(*, max_value: int, host_limit: bool = False, frames: int = 10,
     LayerLimit.objects.create(layer=farm.layer, limit=limit)
     extra = [ff.create_host(farm.alloc) for _ in range(hosts - 1)]
     return farm, limit, [farm.host, *extra]
+
+
+def test_a_negative_max_is_unlimited_on_cuesched_schema(conn: psycopg.Connection) -> None:
+    """Only beside Cuebot does a negative max run nothing; here it counts and never refuses,
+    and the SQL reading every writer uses agrees with the Python one."""
+    farm, limit, (host,) = _limited_farm(max_value=-1)
+    for f in farm.frames[:4]:
+        _insert_proc(conn, host.pk, f)
+    assert _running(conn, limit) == (4, 4)
+    row = conn.execute(LIMIT_USE_SQL + " WHERE r.pk_limit_record = %s", (limit.pk,)).fetchone()
+    assert row is not None and row[2] == row[7] == limit_max(-1, cuebot=False) == -1
 
 
 @pytest.mark.parametrize("managed", [False, True])

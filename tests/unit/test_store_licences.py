@@ -117,3 +117,23 @@ def test_licence_payloads_parse_and_bad_ones_are_refused() -> None:
     ):
         with pytest.raises(PayloadError):
             parse_licence(bad)
+
+
+def test_a_licence_payload_without_a_max_runs_nothing() -> None:
+    """A NULL max (Cuebot's column allows one) reads as 0, never as unlimited nor as a dropped message."""
+    from accounting.channels import parse_licence
+
+    notice = parse_licence(f'{{"id":"{L}","name":"arnold","max":null,"host":false,"running":0,"xid":9,"seq":1}}')
+    assert notice.max == 0
+    store = _store(notice.max)
+    assert store.full_licences() == [L]
+
+
+def test_one_reading_of_a_limit_max_in_python() -> None:
+    from accounting.licences import limit_max, limit_max_problem
+
+    assert [limit_max(v, cuebot=False) for v in (None, -5, -1, 0, 3)] == [0, -5, -1, 0, 3]
+    assert [limit_max(v, cuebot=True) for v in (None, -5, -1, 0, 3)] == [0, 0, 0, 0, 3]
+    assert limit_max_problem("arnold", -1, cuebot=False) is None
+    assert "no max" in (limit_max_problem("arnold", None, cuebot=False) or "")
+    assert "negative max" in (limit_max_problem("arnold", -1, cuebot=True) or "")
