@@ -74,7 +74,7 @@ from django.db import OperationalError, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from accounting.licences import COUNT_LATERAL, limit_max_problem, limit_max_sql
-from accounting.triggers import CUEBOT_ACCOUNTS
+from accounting.triggers import CUEBOT_ACCOUNTS, NORMALIZE_CUEBOT_JOB_CAPS_SQL
 from cuesched_project.dburl import url_from_settings
 from dispatch import conf
 
@@ -152,6 +152,17 @@ LICENCE_RECOUNT = [
     FROM (SELECT r.pk_limit_record, c.frames, c.hosts FROM limit_record r {COUNT_LATERAL}) x
     WHERE t.pk_limit_record = x.pk_limit_record""",
 ]
+
+# A migration's data step, which adoption runs (after the triggers) in the transaction that
+# records the migration as applied: the schema part of a migration reaches an adopted database
+# through the catalog diff, but its RunSQL on existing rows would be skipped with it, and a row
+# the new triggers assume rewritten would stay as it was.
+DATA_STEPS: dict[tuple[str, str], tuple[str, str]] = {
+    ("dispatch", "0016_cuebot_job_caps"): (
+        "job caps written as -1 before, which Cuebot can never book, stored as its unlimited",
+        NORMALIZE_CUEBOT_JOB_CAPS_SQL,
+    ),
+}
 
 _PGTRIGGER_NAME = re.compile(r"^pgtrigger_(?P<name>.+)_[0-9a-f]{5}$")
 # Every function pgtrigger compiles opens with this guard; no Cuebot function calls it.
@@ -529,6 +540,10 @@ def make_plan(ref: Catalog, live: Catalog, applied: set[tuple[str, str]], record
             plan.steps.append(Step("rows", table, [], note="the rows cuesched's migrations put there"))
 
     plan.migrations = [m for m in recorded if m not in applied]
+    for migration in plan.migrations:
+        if migration in DATA_STEPS:
+            note, sql = DATA_STEPS[migration]
+            plan.steps.append(Step("data", f"{migration[0]}.{migration[1]}", [sql], note=note))
     return plan
 
 
@@ -898,7 +913,7 @@ def adopt(*, apply: bool, using: str = "default") -> Result:
                 step.note = f"{counts[step.name]} rows that cuesched's migrations put there"
         if plan.errors:
             raise AdoptionError("; ".join(plan.errors))
-        plan.warnings = limit_warnings(live)
+        plan.warnings = limit_warnings(live) + job_cap_warnings(live)
         result = Result(plan, applied=False, reference_seconds=reference_seconds)
         if not apply:
             return result
@@ -927,7 +942,7 @@ def _phase(step: Step) -> int:
         return 0
     if step.kind == "function" and step.verb == "drop":
         return 4
-    if step.kind == "trigger":
+    if step.kind in ("trigger", "data"):
         return 3 if step.verb == "drop" else 5
     order = ("sequence", "table", "column", "recount", "function", "view")
     if step.kind in order:
@@ -945,6 +960,29 @@ SELECT str_name, int_max_value FROM limit_record
 WHERE {limit_max_sql("int_max_value")} IS DISTINCT FROM int_max_value
 ORDER BY str_name
 """
+
+
+# Cuebot books nothing of a job whose max is negative (its verify_job_resources refuses any
+# increase, its dispatcher reads int_cores < int_max_cores); cuesched reads a negative cap as
+# unlimited, and adoption stores it as Cuebot's unlimited (DATA_STEPS). Said before it happens.
+NEGATIVE_JOB_CAPS_SQL = """
+SELECT j.str_name FROM job_resource jr JOIN job j ON j.pk_job = jr.pk_job
+WHERE (jr.int_max_cores < 0 OR jr.int_max_gpus < 0) AND j.str_state <> 'FINISHED'
+ORDER BY j.str_name
+"""
+
+
+def job_cap_warnings(conn: BaseDatabaseWrapper) -> list[str]:
+    """Unfinished jobs with a negative max that adoption will make unlimited, by name."""
+    names = [r[0] for r in _rows(conn, NEGATIVE_JOB_CAPS_SQL)]
+    if not names:
+        return []
+    shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+    return [
+        f"{len(names)} unfinished job(s) have a negative max cores or GPUs, which Cuebot books nothing of: "
+        f"{shown}; cuesched reads a negative job cap as unlimited and stores it as 2147483647, which Cuebot "
+        "reads as unlimited too: set a max of 0 on any of them that must stay stopped before --apply"
+    ]
 
 
 def limit_warnings(conn: BaseDatabaseWrapper) -> list[str]:
@@ -1003,7 +1041,7 @@ def _apply(
         rows = _copy_rows(ref, live, [s.name for s in plan.steps if s.kind == "rows"], ref_cat)
         with live.cursor() as cur:
             for phase in (2, 3, 4, 5):
-                for kind in ("constraint", "index", "trigger", "function"):
+                for kind in ("constraint", "index", "trigger", "function", "data"):
                     for step in plan.steps:
                         if step.kind == kind and _phase(step) == phase:
                             for sql in step.sql:

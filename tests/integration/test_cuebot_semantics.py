@@ -385,3 +385,30 @@ def test_an_unmarked_writer_cannot_grow_or_move_a_managed_proc_either(
     )
     conn.execute("UPDATE proc SET int_cores_reserved = 100 WHERE pk_proc = %s", (pk,))
     conn.execute("DELETE FROM proc WHERE pk_proc = %s", (pk,))
+
+
+def test_readoption_rewrites_the_negative_job_caps_its_migration_would_have(
+    cuebot_url: str, conn: psycopg.Connection
+) -> None:
+    """dispatch 0016's RunSQL rewrites job caps left at -1 before its trigger existed. Adoption
+    records migrations instead of running them, so on a database adopted before 0016 that step
+    was skipped: such a job stayed at -1, never picked by Cuebot's dispatcher (a SELECT, which
+    the trigger never sees). Re-adoption now runs the migration's data step and says so first."""
+    farm = Farm(conn)
+    (trigger,) = conn.execute(
+        "SELECT tgname FROM pg_trigger WHERE tgrelid = 'job_resource'::regclass "
+        "AND tgname LIKE 'pgtrigger_cuebot_job_caps_unlimited_%'"
+    ).fetchone()
+    conn.execute(f"ALTER TABLE job_resource DISABLE TRIGGER {trigger}")
+    try:
+        conn.execute("UPDATE job_resource SET int_max_cores = -1 WHERE pk_job = %s", (farm.job,))
+    finally:
+        conn.execute(f"ALTER TABLE job_resource ENABLE TRIGGER {trigger}")
+    conn.execute("DELETE FROM django_migrations WHERE app = 'dispatch' AND name = '0016_cuebot_job_caps'")
+    check = manage(cuebot_url, "adopt_cuebot_db", "--check").stdout
+    assert "add data dispatch.0016_cuebot_job_caps" in check, check
+    assert "negative max cores or GPUs, which Cuebot books nothing of" in check, check
+    assert _caps(conn, farm.job)[0] == -1  # --check wrote nothing
+    manage(cuebot_url, "adopt_cuebot_db", "--apply")
+    assert _caps(conn, farm.job)[0] == INT_MAX
+    assert "nothing to add" in manage(cuebot_url, "adopt_cuebot_db", "--check").stdout
