@@ -83,7 +83,13 @@ CORE_MULTIPLIER = 100  # centicores per core, as Cuebot's CENTICORES_PER_CORE
 
 # The kill switch. A missing row reads as on: a notification is only a hint, an extra one is safe.
 NOTIFY_ENABLED = f"COALESCE((SELECT notify_enabled FROM {SETTINGS_TABLE} WHERE id = 1), true)"
-STORE_ACCOUNTED = f"COALESCE(current_setting('{STORE_ACCOUNTED_SETTING}', true), '') = 'on'"
+# cuesched's connections carry `cuesched.writer=on` from their start (WRITER_OPTION below); the
+# Store-accounted marker is honoured only together with it, so a psql session or Cuebot that sets
+# the marker alone (set_config by any connection) is accounted like any other writer. Two
+# current_setting reads, no table read: the managed booking hot path does not notice them.
+WRITER_SETTING = "cuesched.writer"
+WRITER_ON = f"COALESCE(current_setting('{WRITER_SETTING}', true), '') = 'on'"
+STORE_ACCOUNTED = f"(COALESCE(current_setting('{STORE_ACCOUNTED_SETTING}', true), '') = 'on' AND {WRITER_ON})"
 READ_COMMITTED = "current_setting('transaction_isolation') = 'read committed'"
 CURRENT_XID = "pg_current_xact_id()::text::bigint"
 # Next value of the transaction-local payload counter (reset by COMMIT / ROLLBACK).
@@ -362,6 +368,7 @@ CAP_JOB_MISSING = "acct_job_missing"
 CAP_JOB_MAX_CORES = "acct_job_max_cores"
 CAP_FOLDER_MAX_GPUS = "acct_folder_max_gpus"
 CAP_JOB_MAX_GPUS = "acct_job_max_gpus"
+CAP_LAYER_MISSING = "acct_layer_missing"  # beside Cuebot only: the outside top-up
 CAP_CONSTRAINTS = frozenset(
     {
         CAP_SUBSCRIPTION_MISSING,
@@ -372,6 +379,7 @@ CAP_CONSTRAINTS = frozenset(
         CAP_JOB_MAX_CORES,
         CAP_FOLDER_MAX_GPUS,
         CAP_JOB_MAX_GPUS,
+        CAP_LAYER_MISSING,
     }
 )
 
@@ -491,9 +499,8 @@ DB_APPLY = f"""
 CUEBOT_ACCOUNTS = (
     "EXISTS (SELECT 1 FROM pg_trigger WHERE tgname = 'verify_subscription' AND tgrelid = to_regclass('subscription'))"
 )
-WRITER_SETTING = "cuesched.writer"
 WRITER_OPTION = f"-c {WRITER_SETTING}=on"
-CUEBOT_WRITES = f"(COALESCE(current_setting('{WRITER_SETTING}', true), '') <> 'on' AND {CUEBOT_ACCOUNTS})"
+CUEBOT_WRITES = f"(NOT {WRITER_ON} AND {CUEBOT_ACCOUNTS})"
 
 # --- beside Cuebot: writers that count nothing themselves ----------------------------------------
 # Standing down for every unmarked writer trusted that writer to be Cuebot, whose Java updates the
@@ -508,25 +515,31 @@ CUEBOT_WRITES = f"(COALESCE(current_setting('{WRITER_SETTING}', true), '') <> 'o
 # Rows are the transaction's own (keyed by its xid), so a rollback, or a rollback to a savepoint,
 # takes them back together with the writes they describe.
 OUTSIDE_LEDGER_TABLE = "cuesched_outside_ledger"
-# Set around the top-up's own counter writes, which the counter triggers must not record.
-OUTSIDE_TOPUP_SETTING = "cuesched.outside_topup"
 # tbl: the counter table, numbered in the order Cuebot's procCreated updates them (and the top-up
 # locks them): subscription, layer_resource, job_resource, folder_resource, point.
 OUTSIDE_SUB, OUTSIDE_LAYER, OUTSIDE_JOB, OUTSIDE_FOLDER, OUTSIDE_POINT = 1, 2, 3, 4, 5
+# cc, g: what the transaction still owes the row; bc, bg: what its proc writes booked on the row's
+# key (net), which decides whether the top-up checks the row's cap (a transaction that booked
+# nothing there, as Cuebot's recalculate_subs(), cannot breach it and is not refused).
 _LEDGER_UPSERT = f"""
-    INSERT INTO {OUTSIDE_LEDGER_TABLE} AS t (xid, tbl, k1, k2, cc, g)
-    SELECT {CURRENT_XID}, x.tbl, x.k1, x.k2, SUM(x.cc)::bigint, SUM(x.g)::bigint
-    FROM ({{owed}}) AS x(tbl, k1, k2, cc, g)
-    GROUP BY x.tbl, x.k1, x.k2 HAVING SUM(x.cc) <> 0 OR SUM(x.g) <> 0
+    INSERT INTO {OUTSIDE_LEDGER_TABLE} AS t (xid, tbl, k1, k2, cc, g, bc, bg)
+    SELECT {CURRENT_XID}, x.tbl, x.k1, x.k2, SUM(x.cc)::bigint, SUM(x.g)::bigint, SUM(x.bc)::bigint, SUM(x.bg)::bigint
+    FROM ({{owed}}) AS x(tbl, k1, k2, cc, g, bc, bg)
+    GROUP BY x.tbl, x.k1, x.k2 HAVING SUM(x.cc) <> 0 OR SUM(x.g) <> 0 OR SUM(x.bc) <> 0 OR SUM(x.bg) <> 0
     ORDER BY x.tbl, x.k1, x.k2
-    ON CONFLICT (xid, tbl, k1, k2) DO UPDATE SET cc = t.cc + EXCLUDED.cc, g = t.g + EXCLUDED.g;"""
+    ON CONFLICT (xid, tbl, k1, k2) DO UPDATE
+    SET cc = t.cc + EXCLUDED.cc, g = t.g + EXCLUDED.g, bc = t.bc + EXCLUDED.bc, bg = t.bg + EXCLUDED.bg;"""
 RECORD_OUTSIDE = _LEDGER_UPSERT.format(
-    owed=f"""
-        SELECT {OUTSIDE_SUB}, d.pk_show, d.pk_alloc, d.cc, d.g FROM {DELTAS} WHERE NOT d.managed
-        UNION ALL SELECT {OUTSIDE_LAYER}, d.pk_layer, '', d.cc, d.g FROM {DELTAS} WHERE NOT d.managed
-        UNION ALL SELECT {OUTSIDE_JOB}, d.pk_job, '', d.cc, d.g FROM {DELTAS} WHERE NOT d.managed
-        UNION ALL SELECT {OUTSIDE_FOLDER}, d.pk_folder, '', d.cc, d.g FROM {DELTAS} WHERE NOT d.managed
-        UNION ALL SELECT {OUTSIDE_POINT}, d.pk_show, d.pk_dept, d.cc, d.g FROM {DELTAS} WHERE NOT d.managed"""
+    owed="\n        UNION ALL ".join(
+        f"SELECT {tbl}, {k1}, {k2}, d.cc, d.g, d.cc, d.g FROM {DELTAS} WHERE NOT d.managed"
+        for tbl, k1, k2 in (
+            (OUTSIDE_SUB, "d.pk_show", "d.pk_alloc"),
+            (OUTSIDE_LAYER, "d.pk_layer", "''"),
+            (OUTSIDE_JOB, "d.pk_job", "''"),
+            (OUTSIDE_FOLDER, "d.pk_folder", "''"),
+            (OUTSIDE_POINT, "d.pk_show", "d.pk_dept"),
+        )
+    )
 )
 
 APPLY_UNMANAGED = f"""
@@ -750,17 +763,37 @@ MANAGED_BOOKED_OUTSIDE = "acct_managed_show_booked_outside"
 MANAGED_GROWN = f"""SELECT d.pk_show FROM {DELTAS} WHERE d.managed
     GROUP BY d.pk_show, d.pk_alloc, d.pk_folder, d.pk_job, d.pk_layer, d.pk_dept
     HAVING SUM(d.cc) > 0 OR SUM(d.g) > 0"""
-REFUSE_CUEBOT_BOOKING_OF_MANAGED = f"""
+
+
+def refuse_cuebot_booking_of_managed(message: str, hint: str) -> str:
+    """The refusal, with what the operator should do for this kind of write."""
+    return f"""
     IF true = ANY(v_managed) AND {CUEBOT_WRITES}
        AND EXISTS ({MANAGED_GROWN}) THEN
         RAISE EXCEPTION USING
-            MESSAGE = format('cuesched: show %s is scheduler-managed: its frames are booked by cuesched, not Cuebot',
-                             ({MANAGED_GROWN} LIMIT 1)),
-            HINT = 'Only cuesched (connections with {WRITER_SETTING}=on) books a managed show''s capacity, and '
-                   'nothing was written; a Cuebot transaction that read the show as unmanaged before a flip '
-                   'to the scheduler meets this.',
+            MESSAGE = format('{message}', ({MANAGED_GROWN} LIMIT 1)),
+            HINT = '{hint}',
             ERRCODE = 'check_violation', CONSTRAINT = '{MANAGED_BOOKED_OUTSIDE}';
     END IF;"""
+
+
+REFUSE_CUEBOT_BOOKING_OF_MANAGED = refuse_cuebot_booking_of_managed(
+    "cuesched: show %s is scheduler-managed: its frames are booked by cuesched, not Cuebot",
+    f"Only cuesched (connections with {WRITER_SETTING}=on) books a managed show''s capacity, and "
+    "nothing was written; a Cuebot transaction that read the show as unmanaged before a flip "
+    "to the scheduler meets this.",
+)
+# A host moved to another allocation (HostDaoJdbc.updateHostSetAllocation, `cueadmin -move`) or a
+# job to another folder or department (JobDaoJdbc.updateParent, updateDepartment) by anyone but
+# cuesched books the running procs of a managed show on the new subscription, folder or point:
+# the Store would be sent those cores unchecked against the new key's cap, and SUM(proc) could
+# pass its burst. The same refusal as a booking, for the keys the move grows (net, per key).
+REFUSE_CUEBOT_MOVE_OF_MANAGED = refuse_cuebot_booking_of_managed(
+    "cuesched: frames of scheduler-managed show %s run here: moving them to another allocation, "
+    "folder or department would book them past the Store''s caps",
+    "Nothing was moved. Move it once the managed show''s frames on it have ended, or flip the show "
+    "back to Cuebot first (the console''s flip page); the move is then checked against its caps.",
+)
 
 PROC_INSERT_FUNC = usage_func(
     PROC_INSERT_KEYED,
@@ -854,6 +887,7 @@ def _move_trigger(
         func=usage_func(
             keyed,
             prologue=f"{_refuse_unless_read_committed(what)}\n    {check}\n    {LOCK_KEYS_EXCLUSIVE}\n    {EPOCH_BUMP}",
+            keyed_check=REFUSE_CUEBOT_MOVE_OF_MANAGED,
         ),
     )
 
@@ -1090,7 +1124,7 @@ def subscription_triggers() -> list[pgtrigger.Trigger]:
     return [
         *_limit_triggers("sub", "subscription", _SUB),
         *usage_guard_triggers("subscription"),
-        counter_outside_trigger("subscription"),
+        *counter_outside_triggers("subscription"),
     ]
 
 
@@ -1098,7 +1132,7 @@ def folder_resource_triggers() -> list[pgtrigger.Trigger]:
     return [
         *_limit_triggers("folder", "folder_resource", _FOLDER),
         *usage_guard_triggers("folder_resource"),
-        counter_outside_trigger("folder_resource"),
+        *counter_outside_triggers("folder_resource"),
     ]
 
 
@@ -1107,7 +1141,7 @@ def job_resource_triggers() -> list[pgtrigger.Trigger]:
         *_limit_triggers("job", "job_resource", _JOB),
         *usage_guard_triggers("job_resource"),
         cuebot_job_caps_trigger(),
-        counter_outside_trigger("job_resource"),
+        *counter_outside_triggers("job_resource"),
     ]
 
 
@@ -1251,37 +1285,44 @@ _OUTSIDE_COUNTERS = {
     "folder_resource": (OUTSIDE_FOLDER, "pk_folder_resource", "pk_folder", None),
     "point": (OUTSIDE_POINT, "pk_point", "pk_show", "pk_dept"),
 }
-_NOT_OUTSIDE = (
-    f"COALESCE(current_setting('{WRITER_SETTING}', true), '') = 'on' "
-    f"OR COALESCE(current_setting('{OUTSIDE_TOPUP_SETTING}', true), '') = 'on'"
-)
 
 
-def counter_outside_func(table: str) -> str:
+def counter_outside_func(table: str, operation: str) -> str:
     """What anybody else changed in a counter row, subtracted from what the transaction owes it.
 
     Cuebot's procCreated adds a proc's cores to the five rows itself: that change pays the
     proc's debt, so its booking owes nothing at commit. A row moved to another key (a
-    subscription to another allocation) pays the new key and charges the old one back.
-    cuesched's own writers and the top-up's write are not recorded: neither leaves a debt.
+    subscription to another allocation) pays the new key and charges the old one back; a row
+    deleted owes its old value back and a row inserted pays its new one, so a row deleted and
+    inserted again under running procs is topped back to SUM(proc) at commit (cuesched's
+    acct_usage_seed is Cuebot's to do on these tables and is not installed beside it). Every
+    writer but cuesched's own is recorded, the top-up included: it empties the transaction's
+    rows after its own writes, so they leave no debt and cannot be exempted by a setting.
     """
     tbl, pk, k1, k2 = _OUTSIDE_COUNTERS[table]
     keys = [k1] if k2 is None else [k1, k2]
-    changed = (
-        f"FROM new_rows n JOIN old_rows o ON o.{pk} = n.{pk} WHERE "
-        f"ROW(n.int_cores, n.int_gpus, {', '.join('n.' + k for k in keys)}) IS DISTINCT FROM "
-        f"ROW(o.int_cores, o.int_gpus, {', '.join('o.' + k for k in keys)})"
-    )
 
     def key(alias: str) -> str:
         return f"{alias}.{k1}, " + (f"{alias}.{k2}" if k2 else "''")
 
-    owed = f"""
-        SELECT {tbl}, {key("n")}, -n.int_cores::bigint, -n.int_gpus::bigint {changed}
+    if operation == "UPDATE":
+        changed = (
+            f"FROM new_rows n JOIN old_rows o ON o.{pk} = n.{pk} WHERE "
+            f"ROW(n.int_cores, n.int_gpus, {', '.join('n.' + k for k in keys)}) IS DISTINCT FROM "
+            f"ROW(o.int_cores, o.int_gpus, {', '.join('o.' + k for k in keys)})"
+        )
+        owed = f"""
+        SELECT {tbl}, {key("n")}, -n.int_cores::bigint, -n.int_gpus::bigint, 0, 0 {changed}
         UNION ALL
-        SELECT {tbl}, {key("o")}, o.int_cores::bigint, o.int_gpus::bigint {changed}"""
+        SELECT {tbl}, {key("o")}, o.int_cores::bigint, o.int_gpus::bigint, 0, 0 {changed}"""
+    elif operation == "INSERT":
+        changed = "FROM new_rows n WHERE n.int_cores <> 0 OR n.int_gpus <> 0"
+        owed = f"SELECT {tbl}, {key('n')}, -n.int_cores::bigint, -n.int_gpus::bigint, 0, 0 {changed}"
+    else:
+        changed = "FROM old_rows o WHERE o.int_cores <> 0 OR o.int_gpus <> 0"
+        owed = f"SELECT {tbl}, {key('o')}, o.int_cores::bigint, o.int_gpus::bigint, 0, 0 {changed}"
     return f"""
-    IF {_NOT_OUTSIDE} THEN
+    IF {WRITER_ON} THEN
         RETURN NULL;
     END IF;
     IF NOT EXISTS (SELECT 1 {changed}) OR NOT {CUEBOT_ACCOUNTS} THEN
@@ -1292,23 +1333,78 @@ def counter_outside_func(table: str) -> str:
 """
 
 
-def counter_outside_trigger(table: str) -> pgtrigger.Trigger:
-    return pgtrigger.Trigger(
-        name="acct_outside_paid",
-        when=pgtrigger.After,
-        operation=pgtrigger.Update,
-        level=pgtrigger.Statement,
-        referencing=pgtrigger.Referencing(old="old_rows", new="new_rows"),
-        func=counter_outside_func(table),
+# A TRUNCATE of a counter table has no transition table: beside Cuebot, an unmarked one owes every
+# row of the table SUM(proc) of its key (unmanaged shows' live procs), settled at commit like any
+# debt: a table emptied and filled again (a restore script) is topped back to SUM(proc), and one
+# left empty under running procs is refused (the top-up's missing-row check). cuesched's own
+# TRUNCATE triggers on subscription, folder_resource and job_resource still send acct_resync.
+_TRUNCATE_OWED = {
+    "subscription": f"""
+        SELECT {OUTSIDE_SUB}, p.pk_show, h.pk_alloc, p.int_cores_reserved::bigint, p.int_gpus_reserved::bigint
+        FROM proc p JOIN host h ON h.pk_host = p.pk_host""",
+    "layer_resource": f"""
+        SELECT {OUTSIDE_LAYER}, p.pk_layer, '', p.int_cores_reserved::bigint, p.int_gpus_reserved::bigint
+        FROM proc p""",
+    "job_resource": f"""
+        SELECT {OUTSIDE_JOB}, p.pk_job, '', p.int_cores_reserved::bigint, p.int_gpus_reserved::bigint FROM proc p""",
+    "folder_resource": f"""
+        SELECT {OUTSIDE_FOLDER}, j.pk_folder, '', p.int_cores_reserved::bigint, p.int_gpus_reserved::bigint
+        FROM proc p JOIN job j ON j.pk_job = p.pk_job""",
+    "point": f"""
+        SELECT {OUTSIDE_POINT}, p.pk_show, j.pk_dept, p.int_cores_reserved::bigint, p.int_gpus_reserved::bigint
+        FROM proc p JOIN job j ON j.pk_job = p.pk_job""",
+}
+
+
+def counter_truncate_func(table: str) -> str:
+    owed = (
+        f"SELECT x.*, 0, 0 FROM ({_TRUNCATE_OWED[table]}"
+        " JOIN show s ON s.pk_show = p.pk_show AND NOT s.b_scheduler_managed WHERE NOT p.b_local) x"
     )
+    return f"""
+    IF {WRITER_ON} OR NOT {CUEBOT_ACCOUNTS} THEN
+        RETURN NULL;
+    END IF;
+    {LOCK_KEYS_SHARED}
+    {_LEDGER_UPSERT.format(owed=owed)}
+    RETURN NULL;
+"""
+
+
+def counter_outside_triggers(table: str) -> list[pgtrigger.Trigger]:
+    triggers = [
+        pgtrigger.Trigger(
+            name=name,
+            when=pgtrigger.After,
+            operation=operation,
+            level=pgtrigger.Statement,
+            referencing=referencing,
+            func=counter_outside_func(table, str(operation)),
+        )
+        for name, operation, referencing in (
+            ("acct_outside_paid", pgtrigger.Update, pgtrigger.Referencing(old="old_rows", new="new_rows")),
+            ("acct_outside_row_new", pgtrigger.Insert, pgtrigger.Referencing(new="new_rows")),
+            ("acct_outside_row_gone", pgtrigger.Delete, pgtrigger.Referencing(old="old_rows")),
+        )
+    ]
+    triggers.append(
+        pgtrigger.Trigger(
+            name="acct_outside_truncated",
+            when=pgtrigger.After,
+            operation=pgtrigger.Truncate,
+            level=pgtrigger.Statement,
+            func=counter_truncate_func(table),
+        )
+    )
+    return triggers
 
 
 def layer_resource_triggers() -> list[pgtrigger.Trigger]:
-    return [counter_outside_trigger("layer_resource")]
+    return counter_outside_triggers("layer_resource")
 
 
 def point_triggers() -> list[pgtrigger.Trigger]:
-    return [counter_outside_trigger("point")]
+    return counter_outside_triggers("point")
 
 
 # The top-up, at commit (a DEFERRABLE INITIALLY DEFERRED constraint trigger on the ledger: PREPARE
@@ -1324,27 +1420,39 @@ def point_triggers() -> list[pgtrigger.Trigger]:
 # row changed by anybody since the snapshot fails the lock with a serialization failure (40001),
 # and the writer retries: safe. Nothing is ever topped down (high is allowed).
 #
+# What it checks: every key the transaction booked on (net proc delta > 0) and still owes, against
+# the counter as it will commit (GREATEST(counter, SUM(proc)) at READ COMMITTED), whether or not
+# anything is added: a counter that read high absorbs the debt, and without the check the booking
+# would pass the cap unchecked (Cuebot's own booking there is refused by its verify_* triggers on
+# the same value). A key whose counter row is gone while procs run on it (a row deleted, a table
+# truncated, and not written again) is refused with its `acct_*_missing` constraint: a proc whose
+# counter is missing would be read as 0 by Cuebot's dispatcher. A point row is created instead,
+# as the booking path creates it.
+#
 # Locks: the accounting-keys lock (shared), then the counter rows in Cuebot's procCreated order
 # (subscription, layer, job, folder, point; by key within a table), so it queues behind Cuebot's
 # bookings instead of deadlocking with them. Caps are cuesched's (-1 unlimited, 0 books nothing,
 # folder caps) and Cuebot's verify_* triggers fire on the write as well; a breach raises and the
-# whole transaction rolls back.
-_OWED = "unnest(v_tbl, v_k1, v_k2, v_cc, v_g) AS o(tbl, k1, k2, cc, g)"
+# whole transaction rolls back. Its own counter writes are recorded in the ledger like anybody's
+# (no setting can exempt a writer); it deletes the transaction's rows after them, and the events
+# they queued find nothing.
+_OWED = "unnest(v_tbl, v_k1, v_k2, v_cc, v_g, v_bc, v_bg) AS o(tbl, k1, k2, cc, g, bc, bg)"
 _KEY_SHOW = f"""CASE o.tbl WHEN {OUTSIDE_SUB} THEN o.k1 WHEN {OUTSIDE_POINT} THEN o.k1
         WHEN {OUTSIDE_LAYER} THEN
             (SELECT j.pk_show FROM layer l JOIN job j ON j.pk_job = l.pk_job WHERE l.pk_layer = o.k1)
         WHEN {OUTSIDE_JOB} THEN (SELECT j.pk_show FROM job j WHERE j.pk_job = o.k1)
         WHEN {OUTSIDE_FOLDER} THEN (SELECT f.pk_show FROM folder f WHERE f.pk_folder = o.k1) END"""
+# The counter row now, with its caps (max_c NULL: none; subscription: its burst, always enforced).
 _COUNTER_NOW = f"""
-        SELECT t.int_cores::bigint, t.int_gpus::bigint FROM subscription t
+        SELECT t.int_cores::bigint, t.int_gpus::bigint, t.int_burst::bigint, NULL::bigint FROM subscription t
         WHERE o.tbl = {OUTSIDE_SUB} AND t.pk_show = o.k1 AND t.pk_alloc = o.k2
-        UNION ALL SELECT t.int_cores::bigint, t.int_gpus::bigint FROM layer_resource t
+        UNION ALL SELECT t.int_cores::bigint, t.int_gpus::bigint, NULL, NULL FROM layer_resource t
         WHERE o.tbl = {OUTSIDE_LAYER} AND t.pk_layer = o.k1
-        UNION ALL SELECT t.int_cores::bigint, t.int_gpus::bigint FROM job_resource t
-        WHERE o.tbl = {OUTSIDE_JOB} AND t.pk_job = o.k1
-        UNION ALL SELECT t.int_cores::bigint, t.int_gpus::bigint FROM folder_resource t
-        WHERE o.tbl = {OUTSIDE_FOLDER} AND t.pk_folder = o.k1
-        UNION ALL SELECT t.int_cores::bigint, t.int_gpus::bigint FROM point t
+        UNION ALL SELECT t.int_cores::bigint, t.int_gpus::bigint, t.int_max_cores::bigint, t.int_max_gpus::bigint
+        FROM job_resource t WHERE o.tbl = {OUTSIDE_JOB} AND t.pk_job = o.k1
+        UNION ALL SELECT t.int_cores::bigint, t.int_gpus::bigint, t.int_max_cores::bigint, t.int_max_gpus::bigint
+        FROM folder_resource t WHERE o.tbl = {OUTSIDE_FOLDER} AND t.pk_folder = o.k1
+        UNION ALL SELECT t.int_cores::bigint, t.int_gpus::bigint, NULL, NULL FROM point t
         WHERE o.tbl = {OUTSIDE_POINT} AND t.pk_show = o.k1 AND t.pk_dept = o.k2"""
 _SUM_PROC = "SELECT SUM(p.int_cores_reserved)::bigint AS cc, SUM(p.int_gpus_reserved)::bigint AS g"
 _PROC_NOW = f"""
@@ -1370,12 +1478,17 @@ _TOPUP_LOCKS = "\n    ".join(
         ("point", OUTSIDE_POINT, ("pk_show", "pk_dept"), ("o.k1", "o.k2")),
     )
 )
-_ARRAYS = "array_agg(x.tbl), array_agg(x.k1), array_agg(x.k2), array_agg(x.cc), array_agg(x.g)"
-_INTO = "INTO v_tbl, v_k1, v_k2, v_cc, v_g"
+_ARRAYS = ", ".join(f"array_agg(x.{c})" for c in ("tbl", "k1", "k2", "cc", "g", "bc", "bg"))
+_INTO = "INTO v_tbl, v_k1, v_k2, v_cc, v_g, v_bc, v_bg"
+# A booking (bc / bg > 0) still owing (cc / g > 0) is checked against the counter as it commits.
+_BOOKED_C = "n.cc > 0 AND n.bc > 0"
+_BOOKED_G = "n.g > 0 AND n.bg > 0"
+_MISSING = "n.cur_c IS NULL AND (n.ac > 0 OR n.ag > 0)"
 OUTSIDE_TOPUP_FUNC = f"""
-    WITH gone AS (DELETE FROM {OUTSIDE_LEDGER_TABLE} WHERE xid = NEW.xid RETURNING tbl, k1, k2, cc, g)
+    WITH gone AS (DELETE FROM {OUTSIDE_LEDGER_TABLE} WHERE xid = NEW.xid RETURNING tbl, k1, k2, cc, g, bc, bg)
     SELECT {_ARRAYS} {_INTO}
-    FROM (SELECT tbl::int, k1, k2, GREATEST(cc, 0) AS cc, GREATEST(g, 0) AS g FROM gone WHERE cc > 0 OR g > 0) x;
+    FROM (SELECT tbl::int, k1, k2, GREATEST(cc, 0) AS cc, GREATEST(g, 0) AS g, bc, bg
+          FROM gone WHERE cc > 0 OR g > 0) x;
     IF v_tbl IS NULL THEN
         RETURN NULL;
     END IF;
@@ -1388,89 +1501,95 @@ OUTSIDE_TOPUP_FUNC = f"""
         RETURN NULL;
     END IF;
     {_TOPUP_LOCKS}
-    -- A fresh statement: at READ COMMITTED it sees every booking that held a row locked above.
-    SELECT {_ARRAYS} {_INTO} FROM (
-        SELECT o.tbl, o.k1, o.k2,
-               CASE WHEN v_rc THEN GREATEST(0, u.cc - COALESCE(c.cc, 0)) ELSE o.cc END AS cc,
-               CASE WHEN v_rc THEN GREATEST(0, u.g - COALESCE(c.g, 0)) ELSE o.g END AS g
+    -- A fresh statement: at READ COMMITTED it sees every booking that held a row locked above. The
+    -- checks read the rows as this statement found them (locked), plus what it adds.
+    WITH n AS MATERIALIZED (
+        SELECT o.tbl, o.k1, o.k2, o.cc, o.g, o.bc, o.bg, c.cc AS cur_c, c.g AS cur_g, c.max_c, c.max_g,
+               CASE WHEN v_rc OR c.cc IS NULL THEN GREATEST(0, u.cc - COALESCE(c.cc, 0)) ELSE o.cc END AS ac,
+               CASE WHEN v_rc OR c.cc IS NULL THEN GREATEST(0, u.g - COALESCE(c.g, 0)) ELSE o.g END AS ag
         FROM {_OWED}
-        LEFT JOIN LATERAL ({_COUNTER_NOW}) AS c(cc, g) ON true
-        LEFT JOIN LATERAL ({_PROC_NOW}) AS u(cc, g) ON v_rc
-    ) x WHERE x.cc > 0 OR x.g > 0;
-    IF v_tbl IS NULL THEN
-        RETURN NULL;
-    END IF;
-    PERFORM set_config('{OUTSIDE_TOPUP_SETTING}', 'on', true);
-    WITH a AS (SELECT * FROM {_OWED.replace(" o(", " a(")}),
+        LEFT JOIN LATERAL ({_COUNTER_NOW}) AS c(cc, g, max_c, max_g) ON true
+        LEFT JOIN LATERAL ({_PROC_NOW}) AS u(cc, g) ON v_rc OR c.cc IS NULL
+    ),
+    a AS (SELECT n.tbl, n.k1, n.k2, n.ac AS cc, n.ag AS g FROM n WHERE n.cur_c IS NOT NULL OR n.tbl = {OUTSIDE_POINT}),
     sub_u AS (
         UPDATE subscription t SET int_cores = t.int_cores + a.cc, int_gpus = t.int_gpus + a.g
-        FROM a WHERE a.tbl = {OUTSIDE_SUB} AND t.pk_show = a.k1 AND t.pk_alloc = a.k2
-        RETURNING t.pk_show, t.pk_alloc, t.int_cores, t.int_burst, a.cc AS add_cc
+        FROM a WHERE a.tbl = {OUTSIDE_SUB} AND (a.cc > 0 OR a.g > 0) AND t.pk_show = a.k1 AND t.pk_alloc = a.k2
     ),
     layer_u AS (
         UPDATE layer_resource t SET int_cores = t.int_cores + a.cc, int_gpus = t.int_gpus + a.g
-        FROM a WHERE a.tbl = {OUTSIDE_LAYER} AND t.pk_layer = a.k1
+        FROM a WHERE a.tbl = {OUTSIDE_LAYER} AND (a.cc > 0 OR a.g > 0) AND t.pk_layer = a.k1
     ),
     job_u AS (
         UPDATE job_resource t SET int_cores = t.int_cores + a.cc, int_gpus = t.int_gpus + a.g
-        FROM a WHERE a.tbl = {OUTSIDE_JOB} AND t.pk_job = a.k1
-        RETURNING t.pk_job, t.int_cores, t.int_gpus, t.int_max_cores, t.int_max_gpus, a.cc AS add_cc, a.g AS add_g
+        FROM a WHERE a.tbl = {OUTSIDE_JOB} AND (a.cc > 0 OR a.g > 0) AND t.pk_job = a.k1
     ),
     folder_u AS (
         UPDATE folder_resource t SET int_cores = t.int_cores + a.cc, int_gpus = t.int_gpus + a.g
-        FROM a WHERE a.tbl = {OUTSIDE_FOLDER} AND t.pk_folder = a.k1
-        RETURNING t.pk_folder, t.int_cores, t.int_gpus, t.int_max_cores, t.int_max_gpus, a.cc AS add_cc, a.g AS add_g
+        FROM a WHERE a.tbl = {OUTSIDE_FOLDER} AND (a.cc > 0 OR a.g > 0) AND t.pk_folder = a.k1
     ),
     point_u AS (
         INSERT INTO point AS t (pk_point, pk_show, pk_dept, int_cores, int_gpus)
-        SELECT gen_random_uuid()::text, a.k1, a.k2, a.cc, a.g FROM a WHERE a.tbl = {OUTSIDE_POINT}
+        SELECT gen_random_uuid()::text, a.k1, a.k2, a.cc, a.g FROM a
+        WHERE a.tbl = {OUTSIDE_POINT} AND (a.cc > 0 OR a.g > 0)
         ON CONFLICT (pk_show, pk_dept) DO UPDATE
         SET int_cores = t.int_cores + EXCLUDED.int_cores, int_gpus = t.int_gpus + EXCLUDED.int_gpus
     )
     SELECT v.con, v.msg INTO v_constraint, v_message FROM (
         SELECT 1 AS ord, '{CAP_SUBSCRIPTION_MISSING}' AS con, format(
-            'no subscription for show=%s alloc=%s: cannot book %s centicores', a.k1, a.k2, a.cc) AS msg
-        FROM a WHERE a.tbl = {OUTSIDE_SUB} AND a.cc > 0
-          AND NOT EXISTS (SELECT 1 FROM sub_u u WHERE u.pk_show = a.k1 AND u.pk_alloc = a.k2)
+            'no subscription for show=%s alloc=%s: cannot book %s centicores', n.k1, n.k2, n.ac) AS msg
+        FROM n WHERE n.tbl = {OUTSIDE_SUB} AND {_MISSING}
         UNION ALL
         SELECT 2, '{CAP_SUBSCRIPTION_BURST}', format(
             'subscription has exceeded burst size: show=%s alloc=%s cores=%s burst=%s (centicores)',
-            u.pk_show, u.pk_alloc, u.int_cores, u.int_burst)
-        FROM sub_u u WHERE u.add_cc > 0 AND u.int_cores > u.int_burst
+            n.k1, n.k2, n.cur_c + n.ac, n.max_c)
+        FROM n WHERE n.tbl = {OUTSIDE_SUB} AND {_BOOKED_C} AND n.cur_c + n.ac > n.max_c
         UNION ALL
         SELECT 3, '{CAP_FOLDER_MISSING}', format(
-            'no folder_resource row for folder=%s: cannot book %s centicores', a.k1, a.cc)
-        FROM a WHERE a.tbl = {OUTSIDE_FOLDER} AND NOT EXISTS (SELECT 1 FROM folder_u u WHERE u.pk_folder = a.k1)
+            'no folder_resource row for folder=%s: cannot book %s centicores', n.k1, n.ac)
+        FROM n WHERE n.tbl = {OUTSIDE_FOLDER} AND {_MISSING}
         UNION ALL
         SELECT 4, '{CAP_FOLDER_MAX_CORES}', format(
             'folder has exceeded max cores: folder=%s cores=%s max_cores=%s (centicores)',
-            u.pk_folder, u.int_cores, u.int_max_cores)
-        FROM folder_u u WHERE u.add_cc > 0 AND u.int_max_cores >= 0 AND u.int_cores > u.int_max_cores
+            n.k1, n.cur_c + n.ac, n.max_c)
+        FROM n WHERE n.tbl = {OUTSIDE_FOLDER} AND {_BOOKED_C} AND n.max_c >= 0 AND n.cur_c + n.ac > n.max_c
         UNION ALL
-        SELECT 5, '{CAP_JOB_MISSING}', format('no job_resource row for job=%s: cannot book %s centicores', a.k1, a.cc)
-        FROM a WHERE a.tbl = {OUTSIDE_JOB} AND NOT EXISTS (SELECT 1 FROM job_u u WHERE u.pk_job = a.k1)
+        SELECT 5, '{CAP_JOB_MISSING}', format('no job_resource row for job=%s: cannot book %s centicores', n.k1, n.ac)
+        FROM n WHERE n.tbl = {OUTSIDE_JOB} AND {_MISSING}
         UNION ALL
         SELECT 6, '{CAP_JOB_MAX_CORES}', format(
-            'job has exceeded max cores: job=%s cores=%s max_cores=%s (centicores)',
-            u.pk_job, u.int_cores, u.int_max_cores)
-        FROM job_u u WHERE u.add_cc > 0 AND u.int_max_cores >= 0 AND u.int_cores > u.int_max_cores
+            'job has exceeded max cores: job=%s cores=%s max_cores=%s (centicores)', n.k1, n.cur_c + n.ac, n.max_c)
+        FROM n WHERE n.tbl = {OUTSIDE_JOB} AND {_BOOKED_C} AND n.max_c >= 0 AND n.cur_c + n.ac > n.max_c
         UNION ALL
         SELECT 7, '{CAP_FOLDER_MAX_GPUS}', format(
-            'folder has exceeded max GPUs: folder=%s gpus=%s max_gpus=%s', u.pk_folder, u.int_gpus, u.int_max_gpus)
-        FROM folder_u u WHERE u.add_g > 0 AND u.int_max_gpus >= 0 AND u.int_gpus > u.int_max_gpus
+            'folder has exceeded max GPUs: folder=%s gpus=%s max_gpus=%s', n.k1, n.cur_g + n.ag, n.max_g)
+        FROM n WHERE n.tbl = {OUTSIDE_FOLDER} AND {_BOOKED_G} AND n.max_g >= 0 AND n.cur_g + n.ag > n.max_g
         UNION ALL
         SELECT 8, '{CAP_JOB_MAX_GPUS}', format(
-            'job has exceeded max GPUs: job=%s gpus=%s max_gpus=%s', u.pk_job, u.int_gpus, u.int_max_gpus)
-        FROM job_u u WHERE u.add_g > 0 AND u.int_max_gpus >= 0 AND u.int_gpus > u.int_max_gpus
+            'job has exceeded max GPUs: job=%s gpus=%s max_gpus=%s', n.k1, n.cur_g + n.ag, n.max_g)
+        FROM n WHERE n.tbl = {OUTSIDE_JOB} AND {_BOOKED_G} AND n.max_g >= 0 AND n.cur_g + n.ag > n.max_g
+        UNION ALL
+        SELECT 9, '{CAP_LAYER_MISSING}', format(
+            'no layer_resource row for layer=%s: cannot book %s centicores', n.k1, n.ac)
+        FROM n WHERE n.tbl = {OUTSIDE_LAYER} AND {_MISSING}
     ) v
     ORDER BY v.ord, v.msg
     LIMIT 1;
-    PERFORM set_config('{OUTSIDE_TOPUP_SETTING}', '', true);
+    -- What the writes above recorded (they are recorded like anybody's) pays nothing: gone.
+    DELETE FROM {OUTSIDE_LEDGER_TABLE} WHERE xid = NEW.xid;
     IF v_message IS NOT NULL THEN
         RAISE EXCEPTION USING MESSAGE = v_message, ERRCODE = 'check_violation', CONSTRAINT = v_constraint;
     END IF;
     RETURN NULL;
 """
+
+# Only the triggers above write the ledger (from inside a trigger: pg_trigger_depth() > 0 when the
+# WHEN clause is read). A client's INSERT, UPDATE or DELETE of it (cancelling a debt before the
+# commit's top-up reads it) is refused. A TRUNCATE is refused by PostgreSQL itself while this
+# transaction has top-up events pending ("pending trigger events"), and waits for every other
+# writer of the ledger to commit (its ACCESS EXCLUSIVE lock), so it cannot erase a debt either;
+# Django's test flush truncates it, so it stays allowed.
+OUTSIDE_LEDGER_WRITTEN_BY_TRIGGERS = "acct_outside_ledger_written_by_triggers"
 
 
 def outside_ledger_triggers() -> list[pgtrigger.Trigger]:
@@ -1487,11 +1606,27 @@ def outside_ledger_triggers() -> list[pgtrigger.Trigger]:
                 ("v_k2", "text[]"),
                 ("v_cc", "bigint[]"),
                 ("v_g", "bigint[]"),
+                ("v_bc", "bigint[]"),
+                ("v_bg", "bigint[]"),
                 ("v_rc", "boolean"),
                 ("v_constraint", "text"),
                 ("v_message", "text"),
             ],
             func=OUTSIDE_TOPUP_FUNC,
+        ),
+        pgtrigger.Trigger(
+            name="acct_outside_ledger_guard",
+            when=pgtrigger.Before,
+            operation=pgtrigger.Insert | pgtrigger.Update | pgtrigger.Delete,
+            level=pgtrigger.Row,
+            condition=pgtrigger.Condition("pg_trigger_depth() = 0"),
+            func=f"""
+    RAISE EXCEPTION USING
+        MESSAGE = 'cuesched: {OUTSIDE_LEDGER_TABLE} is written by the accounting triggers only',
+        HINT = 'It holds what this transaction still owes the counters, settled at its commit; '
+               'write the procs and counters, not the ledger.',
+        ERRCODE = 'check_violation', CONSTRAINT = '{OUTSIDE_LEDGER_WRITTEN_BY_TRIGGERS}';
+""",
         ),
     ]
 

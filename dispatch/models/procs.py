@@ -45,9 +45,7 @@ class Proc(models.Model):
         ]
         constraints = [
             # Cuebot's before_insert_proc: a proc always books something.
-            models.CheckConstraint(
-                condition=models.Q(int_cores_reserved__gt=0), name="c_proc_cores_positive"
-            ),
+            models.CheckConstraint(condition=models.Q(int_cores_reserved__gt=0), name="c_proc_cores_positive"),
         ]
         triggers = [*accounting_triggers.proc_triggers(), *licences.proc_licence_triggers()]
 
@@ -72,6 +70,9 @@ class OutsideLedger(models.Model):
     k2 = models.TextField()
     cc = models.BigIntegerField()
     g = models.BigIntegerField()
+    # What the transaction's proc writes booked on the key (net): the top-up checks caps there only.
+    bc = models.BigIntegerField(db_default=0)
+    bg = models.BigIntegerField(db_default=0)
 
     class Meta:
         db_table = accounting_triggers.OUTSIDE_LEDGER_TABLE
