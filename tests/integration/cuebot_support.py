@@ -25,6 +25,8 @@ import time
 import uuid
 import zlib
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -254,6 +256,19 @@ def manage(url: str, *args: str, check: bool = True, timeout: float = 300) -> su
     if check and done.returncode != 0:
         raise AssertionError(f"manage.py {' '.join(args)} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
     return done
+
+
+@contextmanager
+def adopted_cuebot_db(suffix: str) -> Iterator[str]:
+    """A Cuebot database built from the fixture and adopted as an operator adopts it
+    (`adopt_cuebot_db --apply` in its own process); dropped afterwards. Yields its URL."""
+    name = cuebot_db_name(suffix)
+    url = build_cuebot_db(name)
+    try:
+        manage(url, "adopt_cuebot_db", "--apply")
+        yield url
+    finally:
+        drop_database(name)
 
 
 def insert_host(url: str, name: str, *, alloc: str, cores: int = 800, mem_kb: int = 16 * 1024 * 1024) -> str:

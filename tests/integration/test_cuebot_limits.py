@@ -26,7 +26,7 @@ import psycopg
 import pytest
 
 from tests.integration.cuebot_standin import UPDATE_FRAME_STARTED, CuebotStandIn, Proc
-from tests.integration.cuebot_support import build_cuebot_db, cuebot_db_name, drop_database
+from tests.integration.cuebot_support import adopted_cuebot_db
 
 ROOT = Path(__file__).resolve().parents[2]
 SHOW = "00000000-0000-0000-0000-000000000000"  # the seed's 'testing' show: Cuebot's (unmanaged)
@@ -48,17 +48,8 @@ SELECT (SELECT count(*) FROM proc p JOIN layer_limit ll ON ll.pk_layer = p.pk_la
 
 @pytest.fixture(scope="module")
 def cuebot_url() -> Iterator[str]:
-    name = cuebot_db_name("licences")
-    url = build_cuebot_db(name)
-    env = {**os.environ, "DATABASE_URL": url}
-    done = subprocess.run(
-        [sys.executable, "manage.py", "adopt_cuebot_db", "--apply"], cwd=ROOT, env=env, capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    try:
+    with adopted_cuebot_db("licences") as url:
         yield url
-    finally:
-        drop_database(name)
 
 
 @dataclass

@@ -23,7 +23,7 @@ from accounting import channels, cuebot
 from accounting.listener import Listener
 from accounting.store import Store
 from tests.integration.cuebot_standin import CuebotStandIn, notifier_release_payload
-from tests.integration.cuebot_support import build_cuebot_db, cuebot_db_name, drop_database
+from tests.integration.cuebot_support import adopted_cuebot_db
 
 ROOT = Path(__file__).resolve().parents[2]
 SHOW = "00000000-0000-0000-0000-000000000000"  # the seed's 'testing' show
@@ -35,17 +35,8 @@ FACILITY = "AAAAAAAA-AAAA-AAAA-AAAA-AAAAAAAAAAA1"  # local.general's facility
 
 @pytest.fixture(scope="module")
 def cuebot_url() -> Iterator[str]:
-    name = cuebot_db_name("mode")
-    url = build_cuebot_db(name)
-    env = {**os.environ, "DATABASE_URL": url}
-    done = subprocess.run(
-        [sys.executable, "manage.py", "adopt_cuebot_db", "--apply"], cwd=ROOT, env=env, capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    try:
+    with adopted_cuebot_db("mode") as url:
         yield url
-    finally:
-        drop_database(name)
 
 
 class Farm:

@@ -11,9 +11,6 @@ counted exactly once.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 
@@ -21,8 +18,8 @@ import psycopg
 import pytest
 
 from tests.integration.cuebot_standin import CuebotStandIn, Proc
-from tests.integration.cuebot_support import build_cuebot_db, cuebot_db_name, drop_database
-from tests.integration.test_cuebot_mode import ALLOC, DEPT, FOLDER, ROOT, SHOW, Farm, counters
+from tests.integration.cuebot_support import adopted_cuebot_db
+from tests.integration.test_cuebot_mode import ALLOC, DEPT, FOLDER, SHOW, Farm, counters
 
 RAW_INSERT = (
     "INSERT INTO proc (pk_proc, pk_host, pk_show, pk_job, pk_layer, pk_frame, int_cores_reserved, "
@@ -32,17 +29,8 @@ RAW_INSERT = (
 
 @pytest.fixture(scope="module")
 def cuebot_url() -> Iterator[str]:
-    name = cuebot_db_name("outside")
-    url = build_cuebot_db(name)
-    env = {**os.environ, "DATABASE_URL": url}
-    done = subprocess.run(
-        [sys.executable, "manage.py", "adopt_cuebot_db", "--apply"], cwd=ROOT, env=env, capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    try:
+    with adopted_cuebot_db("outside") as url:
         yield url
-    finally:
-        drop_database(name)
 
 
 @pytest.fixture

@@ -8,9 +8,6 @@ closed; the tests after them probe the fixes.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 
@@ -18,8 +15,8 @@ import psycopg
 import pytest
 
 from tests.integration.cuebot_standin import CuebotStandIn
-from tests.integration.cuebot_support import build_cuebot_db, cuebot_db_name, drop_database
-from tests.integration.test_cuebot_mode import ALLOC, DEPT, ROOT, SHOW, Farm, counters
+from tests.integration.cuebot_support import adopted_cuebot_db
+from tests.integration.test_cuebot_mode import ALLOC, DEPT, SHOW, Farm, counters
 from tests.integration.test_cuebot_outside_writers import RAW_INSERT
 
 CLOUD = "00000000-0000-0000-0000-000000000003"  # the seed's cloud.general, also subscribed by 'testing'
@@ -27,17 +24,8 @@ CLOUD = "00000000-0000-0000-0000-000000000003"  # the seed's cloud.general, also
 
 @pytest.fixture(scope="module")
 def cuebot_url() -> Iterator[str]:
-    name = cuebot_db_name("review")
-    url = build_cuebot_db(name)
-    env = {**os.environ, "DATABASE_URL": url}
-    done = subprocess.run(
-        [sys.executable, "manage.py", "adopt_cuebot_db", "--apply"], cwd=ROOT, env=env, capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    try:
+    with adopted_cuebot_db("review") as url:
         yield url
-    finally:
-        drop_database(name)
 
 
 @pytest.fixture

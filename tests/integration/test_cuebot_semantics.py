@@ -21,7 +21,7 @@ import pytest
 from accounting.db import with_writer_option
 from tests.integration import cuebot_standin as cs
 from tests.integration.cuebot_standin import CuebotStandIn, Proc
-from tests.integration.cuebot_support import build_cuebot_db, cuebot_db_name, drop_database, manage
+from tests.integration.cuebot_support import adopted_cuebot_db, manage
 from tests.integration.test_cuebot_mode import ALLOC, SHOW, Farm, _sum_proc, _view, _wait, counters
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,13 +30,8 @@ INT_MAX = 2**31 - 1
 
 @pytest.fixture(scope="module")
 def cuebot_url() -> Iterator[str]:
-    name = cuebot_db_name("semantics")
-    url = build_cuebot_db(name)
-    manage(url, "adopt_cuebot_db", "--apply")
-    try:
+    with adopted_cuebot_db("semantics") as url:
         yield url
-    finally:
-        drop_database(name)
 
 
 @pytest.fixture
