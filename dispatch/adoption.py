@@ -197,6 +197,8 @@ class Catalog:
     constraints: dict[tuple[str, str], tuple[str, str]] = field(default_factory=dict)  # (table, name) -> (type, def)
     indexes: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = field(default_factory=dict)  # -> (def, columns)
     triggers: dict[tuple[str, str], tuple[str, str | None]] = field(default_factory=dict)  # -> (def, comment)
+    # -> pg_trigger.tgenabled: 'O' or 'A' fire in every session; 'D' never, 'R' only on a replica.
+    trigger_enabled: dict[tuple[str, str], str] = field(default_factory=dict)
     functions: dict[str, str] = field(default_factory=dict)  # 'name(args)' -> definition
     function_comments: dict[str, str | None] = field(default_factory=dict)  # 'name(args)' -> COMMENT
     function_ids: dict[str, str] = field(default_factory=dict)  # 'name(args)' -> regprocedure text
@@ -265,10 +267,11 @@ def read_catalog(conn: BaseDatabaseWrapper) -> Catalog:
         """,
     ):
         cat.indexes[(table, name)] = (definition, tuple(columns))
-    for table, name, definition, comment in _rows(
+    for table, name, definition, comment, enabled in _rows(
         conn,
         """
-        SELECT c.relname, t.tgname, pg_get_triggerdef(t.oid), obj_description(t.oid, 'pg_trigger')
+        SELECT c.relname, t.tgname, pg_get_triggerdef(t.oid), obj_description(t.oid, 'pg_trigger'),
+               t.tgenabled::text
         FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid
         JOIN pg_namespace n ON n.oid = c.relnamespace
         WHERE n.nspname = 'public' AND NOT t.tgisinternal
@@ -276,6 +279,8 @@ def read_catalog(conn: BaseDatabaseWrapper) -> Catalog:
     ):
         # pgtrigger keeps each trigger's hash in its comment (how `pgtrigger ls` tells it is current).
         cat.triggers[(table, name)] = (definition, comment)
+        # pg_get_triggerdef omits it: a disabled trigger reads as current, counting nothing.
+        cat.trigger_enabled[(table, name)] = enabled
     for signature, definition, comment, ident in _rows(
         conn,
         """
@@ -331,7 +336,7 @@ class Step:
     name: str
     sql: list[str]
     note: str = ""
-    verb: str = "add"  # add | replace | drop | update | lock
+    verb: str = "add"  # add | replace | drop | update | enable | lock
 
     def key(self) -> tuple[str, str, str, tuple[str, ...]]:
         return (self.verb, self.kind, self.name, tuple(self.sql))
@@ -392,7 +397,7 @@ def _column_sql(col: Column) -> str:
     return sql
 
 
-def _trigger_base(name: str) -> str:
+def trigger_base(name: str) -> str:
     m = _PGTRIGGER_NAME.match(name)
     return m.group("name") if m else name
 
@@ -602,6 +607,34 @@ def trigger_owned(live: Catalog, table: str, name: str) -> bool:
     return function_owner(live, f"{name}()") is not None
 
 
+def runs_cuesched_function(live: Catalog, table: str, name: str) -> str | None:
+    """The function the live trigger runs, when that function is certainly cuesched's, whatever
+    the trigger is called: a renamed copy of cuesched's trigger still does cuesched's counting,
+    and beside the one adoption installs under pgtrigger's name it would count twice."""
+    function = _executes(live.triggers[(table, name)][0])
+    if function is None or f"{function}()" not in live.functions:
+        return None
+    return function if function_owner(live, f"{function}()") is not None else None
+
+
+ENABLED = ("O", "A")  # tgenabled values that fire in an ordinary session
+
+
+def _enable_step(live: Catalog, table: str, name: str) -> Step | None:
+    """ALTER TABLE ... ENABLE TRIGGER for cuesched's trigger left disabled (by a site's DISABLE
+    TRIGGER, or session_replication_role games): it counts nothing, so counters go LOW."""
+    state = live.trigger_enabled.get((table, name), "O")
+    if state in ENABLED:
+        return None
+    return Step(
+        "trigger",
+        f"{table}.{name}",
+        [f"ALTER TABLE {_q(table)} ENABLE TRIGGER {_q(name)}"],
+        note=f"disabled: tgenabled {state!r}, it counts nothing",
+        verb="enable",
+    )
+
+
 def _trigger_sql(table: str, name: str, definition: str, comment: str | None) -> list[str]:
     sql = [definition]
     if comment is not None:
@@ -631,10 +664,18 @@ def _plan_functions_and_triggers(plan: Plan, ref: Catalog, live: Catalog, presen
         )
 
     # Stale: cuesched's triggers and functions the reference no longer has (renamed, moved or removed).
-    stale = sorted(k for k in live.triggers if k not in ref.triggers and trigger_owned(live, *k))
+    # A trigger the reference does not have is stale when it is cuesched's by pgtrigger's proofs,
+    # or, whatever its name, when it runs a function certainly cuesched's (a site's rename): kept,
+    # it would count beside the trigger adoption installs under pgtrigger's name. Dropped, not
+    # refused: the function proves what it does, and the reference's trigger does the same work.
+    stale = sorted(
+        k
+        for k in live.triggers
+        if k not in ref.triggers and (trigger_owned(live, *k) or runs_cuesched_function(live, *k))
+    )
     dropped = set(stale)
     for (table, name), (definition, comment) in sorted(ref.triggers.items()):
-        owner = CUEBOT_OWNS.get((table, _trigger_base(name)))
+        owner = CUEBOT_OWNS.get((table, trigger_base(name)))
         cuebots = owner is not None and (table, owner[0]) in live.triggers
         if (table, name) in live.triggers:
             if cuebots and trigger_owned(live, table, name):
@@ -651,9 +692,17 @@ def _plan_functions_and_triggers(plan: Plan, ref: Catalog, live: Catalog, presen
                 dropped.add((table, name))
                 continue
             live_def, live_comment = live.triggers[(table, name)]
+            owned = trigger_owned(live, table, name)
+            enable = _enable_step(live, table, name)
+            if enable is not None and not owned:
+                plan.differences.append(f"trigger {name} on {table} is disabled (not certainly cuesched's: left so)")
+                enable = None
             if live_comment == comment and (comment is not None or _norm(live_def) == _norm(definition)):
-                continue  # pgtrigger's own test: the hash of the whole compiled trigger matches
-            if not trigger_owned(live, table, name):
+                # pgtrigger's own test: the hash of the whole compiled trigger matches.
+                if enable is not None:
+                    plan.steps.append(enable)
+                continue
+            if not owned:
                 plan.differences.append(f"trigger {name} on {table} (not certainly cuesched's)")
                 continue
             if _norm(live_def) == _norm(definition):
@@ -667,6 +716,8 @@ def _plan_functions_and_triggers(plan: Plan, ref: Catalog, live: Catalog, presen
                         verb="update",
                     )
                 )
+                if enable is not None:
+                    plan.steps.append(enable)
             else:
                 plan.steps.append(
                     Step(
@@ -683,7 +734,12 @@ def _plan_functions_and_triggers(plan: Plan, ref: Catalog, live: Catalog, presen
         if cuebots:
             plan.skipped.append(f"trigger {name} on {table}: Cuebot's {owner[0]} does this ({owner[1]})")
             continue
-        replaces = [n for (t, n) in stale if t == table and _trigger_base(n) == _trigger_base(name)]
+        replaces = [
+            n
+            for (t, n) in stale
+            if t == table
+            and (trigger_base(n) == trigger_base(name) or _executes(live.triggers[(t, n)][0]) == _executes(definition))
+        ]
         plan.steps.append(
             Step(
                 "trigger",
@@ -693,15 +749,15 @@ def _plan_functions_and_triggers(plan: Plan, ref: Catalog, live: Catalog, presen
             )
         )
     for table, name in stale:
-        newer = [n for (t, n) in ref.triggers if t == table and _trigger_base(n) == _trigger_base(name)]
-        plan.steps.append(
-            Step(
-                "trigger",
-                f"{table}.{name}",
-                [f"DROP TRIGGER {_q(name)} ON {_q(table)}"],
-                note=f"stale, replaced by {newer[0]}" if newer else "stale: cuesched no longer has it",
-                verb="drop",
+        newer = [n for (t, n) in ref.triggers if t == table and trigger_base(n) == trigger_base(name)]
+        note = f"stale, replaced by {newer[0]}" if newer else "stale: cuesched no longer has it"
+        if not trigger_owned(live, table, name):
+            note = (
+                f"not pgtrigger's name, but it runs cuesched's {runs_cuesched_function(live, table, name)}() "
+                "(a renamed copy: beside cuesched's own trigger it would count twice)"
             )
+        plan.steps.append(
+            Step("trigger", f"{table}.{name}", [f"DROP TRIGGER {_q(name)} ON {_q(table)}"], note=note, verb="drop")
         )
     # A stale function goes too, unless a trigger that stays still runs it (DROP would then fail).
     kept_users = {_executes(d) for k, (d, _c) in live.triggers.items() if k not in dropped}
@@ -727,9 +783,9 @@ def _plan_locks(plan: Plan, live: Catalog) -> None:
     anyway, being one transaction). ACCESS EXCLUSIVE where a trigger is dropped or a column
     added (what DROP TRIGGER and ALTER TABLE take; taken up front, so no lock is upgraded
     later, which is how a reader-then-writer would deadlock with us), SHARE ROW EXCLUSIVE
-    (what CREATE TRIGGER takes; readers go on) elsewhere. One table after another in name order;
-    each waits at most the adoption lock timeout."""
-    if not any(s.verb in ("replace", "drop", "update") for s in plan.steps):
+    (what CREATE TRIGGER takes; readers go on) elsewhere. One table after another in Cuebot's own
+    write order (CUEBOT_WRITE_ORDER), then by name; each waits at most the adoption lock timeout."""
+    if not any(s.verb in ("replace", "drop", "update", "enable") for s in plan.steps):
         return
     runs: dict[str, set[str]] = {}
     for (table, _name), (definition, _c) in live.triggers.items():
@@ -748,8 +804,29 @@ def _plan_locks(plan: Plan, live: Catalog) -> None:
                 modes[table] = "ACCESS EXCLUSIVE" if strong else "SHARE ROW EXCLUSIVE"
     plan.steps[:0] = [
         Step("lock", table, [f"LOCK TABLE {_q(table)} IN {mode} MODE"], note=mode, verb="lock")
-        for table, mode in sorted(modes.items())
+        for table, mode in sorted(modes.items(), key=lambda kv: _lock_order(kv[0]))
     ]
+
+
+# The tables Cuebot's own transactions write, in the order they write them (a frame is started,
+# then ProcDaoJdbc.insertVirtualProc and procCreated: proc, host, subscription, layer_resource,
+# job_resource, folder_resource, point). Adoption locks in the same order: locking in any other
+# (name order took folder_resource before host) waits for a table a booking holds while holding
+# one it wants next, and PostgreSQL ends that deadlock by rolling one side back.
+CUEBOT_WRITE_ORDER = (
+    "frame",
+    "proc",
+    "host",
+    "subscription",
+    "layer_resource",
+    "job_resource",
+    "folder_resource",
+    "point",
+)
+
+
+def _lock_order(table: str) -> tuple[int, str]:
+    return (CUEBOT_WRITE_ORDER.index(table) if table in CUEBOT_WRITE_ORDER else len(CUEBOT_WRITE_ORDER), table)
 
 
 def _literal(text: str) -> str:
@@ -771,7 +848,10 @@ def _norm(text: str) -> str:
 
 def _reference_settings(using: str) -> dict[str, Any]:
     settings = dict(connections.databases[using])
-    settings["NAME"] = f"{settings['NAME']}_cuesched_ref_{os.getpid()}"
+    # PostgreSQL cuts a name at 63 bytes and Django refuses a longer one: a long database name
+    # (one up to the limit is legal) must still leave room for the suffix.
+    suffix = f"_cuesched_ref_{os.getpid()}"
+    settings["NAME"] = settings["NAME"].encode()[: 63 - len(suffix)].decode(errors="ignore") + suffix
     settings.pop("TEST", None)
     return settings
 
@@ -922,10 +1002,18 @@ def adopt(*, apply: bool, using: str = "default") -> Result:
             result.rows = _apply(plan, live, ref, ref_cat, recorded, using)
             result.apply_seconds = time.monotonic() - started
         except OperationalError as exc:
-            if getattr(exc.__cause__, "sqlstate", None) == "55P03":  # lock_not_available
+            state = getattr(exc.__cause__, "sqlstate", None)
+            if state == "55P03":  # lock_not_available
                 raise AdoptionError(
                     f"a table lock was not granted within {conf.adopt_lock_timeout()} s ({exc}): a Cuebot "
                     "transaction holds it; retry at a quieter moment (CUESCHED_ADOPT_LOCK_TIMEOUT)"
+                ) from exc
+            if state == "40P01":  # deadlock_detected: PostgreSQL rolled adoption back, the writer went on
+                first = str(exc).splitlines()[0]
+                raise AdoptionError(
+                    f"a table lock deadlocked with another transaction ({first}) and PostgreSQL rolled adoption "
+                    "back; the other transaction went on: a writer that locks Cuebot's tables in another order "
+                    "than Cuebot's own holds one; retry at a quieter moment"
                 ) from exc
             raise
         result.applied = True

@@ -1,9 +1,9 @@
-"""Review 2 of issue 22's upgrade path: holes in re-adoption found by running it, each a strict xfail.
+"""Review 2 of issue 22's upgrade path: holes in re-adoption found by running it, each a strict xfail until its fix.
 
 Why these exist: re-adoption (`adopt_cuebot_db --apply` after a cuesched release) is the only way
 a new release reaches an adopted Cuebot database, so whatever it silently misses stays wrong on
-the farm for good. Each test reproduces one miss on OpenCue's real schema; the fix turns it into
-a passing test (remove the xfail then).
+the farm for good. Each test reproduces one miss on OpenCue's real schema; each was a strict
+xfail until its fix.
 """
 
 from __future__ import annotations
@@ -57,10 +57,6 @@ def _triggers_running(url: str, table: str, function: str) -> list[tuple[str, st
         ).fetchall()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="re-adoption records dispatch 0016 as applied without running its RunSQL: -1 job caps stay",
-)
 def test_readoption_rewrites_job_caps_left_at_minus_one_as_0016_does(adopted: str) -> None:
     """An adopted database from before 0016 (no cuebot_job_caps_unlimited trigger, 0016 not
     recorded) with a job cap of -1 written by that cuesched. Cuebot's DispatchQuery reads
@@ -89,7 +85,6 @@ def test_readoption_rewrites_job_caps_left_at_minus_one_as_0016_does(adopted: st
     assert cap == 2147483647 and dispatchable, f"job cap still {cap}; apply said:\n{_said(out)}"
 
 
-@pytest.mark.xfail(strict=True, reason="the catalog reads pg_get_triggerdef, which omits tgenabled")
 def test_readoption_notices_a_disabled_cuesched_trigger(adopted: str) -> None:
     """A site ran ALTER TABLE proc DISABLE TRIGGER on cuesched's proc insert trigger: an unmarked
     writer's proc is then counted by nobody (counters LOW, as reproduced), yet `--check` says
@@ -105,7 +100,6 @@ def test_readoption_notices_a_disabled_cuesched_trigger(adopted: str) -> None:
     assert enabled == "O" or refused, f"{trig} left {enabled!r}; adoption said:\n{_said(out)}"
 
 
-@pytest.mark.xfail(strict=True, reason="a renamed copy of cuesched's trigger is neither owned nor stale: both run")
 def test_a_renamed_cuesched_trigger_does_not_end_up_counting_twice(adopted: str) -> None:
     """A site renamed cuesched's proc insert trigger. Re-adoption adds pgtrigger's name again
     beside it; both run the same (cuesched's) function and Cuebot's own booking reads 200 for
@@ -136,7 +130,6 @@ def test_a_renamed_cuesched_trigger_does_not_end_up_counting_twice(adopted: str)
     assert seen["subscription"] == seen["sum_proc"], seen
 
 
-@pytest.mark.xfail(strict=True, reason="adoption locks tables in name order, against Cuebot's own write order")
 def test_apply_does_not_deadlock_with_a_cuebot_booking_in_flight(adopted: str) -> None:
     """Under a stand-in book/unbook loop (3 threads), an upgrading `--apply` failed with a
     deadlock on both tries, with a traceback: it locks folder_resource (name order), then waits
@@ -196,3 +189,55 @@ def test_apply_does_not_deadlock_with_a_cuebot_booking_in_flight(adopted: str) -
         watch.close()
     assert cuebot_error is None, f"Cuebot's booking was rolled back: {cuebot_error}"
     assert adoption.returncode == 0, out[-1500:]
+
+
+def test_a_deadlock_with_another_writer_fails_adoption_whole_with_a_retry_message(adopted: str) -> None:
+    """A writer taking Cuebot's tables against Cuebot's order (folder_resource, then host: a
+    script) can still deadlock with adoption, which locks host first. PostgreSQL rolls back the
+    side that waited first, adoption: it must say to retry, without a traceback, and write nothing."""
+    url = adopted
+    cat = catalog(url)
+    with psycopg.connect(url, autocommit=True) as conn:
+        farm = Farm(conn, url=url)
+        old = {}
+        for table, base in (("host", "acct_host_move"), ("folder_resource", "acct_limit_folder_update")):
+            name = pgtrigger_name(cat, table, base)
+            old[name] = cat.functions[f"{name}()"].replace("BEGIN", "BEGIN\n    -- an older release's body", 1)
+            conn.execute(old[name])
+    script = psycopg.connect(url)
+    watch = psycopg.connect(url, autocommit=True)
+    adoption = None
+    try:
+        script.execute(
+            "UPDATE folder_resource SET int_max_cores = int_max_cores"
+            " WHERE pk_folder = (SELECT pk_folder FROM folder_resource ORDER BY pk_folder LIMIT 1)"
+        )
+        adoption = subprocess.Popen(
+            [sys.executable, "manage.py", "adopt_cuebot_db", "--apply"],
+            cwd=ROOT,
+            env={**os.environ, "DATABASE_URL": url},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        deadline = time.monotonic() + 240
+        while adoption.poll() is None and time.monotonic() < deadline:
+            waiting = watch.execute(
+                "SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = 'folder_resource'::regclass"
+            ).fetchone()[0]
+            if waiting:
+                break
+            time.sleep(0.1)  # polling pg_locks: the wait has no notification to await
+        script.execute("UPDATE host SET int_cores = int_cores WHERE pk_host = %s", (farm.host,))
+        script.commit()
+        out, _ = adoption.communicate(timeout=300)
+    finally:
+        if adoption is not None and adoption.poll() is None:
+            adoption.kill()
+        script.close()
+        watch.close()
+    assert adoption.returncode != 0, out[-1500:]
+    assert "deadlocked with another transaction" in out and "retry at a quieter moment" in out, out[-1500:]
+    assert "nothing was written" in out and "Traceback" not in out, out[-1500:]
+    after = catalog(url)
+    assert all("an older release's body" in after.functions[f"{name}()"] for name in old)

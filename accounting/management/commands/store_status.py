@@ -9,26 +9,36 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import connection
 
 from accounting import live
+from dispatch.trigger_health import describe, trigger_problems
 
 # The exit status of a view that is printed but stale: a script or a monitoring check that
 # runs `store_status` must not read a dead scheduler's last words as a healthy farm.
 EXIT_STALE = 1
+# The exit status while one of cuesched's triggers is missing, disabled or doubled (the view may
+# look right and still be built on counters going wrong).
+EXIT_TRIGGERS = 1
 
 
 class Command(BaseCommand):
     help = (
         "Print the live Store view the running scheduler publishes (with its age). Exits 1 when the "
-        "view is STALE (the scheduler stopped publishing) or when no scheduler ever published one."
+        "view is STALE (the scheduler stopped publishing), when no scheduler ever published one, or "
+        "when one of cuesched's triggers is missing, disabled or installed twice (each is printed)."
     )
 
     def add_arguments(self, parser: Any) -> None:
         parser.add_argument("--json", action="store_true", help="Print the whole view as JSON.")
 
     def handle(self, *args: Any, **options: Any) -> None:
+        # A view can read healthy while a trigger that stopped counting makes it wrong: said first.
+        problems = trigger_problems(connection)
+        for problem in problems:
+            self.stdout.write(f"TRIGGER PROBLEM: {problem.line()}")
         with connection.cursor() as cursor:
             view = live.read_view(cursor)
         if view is None:
-            raise CommandError("no scheduler has published a view on this database (is run_scheduler running?)")
+            also = f"; and {describe(problems)}" if problems else ""
+            raise CommandError(f"no scheduler has published a view on this database (is run_scheduler running?){also}")
         if options["json"]:
             self.stdout.write(json.dumps(view, indent=2, sort_keys=True, default=str))
         else:
@@ -39,6 +49,8 @@ class Command(BaseCommand):
                 f"{view['hostname']} is not publishing (stopped, wedged or cut off from the database)",
                 returncode=EXIT_STALE,
             )
+        if problems:
+            raise CommandError(describe(problems), returncode=EXIT_TRIGGERS)
 
     def _print(self, view: dict[str, Any]) -> None:
         state = "STALE: the scheduler is not publishing" if view["stale"] else "live"

@@ -7,6 +7,7 @@ import threading
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import connection
 
 from accounting.cuebot import CuebotModeError
 from accounting.metrics import MetricsPortError
@@ -14,6 +15,7 @@ from accounting.scheduler import SchedulerOptions, SchedulerProcess
 from accounting.singleton import SchedulerAlreadyRunning
 from cuesched_project import conf
 from dispatch import conf as dispatch_conf
+from dispatch.trigger_health import describe, trigger_problems
 
 
 def _runtime(value: str) -> tuple[float, float]:
@@ -87,6 +89,11 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         from dispatch.engine.loop import dispatch_main
 
+        # Before anything is taken: a Store bootstrapped from counters a missing or disabled
+        # trigger stopped keeping would book past a cap (dispatch/trigger_health.py).
+        problems = trigger_problems(connection)
+        if problems:
+            raise CommandError(f"{describe(problems)}; the scheduler did not start")
         stop = threading.Event()
 
         def _stop(signum: int, _frame: object) -> None:
