@@ -34,6 +34,7 @@ from accounting.notify import conninfo_from_settings
 from accounting.scheduler import SchedulerOptions, SchedulerProcess
 from accounting.service import AccountingService
 from accounting.store import Applied, BookingDelta, LimitExceeded
+from accounting.triggers import WRITER_OPTION
 from cuesched_project import conf
 from cuesched_project.dburl import database_from_url, url_from_settings
 from dispatch.engine.booking import Booking
@@ -595,7 +596,11 @@ def test_an_unknown_commit_is_settled_from_the_transaction_fate_even_after_a_kil
     farm = seed("amb16", jobs=2, frames_per_layer=2, **ONE_CORE)
     with running_scheduler() as proc, NetProxy(*server_address()) as proxy:
         service = proc.service
-        info = conninfo_from_settings({**_settings(), "HOST": proxy.host, "PORT": str(proxy.port), "OPTIONS": {}})
+        # Every cuesched connection carries the writer mark (accounting.db.with_writer_option): the
+        # scheduler's Store-accounted marker counts only together with it.
+        info = conninfo_from_settings(
+            {**_settings(), "HOST": proxy.host, "PORT": str(proxy.port), "OPTIONS": {"options": WRITER_OPTION}}
+        )
 
         def through_proxy() -> psycopg.Connection:
             return psycopg.connect(info, autocommit=True, application_name="cuesched-dispatch")
