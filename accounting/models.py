@@ -132,3 +132,32 @@ class SchedulerLease(models.Model):
 
     def __str__(self) -> str:
         return f"generation {self.int_generation} held by {self.str_holder or 'nobody'}"
+
+
+class OutsideLedger(models.Model):
+    """What a transaction that writes procs without counting them still owes each counter row.
+
+    Beside Cuebot only (see accounting.triggers, OUTSIDE_LEDGER_TABLE): written by the proc
+    triggers and the counter tables' triggers of a writer without the cuesched mark, emptied at
+    its commit by the top-up. A row never outlives its transaction. UNLOGGED (its migration):
+    nothing in it is worth a WAL record, and after a crash there is no transaction left to owe.
+    """
+
+    pk = models.CompositePrimaryKey("xid", "tbl", "k1", "k2")
+    xid = models.BigIntegerField()
+    # The counter table, in Cuebot's lock order: 1 subscription, 2 layer, 3 job, 4 folder, 5 point.
+    tbl = models.SmallIntegerField()
+    k1 = models.TextField()
+    k2 = models.TextField()
+    cc = models.BigIntegerField()
+    g = models.BigIntegerField()
+    # What the transaction's proc writes booked on the key (net): the top-up checks caps there only.
+    bc = models.BigIntegerField(db_default=0)
+    bg = models.BigIntegerField(db_default=0)
+
+    class Meta:
+        db_table = accounting_triggers.OUTSIDE_LEDGER_TABLE
+        triggers = accounting_triggers.outside_ledger_triggers()
+
+    def __str__(self) -> str:
+        return f"xid {self.xid} owes {self.cc} centicores to {self.tbl}:{self.k1}:{self.k2}"

@@ -7,7 +7,7 @@ from dispatch.models.hosts import Host, HostStat, HostTag
 from dispatch.models.jobs import Frame, Job, JobResource, JobStat, Layer, LayerResource, LayerStat
 from dispatch.models.limits import LayerLimit, LimitRecord
 from dispatch.models.org import Alloc, Dept, Facility, Folder, FolderResource, Point, Show, Subscription
-from dispatch.models.procs import OutsideLedger, Proc
+from dispatch.models.procs import Proc
 
 __all__ = [
     "Alloc",
@@ -30,7 +30,6 @@ __all__ = [
     "LayerResource",
     "LayerStat",
     "LimitRecord",
-    "OutsideLedger",
     "Point",
     "Proc",
     "Show",
