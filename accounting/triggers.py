@@ -1706,6 +1706,19 @@ FLIP_RESTORE_SQL = """
 # Every flip, either way, bumps the show's generation. The scheduler publishes a show as managed
 # with the generation its seed read, and its booking transaction checks it: a show that went
 # unmanaged and back since the seed (however fast) books nothing until it is seeded again.
+# The flip's rebuild writes the truth into counter rows, and beside Cuebot an unmarked writer's
+# counter changes are recorded in its outside ledger as paid: a display below SUM(proc) (the
+# scheduler's bookings since its last display write) raised by the rebuild would pay for a raw
+# proc the same transaction writes next, which would then be neither counted nor checked. So the
+# rebuild neither pays nor owes: the transaction's ledger is put back as it was before it. The
+# ledger's guard lets a trigger write it (this runs inside the flip's).
+FLIP_LEDGER_SAVE_SQL = f"""
+            SELECT COALESCE(jsonb_agg(to_jsonb(l)), '[]'::jsonb) INTO v_ledger
+            FROM {OUTSIDE_LEDGER_TABLE} l WHERE l.xid = {CURRENT_XID};"""
+FLIP_LEDGER_RESTORE_SQL = f"""
+            DELETE FROM {OUTSIDE_LEDGER_TABLE} WHERE xid = {CURRENT_XID};
+            INSERT INTO {OUTSIDE_LEDGER_TABLE}
+            SELECT * FROM jsonb_populate_recordset(NULL::{OUTSIDE_LEDGER_TABLE}, v_ledger);"""
 SHOW_FLIP_FUNC = f"""
     IF NOT EXISTS {_ANY_FLIP} THEN
         RETURN NULL;
@@ -1731,8 +1744,12 @@ SHOW_FLIP_FUNC = f"""
             PERFORM set_config('{DISPLAY_LIFT_SETTING}', 'on', true);
             {FLIP_NORMALIZE_JOB_CAPS_SQL}
             {FLIP_LIFT_SQL}
+            {FLIP_LEDGER_SAVE_SQL}
         END IF;
         {rebuild_sql(_TO_UNMANAGED, into="INTO v_d1, v_d2, v_d3, v_d4, v_d5")};
+        IF v_ledger IS NOT NULL THEN
+            {FLIP_LEDGER_RESTORE_SQL}
+        END IF;
         IF v_lift_pk IS NOT NULL THEN
             {FLIP_RESTORE_SQL}
         END IF;
@@ -1753,7 +1770,12 @@ def show_triggers() -> list[pgtrigger.Trigger]:
             operation=pgtrigger.Update,
             level=pgtrigger.Statement,
             referencing=pgtrigger.Referencing(old="old_rows", new="new_rows"),
-            declare=[*[(f"v_d{i}", "bigint") for i in range(1, 6)], *FLIP_LIFT_DECLARE, *LOCK_DECLARE],
+            declare=[
+                *[(f"v_d{i}", "bigint") for i in range(1, 6)],
+                *FLIP_LIFT_DECLARE,
+                ("v_ledger", "jsonb"),
+                *LOCK_DECLARE,
+            ],
             func=SHOW_FLIP_FUNC,
         ),
     ]
