@@ -30,7 +30,13 @@ from django.utils import timezone
 
 from accounting import db
 from accounting.models import SETTINGS_ROW_ID, AccountingSettings
-from accounting.units import CENTICORES_PER_CORE, UNLIMITED, centicores_to_cores, is_unlimited_cap
+from accounting.units import (
+    CENTICORES_PER_CORE,
+    CUEBOT_UNLIMITED_CAP,
+    UNLIMITED,
+    centicores_to_cores,
+    is_unlimited_cap,
+)
 from dispatch.models import FolderResource, JobResource, LimitRecord, Show, Subscription
 
 # What is booked right now, from the record of truth (non-local procs), in centicores / GPUs.
@@ -353,8 +359,12 @@ def validate_limit_max(value: Any) -> int:
         else:
             raise ValidationError(f"max must be a whole number of licences, not {value!r}", code="whole")
     if value < UNLIMITED:
-        raise ValidationError("max cannot be negative: use -1 for unlimited, 0 to let nothing run", code="negative")
-    if value > 2**31 - 1:
+        raise ValidationError(
+            "max cannot be below -1: -1 is unlimited on cuesched's own schema but runs nothing on a Cuebot "
+            "database (use a large number there); 0 lets nothing run",
+            code="negative",
+        )
+    if value > CUEBOT_UNLIMITED_CAP:
         raise ValidationError(f"max {value} is out of range", code="range")
     return value
 

@@ -27,8 +27,9 @@ show is counted twice or not at all.
 
 Detection is the same test as the triggers': Cuebot's `verify_subscription` trigger on
 `subscription`. `CUESCHED_CUEBOT_MODE=on` forces the scheduler side on (safe anywhere); `off` on a
-Cuebot database is refused, because the triggers stand down whatever the setting says and the
-scheduler would then book unmanaged shows nobody counts.
+Cuebot database is refused, because the triggers leave Cuebot's writes of unmanaged shows to Cuebot
+there (recording only what they do not pay) whatever the setting says, and the scheduler would then
+book unmanaged shows nobody counts.
 """
 
 from __future__ import annotations

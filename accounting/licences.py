@@ -76,7 +76,9 @@ LAYER_LIMIT_TABLE = "layer_limit"
 
 
 def limit_max_sql(column: str) -> str:
-    """The max the count is compared with, from a raw `int_max_value`: < 0 unlimited, 0 nothing runs.
+    """The max the count is compared with, from a raw `int_max_value`: NULL reads 0; below 0 it is
+    unlimited on cuesched's own schema and 0 beside Cuebot (Cuebot starts nothing under it); 0 lets
+    nothing run.
 
     The Cuebot test is an uncorrelated subquery, evaluated once per statement and only when a
     negative max is met: the recount on every proc write pays nothing for it.

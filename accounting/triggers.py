@@ -18,7 +18,9 @@ so the events are:
 | subscription, folder_resource, job_resource | INSERT, UPDATE, DELETE | `acct_limit_change`, every show |
 | subscription, folder_resource, job_resource | TRUNCATE | `acct_resync` |
 | show | UPDATE OF b_scheduler_managed | flip generation; to unmanaged: rebuild from SUM(proc) |
-| the five counter tables | UPDATE | beside Cuebot, an unmarked writer's change, into its outside ledger |
+| the five counter tables | INSERT, UPDATE, DELETE, TRUNCATE | beside Cuebot, an unmarked change, into the ledger |
+| job_resource | BEFORE INSERT, UPDATE (a negative cap) | beside Cuebot, stored as 2147483647 |
+| cuesched_outside_ledger | INSERT, UPDATE, DELETE by a client | refused |
 | cuesched_outside_ledger | INSERT (deferred to commit) | beside Cuebot, the top-up of what the transaction still owes |
 | cuesched_accounting_settings, _epoch | DELETE | refused: the single rows must stay |
 

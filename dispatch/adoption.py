@@ -74,6 +74,7 @@ from django.db import OperationalError, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from accounting.licences import COUNT_LATERAL, limit_max_problem, limit_max_sql
+from accounting.trigger_health import CUEBOT_OWNS, ENABLED, PGTRIGGER_NAME, trigger_base
 from accounting.triggers import CUEBOT_ACCOUNTS, NORMALIZE_CUEBOT_JOB_CAPS_SQL
 from cuesched_project.dburl import url_from_settings
 from dispatch import conf
@@ -92,31 +93,6 @@ NOT_CUEBOT = (
 )
 REFERENCE_ALIAS = "cuesched_adopt_reference"
 
-# (table, cuesched trigger name without pgtrigger's prefix and hash) -> (Cuebot's trigger on that
-# table that does the same work, why both would be wrong). Skipped only where Cuebot's exists.
-_STATS = "Cuebot's trigger counts frames by state; both would count each change twice"
-_USAGE = "Cuebot writes the usage columns itself and verifies them in this trigger"
-CUEBOT_OWNS: dict[tuple[str, str], tuple[str, str]] = {
-    ("frame", "frame_stat_insert"): ("update_frame_status_counts", _STATS),
-    ("frame", "frame_stat_update"): ("update_frame_status_counts", _STATS),
-    ("frame", "frame_stat_delete"): ("update_frame_status_counts", _STATS),
-    ("folder", "folder_fanout"): ("after_insert_folder", "Cuebot's trigger creates folder_resource"),
-    ("job", "job_fanout"): ("after_insert_job", "Cuebot's trigger creates job_stat and job_resource"),
-    ("layer", "layer_fanout"): ("after_insert_layer", "Cuebot's trigger creates layer_stat and layer_resource"),
-    ("frame", "frame_when_done_satisfy_depends"): (
-        "update_frame_dep_to_wait",
-        "Cuebot satisfies dependencies (its DependManager, then this trigger); both would count twice",
-    ),
-    **{
-        (table, name): (cuebot, _USAGE)
-        for table, cuebot in (
-            ("subscription", "verify_subscription"),
-            ("folder_resource", "tier_folder"),
-            ("job_resource", "verify_job_resources"),
-        )
-        for name in ("acct_usage_guard", "acct_usage_seed", "acct_usage_rekey")
-    },
-}
 
 # Which missing objects are cuesched's own (adoption adds them) and which are Cuebot's from a
 # later Cuebot version (adoption must not add them: that Flyway migration would then fail on
@@ -164,7 +140,6 @@ DATA_STEPS: dict[tuple[str, str], tuple[str, str]] = {
     ),
 }
 
-_PGTRIGGER_NAME = re.compile(r"^pgtrigger_(?P<name>.+)_[0-9a-f]{5}$")
 # Every function pgtrigger compiles opens with this guard; no Cuebot function calls it.
 PGTRIGGER_GUARD = '"public"._pgtrigger_should_ignore(TG_NAME)'
 # The COMMENT adoption puts on every function it creates or replaces: the proof, on later runs,
@@ -397,11 +372,6 @@ def _column_sql(col: Column) -> str:
     return sql
 
 
-def trigger_base(name: str) -> str:
-    m = _PGTRIGGER_NAME.match(name)
-    return m.group("name") if m else name
-
-
 def _fk_target(definition: str) -> str | None:
     m = re.search(r"REFERENCES\s+(?:public\.)?\"?([A-Za-z0-9_]+)\"?", definition)
     return m.group(1) if m else None
@@ -586,7 +556,7 @@ def function_owner(live: Catalog, signature: str) -> str | None:
     definition = live.functions[signature]
     if live.function_comments.get(signature) == _mark_of(definition):
         return "marked by adoption"
-    if _PGTRIGGER_NAME.match(_function_name(signature)) and signature.endswith("()") and PGTRIGGER_GUARD in definition:
+    if PGTRIGGER_NAME.match(_function_name(signature)) and signature.endswith("()") and PGTRIGGER_GUARD in definition:
         return "pgtrigger's"
     return None
 
@@ -600,7 +570,7 @@ def trigger_owned(live: Catalog, table: str, name: str) -> bool:
     """pgtrigger's name, pgtrigger's hash in its comment, and it runs a function of the same name
     that is certainly cuesched's (function_owner): a Cuebot trigger satisfies none of the three."""
     definition, comment = live.triggers[(table, name)]
-    if not _PGTRIGGER_NAME.match(name) or not re.fullmatch(r"[0-9a-f]{40}", comment or ""):
+    if not PGTRIGGER_NAME.match(name) or not re.fullmatch(r"[0-9a-f]{40}", comment or ""):
         return False
     if _executes(definition) != name or f"{name}()" not in live.functions:
         return False
@@ -615,9 +585,6 @@ def runs_cuesched_function(live: Catalog, table: str, name: str) -> str | None:
     if function is None or f"{function}()" not in live.functions:
         return None
     return function if function_owner(live, f"{function}()") is not None else None
-
-
-ENABLED = ("O", "A")  # tgenabled values that fire in an ordinary session
 
 
 def _enable_step(live: Catalog, table: str, name: str) -> Step | None:

@@ -18,7 +18,7 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.db import connection
 
-from dispatch.trigger_health import expected_triggers, trigger_problems
+from accounting.trigger_health import expected_triggers, trigger_problems
 from tests.integration import cuebot_support as cb
 
 
@@ -114,3 +114,28 @@ def test_on_an_adopted_database_a_copy_beside_cuesched_trigger_is_doubled_then_d
     assert f"drop trigger proc.site_copy (not pgtrigger's name, but it runs cuesched's {trig}()" in check, check
     cb.manage(adopted_url, "adopt_cuebot_db", "--apply")
     assert _problems(adopted_url) == []
+
+
+def test_on_an_adopted_database_cuesched_work_installed_beside_cuebots_is_doubled(adopted_url: str) -> None:
+    """`manage.py pgtrigger install` on an adopted database (the runbook says not to) puts
+    cuesched's frame-state counting beside Cuebot's update_frame_status_counts: each state change
+    counted twice, and Cuebot's limit check reads those counts. The check skipped such triggers
+    whenever Cuebot's was there, installed or not; it now names each one doubled."""
+    cb.manage(adopted_url, "pgtrigger", "install")
+    try:
+        doubled = {name for name, problem in _problems(adopted_url) if problem == "doubled"}
+        assert any(re.fullmatch(r"pgtrigger_frame_stat_insert_\w{5}", n) for n in doubled), doubled
+        status = cb.manage(adopted_url, "store_status", check=False, timeout=60)
+        assert status.returncode != 0 and "does the work of Cuebot's update_frame_status_counts" in status.stdout
+    finally:
+        with psycopg.connect(adopted_url, autocommit=True) as conn:
+            for table, name in expected_triggers():
+                if (table, name.rsplit("_", 1)[0].removeprefix("pgtrigger_")) in _cuebot_owned():
+                    conn.execute(f"DROP TRIGGER IF EXISTS {name} ON {table}")
+    assert _problems(adopted_url) == []
+
+
+def _cuebot_owned() -> set[tuple[str, str]]:
+    from accounting.trigger_health import CUEBOT_OWNS
+
+    return set(CUEBOT_OWNS)

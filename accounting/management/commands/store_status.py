@@ -9,7 +9,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import connection
 
 from accounting import live
-from dispatch.trigger_health import describe, trigger_problems
+from accounting.trigger_health import describe, trigger_problems
 
 # The exit status of a view that is printed but stale: a script or a monitoring check that
 # runs `store_status` must not read a dead scheduler's last words as a healthy farm.

@@ -13,9 +13,9 @@ from accounting.cuebot import CuebotModeError
 from accounting.metrics import MetricsPortError
 from accounting.scheduler import SchedulerOptions, SchedulerProcess
 from accounting.singleton import SchedulerAlreadyRunning
+from accounting.trigger_health import describe, trigger_problems
 from cuesched_project import conf
 from dispatch import conf as dispatch_conf
-from dispatch.trigger_health import describe, trigger_problems
 
 
 def _runtime(value: str) -> tuple[float, float]:
@@ -90,7 +90,7 @@ class Command(BaseCommand):
         from dispatch.engine.loop import dispatch_main
 
         # Before anything is taken: a Store bootstrapped from counters a missing or disabled
-        # trigger stopped keeping would book past a cap (dispatch/trigger_health.py).
+        # trigger stopped keeping would book past a cap (accounting/trigger_health.py).
         problems = trigger_problems(connection)
         if problems:
             raise CommandError(f"{describe(problems)}; the scheduler did not start")

@@ -8,19 +8,56 @@ to start and `store_status` exits non-zero while one is wrong, naming it and the
 
 What "should be installed" means: every trigger a model declares (pgtrigger's registry), on a
 plain database as `migrate` installs them; on a Cuebot database less those adoption leaves to a
-Cuebot trigger that does the same work (dispatch.adoption.CUEBOT_OWNS). A trigger counts as
-cuesched's by the function it runs (pgtrigger names the function after the trigger), so a
+Cuebot trigger that does the same work (CUEBOT_OWNS below, which adoption reads too). A trigger
+counts as cuesched's by the function it runs (pgtrigger names the function after the trigger), so a
 renamed copy is still found. One catalog query: the scheduler starts on a farm of any size.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import pgtrigger
 
-from dispatch.adoption import CUEBOT_OWNS, ENABLED, trigger_base
+# pgtrigger's names: `pgtrigger_<name>_<5 hex>` for a trigger and the function it runs.
+PGTRIGGER_NAME = re.compile(r"^pgtrigger_(?P<name>.+)_[0-9a-f]{5}$")
+ENABLED = ("O", "A")  # tgenabled values that fire in an ordinary session
+
+
+def trigger_base(name: str) -> str:
+    """A pgtrigger name without its prefix and hash (the name the model declares)."""
+    m = PGTRIGGER_NAME.match(name)
+    return m.group("name") if m else name
+
+
+# (table, cuesched trigger name without pgtrigger's prefix and hash) -> (Cuebot's trigger on that
+# table that does the same work, why both would be wrong). Skipped only where Cuebot's exists.
+_STATS = "Cuebot's trigger counts frames by state; both would count each change twice"
+_USAGE = "Cuebot writes the usage columns itself and verifies them in this trigger"
+CUEBOT_OWNS: dict[tuple[str, str], tuple[str, str]] = {
+    ("frame", "frame_stat_insert"): ("update_frame_status_counts", _STATS),
+    ("frame", "frame_stat_update"): ("update_frame_status_counts", _STATS),
+    ("frame", "frame_stat_delete"): ("update_frame_status_counts", _STATS),
+    ("folder", "folder_fanout"): ("after_insert_folder", "Cuebot's trigger creates folder_resource"),
+    ("job", "job_fanout"): ("after_insert_job", "Cuebot's trigger creates job_stat and job_resource"),
+    ("layer", "layer_fanout"): ("after_insert_layer", "Cuebot's trigger creates layer_stat and layer_resource"),
+    ("frame", "frame_when_done_satisfy_depends"): (
+        "update_frame_dep_to_wait",
+        "Cuebot satisfies dependencies (its DependManager, then this trigger); both would count twice",
+    ),
+    **{
+        (table, name): (cuebot, _USAGE)
+        for table, cuebot in (
+            ("subscription", "verify_subscription"),
+            ("folder_resource", "tier_folder"),
+            ("job_resource", "verify_job_resources"),
+        )
+        for name in ("acct_usage_guard", "acct_usage_seed", "acct_usage_rekey")
+    },
+}
+
 
 TRIGGERS_SQL = """
 SELECT c.relname, t.tgname, t.tgenabled::text, p.proname
@@ -59,9 +96,22 @@ def trigger_problems(conn: Any) -> list[TriggerProblem]:
     problems = []
     for table, name in expected_triggers():
         owner = CUEBOT_OWNS.get((table, trigger_base(name)))
-        if owner is not None and (table, owner[0]) in names:
-            continue  # Cuebot's own trigger does this work; adoption leaves cuesched's out
         runs = sorted((tg, state) for t, tg, state, function in live if t == table and function == name)
+        if owner is not None and (table, owner[0]) in names:
+            # Cuebot's own trigger does this work, so adoption leaves cuesched's out; installed
+            # anyway (`pgtrigger install` on an adopted database) both would count.
+            for tg, state in runs:
+                if state in ENABLED:
+                    problems.append(
+                        TriggerProblem(
+                            table,
+                            name,
+                            "doubled",
+                            f"trigger {tg} does the work of Cuebot's {owner[0]} beside it: {owner[1]}",
+                            f"DROP TRIGGER {tg} ON {table}",
+                        )
+                    )
+            continue
         if not runs:
             problems.append(
                 TriggerProblem(
