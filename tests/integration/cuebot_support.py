@@ -271,6 +271,20 @@ def adopted_cuebot_db(suffix: str) -> Iterator[str]:
         drop_database(name)
 
 
+@contextmanager
+def zeroed_counters(url: str, show: str) -> Iterator[psycopg.Connection]:
+    """An autocommit connection on `url` with `show` Cuebot's (unmanaged), no procs and every
+    counter of the five tables at 0, so each test starts from exact counters; the show is handed
+    back to Cuebot afterwards too."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("UPDATE show SET b_scheduler_managed = false WHERE pk_show = %s", (show,))
+        conn.execute("DELETE FROM proc")
+        for table in ("subscription", "folder_resource", "job_resource", "layer_resource", "point"):
+            conn.execute(f"UPDATE {table} SET int_cores = 0, int_gpus = 0")
+        yield conn
+        conn.execute("UPDATE show SET b_scheduler_managed = false WHERE pk_show = %s", (show,))
+
+
 def insert_host(url: str, name: str, *, alloc: str, cores: int = 800, mem_kb: int = 16 * 1024 * 1024) -> str:
     """A render host as Cuebot registers one: the host, host_stat and alloc tag rows, in Cuebot's
     columns (its HostDaoJdbc writes these three tables); UP and pinged now."""

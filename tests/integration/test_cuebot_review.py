@@ -15,7 +15,7 @@ import psycopg
 import pytest
 
 from tests.integration.cuebot_standin import CuebotStandIn
-from tests.integration.cuebot_support import adopted_cuebot_db
+from tests.integration.cuebot_support import adopted_cuebot_db, zeroed_counters
 from tests.integration.test_cuebot_mode import ALLOC, DEPT, SHOW, Farm, counters
 from tests.integration.test_cuebot_outside_writers import RAW_INSERT
 
@@ -30,14 +30,9 @@ def cuebot_url() -> Iterator[str]:
 
 @pytest.fixture
 def conn(cuebot_url: str) -> Iterator[psycopg.Connection]:
-    with psycopg.connect(cuebot_url, autocommit=True) as c:
-        c.execute("UPDATE show SET b_scheduler_managed = false WHERE pk_show = %s", (SHOW,))
-        c.execute("DELETE FROM proc")
-        for table in ("subscription", "folder_resource", "job_resource", "layer_resource", "point"):
-            c.execute(f"UPDATE {table} SET int_cores = 0, int_gpus = 0")
+    with zeroed_counters(cuebot_url, SHOW) as c:
         c.execute("UPDATE subscription SET int_burst = 100000 WHERE pk_show = %s", (SHOW,))
         yield c
-        c.execute("UPDATE show SET b_scheduler_managed = false WHERE pk_show = %s", (SHOW,))
         c.execute("DELETE FROM proc")
 
 

@@ -16,7 +16,7 @@ import psycopg
 import pytest
 
 from accounting.db import with_writer_option
-from tests.integration.cuebot_support import adopted_cuebot_db
+from tests.integration.cuebot_support import adopted_cuebot_db, zeroed_counters
 from tests.integration.test_cuebot_mode import ALLOC, SHOW, Farm, counters
 from tests.integration.test_cuebot_outside_writers import RAW_INSERT
 
@@ -29,13 +29,8 @@ def cuebot_url() -> Iterator[str]:
 
 @pytest.fixture
 def conn(cuebot_url: str) -> Iterator[psycopg.Connection]:
-    with psycopg.connect(cuebot_url, autocommit=True) as c:
-        c.execute("UPDATE show SET b_scheduler_managed = false WHERE pk_show = %s", (SHOW,))
-        c.execute("DELETE FROM proc")
-        for table in ("subscription", "folder_resource", "job_resource", "layer_resource", "point"):
-            c.execute(f"UPDATE {table} SET int_cores = 0, int_gpus = 0")
+    with zeroed_counters(cuebot_url, SHOW) as c:
         yield c
-        c.execute("UPDATE show SET b_scheduler_managed = false WHERE pk_show = %s", (SHOW,))
         c.execute("DELETE FROM proc")
 
 
