@@ -9,6 +9,7 @@ the rows each node fetched from `proc`, not a time.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -47,7 +48,7 @@ def _explain_completion(conn, completions: list[Completion]) -> dict[str, Any]:
 
 
 @pytest.fixture
-def running_procs() -> list[str]:
+def running_procs() -> Iterator[list[str]]:
     seed(
         "rpl",
         **{**ONE_CORE, "hosts": 40, "jobs": JOBS, "frames_per_layer": FRAMES},
@@ -56,11 +57,18 @@ def running_procs() -> list[str]:
         job_max_cores=-1,
     )
     with autocommit() as conn:
-        conn.execute("ANALYZE proc")  # the statistics now say: no procs
-        _jobs, bookings = plan(conn, {j: FRAMES for j in range(JOBS)}, managed=True)
-        assert len(write_batch(conn, bookings, mem_used=256_000).written) == JOBS * FRAMES
-        assert scalar(conn, "SELECT reltuples FROM pg_class WHERE relname = 'proc'") <= 0
-        return [b.pk_proc for b in bookings]
+        # Frozen means frozen: autovacuum would analyze proc once the procs are in (160 rows pass
+        # its threshold), at a moment of its choosing, and the plan read below would then be the
+        # one of true statistics, not of the stale ones these tests are about.
+        conn.execute("ALTER TABLE proc SET (autovacuum_enabled = false)")
+        try:
+            conn.execute("ANALYZE proc")  # the statistics now say: no procs
+            _jobs, bookings = plan(conn, {j: FRAMES for j in range(JOBS)}, managed=True)
+            assert len(write_batch(conn, bookings, mem_used=256_000).written) == JOBS * FRAMES
+            assert scalar(conn, "SELECT reltuples FROM pg_class WHERE relname = 'proc'") <= 0
+            yield [b.pk_proc for b in bookings]
+        finally:
+            conn.execute("ALTER TABLE proc RESET (autovacuum_enabled)")
 
 
 def test_a_lone_completion_reads_only_its_own_proc(running_procs: list[str]) -> None:
