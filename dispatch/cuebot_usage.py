@@ -106,20 +106,8 @@ per_show AS (
   SELECT pk_show, count(*) FILTER (WHERE exit_status <= 0) AS ok, count(*) FILTER (WHERE exit_status > 0) AS bad
   FROM used GROUP BY pk_show
 ),
-per_job AS (
-  SELECT pk_job,
-         COALESCE(sum(core_time) FILTER (WHERE exit_status = 0), 0) AS core_ok,
-         COALESCE(sum(gpu_time) FILTER (WHERE exit_status = 0), 0) AS gpu_ok,
-         COALESCE(sum(clock) FILTER (WHERE exit_status = 0), 0) AS clock_ok,
-         count(*) FILTER (WHERE exit_status = 0) AS ok,
-         max(clock) FILTER (WHERE exit_status = 0) AS high,
-         COALESCE(sum(core_time) FILTER (WHERE exit_status <> 0), 0) AS core_bad,
-         COALESCE(sum(clock) FILTER (WHERE exit_status <> 0), 0) AS clock_bad,
-         count(*) FILTER (WHERE exit_status <> 0) AS bad
-  FROM used GROUP BY pk_job
-),
 per_layer AS (
-  SELECT pk_layer,
+  SELECT pk_layer, pk_job,
          COALESCE(sum(core_time) FILTER (WHERE exit_status = 0), 0) AS core_ok,
          COALESCE(sum(gpu_time) FILTER (WHERE exit_status = 0), 0) AS gpu_ok,
          COALESCE(sum(clock) FILTER (WHERE exit_status = 0), 0) AS clock_ok,
@@ -129,7 +117,13 @@ per_layer AS (
          COALESCE(sum(core_time) FILTER (WHERE exit_status <> 0), 0) AS core_bad,
          COALESCE(sum(clock) FILTER (WHERE exit_status <> 0), 0) AS clock_bad,
          count(*) FILTER (WHERE exit_status <> 0) AS bad
-  FROM used GROUP BY pk_layer
+  FROM used GROUP BY pk_layer, pk_job
+),
+per_job AS (
+  -- A layer is one job's: the job's figures are its layers' added up.
+  SELECT pk_job, sum(core_ok) AS core_ok, sum(gpu_ok) AS gpu_ok, sum(clock_ok) AS clock_ok, sum(ok) AS ok,
+         max(high) AS high, sum(core_bad) AS core_bad, sum(clock_bad) AS clock_bad, sum(bad) AS bad
+  FROM per_layer GROUP BY pk_job
 ),
 show_upd AS (
   UPDATE show_stats t
