@@ -105,7 +105,7 @@ def test_every_part_of_dispatch_says_what_it_owns() -> None:
         ("accounting/service.py", "from dispatch.lab.seeding import seed_farm", True),
         ("ops/why.py", "from dispatch.lab import stress", True),
         ("dispatch/hosts/agent.py", "from dispatch.engine.completion import complete", False),
-        ("dispatch/lab/stress.py", "from dispatch.hosts.agent import queue_name", False),
+        ("dispatch/lab/stress/harness.py", "from dispatch.hosts.agent import queue_name", False),
         ("dispatch/management/commands/stress.py", "from dispatch.lab import stress", False),
     ],
 )
