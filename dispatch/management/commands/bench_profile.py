@@ -9,6 +9,9 @@ It prints:
 - the time spent waiting on PostgreSQL (every psycopg execute, fetch and commit), counted per
   batch: that is the round trips and the server's work together;
 - the functions with the most time of their own, and the project's with the most in total;
+- the wall time of each statement the loop sends, from the call to its result (named by the
+  engine's SQL constant it is: BEGIN, the keys lock, the lease check, the booking statement,
+  COMMIT...), so that the extra round trips of a batch have a figure each;
 - each PL/pgSQL function's calls and time on the server (`pg_stat_user_functions`), the
   difference between before and after the drain: per-row work in triggers. For that the command
   sets `track_functions = all` on its database while it runs (ALTER DATABASE, a superuser's;
@@ -21,14 +24,17 @@ own overhead to every Python call (the Python side reads high against the databa
 from __future__ import annotations
 
 import cProfile
+import importlib
 import io
 import os
 import pstats
 import threading
 import time
 from argparse import ArgumentParser
+from collections import Counter
 from typing import Any
 
+import psycopg
 from django.core.management.base import BaseCommand
 from django.db import connection
 from psycopg import sql
@@ -44,6 +50,56 @@ VACUUMED = "frame, proc, host, host_stat, job, job_stat, job_resource, layer, la
 FUNCTIONS_SQL = "SELECT schemaname || '.' || funcname, calls, total_time, self_time FROM pg_stat_user_functions"
 # psycopg's calls that send a statement (each one round trip at least).
 WAITS = ("execute", "executemany")
+
+
+class StatementClock:
+    """Wall time of every statement the loop's thread sends, by statement (named when it is one of
+    the engine's SQL constants, else its first words), from the call to its result.
+
+    Installed on psycopg's Cursor.execute for the drain only; other threads (the service's)
+    pass through unrecorded.
+    """
+
+    # The owner of a constant first: the modules that import it would otherwise name it.
+    MODULES = ("accounting.triggers", "dispatch.engine.booking", "dispatch.engine.completion",
+               "dispatch.engine.feed", "dispatch.engine.loop")  # fmt: skip
+
+    def __init__(self) -> None:
+        self.names: dict[str, str] = {}
+        for module in self.MODULES:
+            mod = importlib.import_module(module)
+            for name, value in vars(mod).items():
+                if name.isupper() and isinstance(value, str) and len(value) > 6:
+                    self.names.setdefault(value, f"{module.rsplit('.', 1)[1]}.{name}")
+        self.seconds: Counter[str] = Counter()
+        self.calls: Counter[str] = Counter()
+        self.thread = threading.get_ident()
+        self._original: Any = None
+
+    def label(self, query: Any) -> str:
+        text = query if isinstance(query, str) else str(getattr(query, "as_string", lambda _c: query)(None))
+        return self.names.get(text) or " ".join(text.split())[:60]
+
+    def __enter__(self) -> StatementClock:
+        original = self._original = psycopg.Cursor.execute
+        clock = self
+
+        def execute(cur: psycopg.Cursor, query: Any, *args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() != clock.thread:
+                return original(cur, query, *args, **kwargs)
+            started = time.perf_counter()
+            try:
+                return original(cur, query, *args, **kwargs)
+            finally:
+                label = clock.label(query)
+                clock.seconds[label] += time.perf_counter() - started
+                clock.calls[label] += 1
+
+        psycopg.Cursor.execute = execute  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        psycopg.Cursor.execute = self._original  # type: ignore[method-assign]
 
 
 def _functions(conn: Any) -> dict[str, tuple[int, float, float]]:
@@ -121,9 +177,11 @@ class Command(BaseCommand):
 
                 threading.Thread(target=watch, daemon=True).start()
             profile = cProfile.Profile()
+            clock = StatementClock()
             started = time.perf_counter()
             try:
-                profile.runcall(loop.run, stop_loop, not opts["hold"])
+                with clock:
+                    profile.runcall(loop.run, stop_loop, not opts["hold"])
             finally:
                 wall = time.perf_counter() - started
                 stop_loop.set()
@@ -138,6 +196,7 @@ class Command(BaseCommand):
                 conn.execute(untrack)
             purge_farm(spec.prefix)
         self._report(opts, spec, loop, wall, profile, before, after)
+        self._statements(clock, loop, wall, opts["top"])
 
     def _report(
         self,
@@ -198,6 +257,18 @@ class Command(BaseCommand):
         for own, total, c, name in sorted(rows, reverse=True)[: opts["top"]]:
             out(f"  {name}: {c} calls, self {own:.1f} ms, total {total:.1f} ms, {1000 * own / c:.1f} us per call")
         out(f"  all functions, self time: {server:.1f} ms ({server / 1000 / wall * 100:.0f}% of the wall)")
+
+    def _statements(self, clock: StatementClock, loop: DispatchLoop, wall: float, top: int) -> None:
+        out = self.stdout.write
+        total = sum(clock.seconds.values())
+        batches = max(loop.totals.batches, 1)
+        out(f"statements of the loop, wall from the call to the result ({total:.3f}s, {100 * total / wall:.0f}%):")
+        for label, seconds in clock.seconds.most_common(top):
+            n = clock.calls[label]
+            out(
+                f"  {label}: {n} calls ({n / batches:.1f} per batch), {seconds:.3f}s, "
+                f"{1000 * seconds / n:.2f} ms per call, {100 * seconds / wall:.0f}%"
+            )
 
     @staticmethod
     def _table(text: str) -> str:
