@@ -111,6 +111,9 @@ OWN_COLUMNS = frozenset(
         ("show", "int_frame_success_count"),
         ("show", "int_frame_fail_count"),
         ("host", "str_rqd_address"),  # where the host's RQD answers (the rqd launcher)
+        # A kill in progress: the proc stays booked until its run has ended (dispatch.engine.kills).
+        ("proc", "ts_kill"),
+        ("proc", "str_kill"),
         # A licence limit's use, counted from proc by cuesched's triggers (see LICENCE_RECOUNT).
         ("limit_record", "int_running"),
         ("limit_record", "int_frames"),
