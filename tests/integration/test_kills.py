@@ -131,6 +131,16 @@ def _frames(conn: psycopg.Connection, job: str) -> list[tuple[Any, ...]]:
     ).fetchall()
 
 
+def within(predicate: Any, bound: float) -> float | None:
+    """Seconds until `predicate` held, or None if it did not within `bound` (a bounded wait)."""
+    start = time.monotonic()
+    while time.monotonic() - start < bound:
+        if predicate():
+            return time.monotonic() - start
+        time.sleep(0.02)
+    return None
+
+
 def _rqd_kills(log: Path) -> int:
     return log.read_text(errors="replace").count("Request received: killRunningFrame")
 
@@ -159,11 +169,12 @@ def test_a_job_kill_over_rqd_keeps_its_procs_booked_until_rqd_reports_the_frames
                 kills_before = _rqd_kills(rqd_log)
                 killed = kill_job(victim, actor="test")  # this thread holds no launcher, as the API
                 t_kill = time.monotonic()
-                assert killed.detail["killing"] == 2 and killed.detail["finished"]
                 # The kill reaches RQD within the bound (RQD logs each KillRunningFrame it serves).
-                wait_for(lambda: _rqd_kills(rqd_log) >= kills_before + 2, KILL_BOUND, "RQD to receive KillRunningFrame")
-                wait_for(lambda: pids_of(f"{marker} rkl-victim") == [], KILL_BOUND, "the killed processes to be gone")
-                reached = time.monotonic() - t_kill
+                received = within(lambda: _rqd_kills(rqd_log) >= kills_before + 2, KILL_BOUND)
+                # (Measured, and then waited for however long it takes, so that a kill that comes
+                # late still lets the test say what the counters did meanwhile.)
+                wait_for(lambda: pids_of(f"{marker} rkl-victim") == [], 60, "the killed processes to be gone")
+                gone = time.monotonic() - t_kill
                 # The victim's procs went only with RQD's completion reports; then the next job ran.
                 wait_for(
                     lambda: scalar(conn, "SELECT count(*) FROM proc WHERE pk_job = %s", (victim,)) == 0,
@@ -183,9 +194,11 @@ def test_a_job_kill_over_rqd_keeps_its_procs_booked_until_rqd_reports_the_frames
             finally:
                 watcher.stop()
             assert watcher.samples > 50
-            assert watcher.unbooked == [], f"frames running with no proc booked: {watcher.unbooked[:5]}"
+            assert watcher.unbooked == [], f"frames running with no proc booked: {sorted(set(watcher.unbooked))}"
             assert watcher.max_running <= 2
-            assert reached < KILL_BOUND
+            assert received is not None, f"RQD received no KillRunningFrame within {KILL_BOUND}s"
+            assert gone < KILL_BOUND, f"the killed processes lived {gone:.1f}s after the kill"
+            assert killed.detail["killing"] == 2 and killed.detail["finished"]
             # Recorded as killed: eaten (the job is finished), exit 301, no retry counted.
             assert _frames(conn, victim) == [(1, "EATEN", EXIT_STATUS_KILLED, 0), (2, "EATEN", EXIT_STATUS_KILLED, 0)]
             assert scalar(conn, "SELECT str_state FROM job WHERE pk_job = %s", (victim,)) == "FINISHED"
@@ -235,11 +248,10 @@ def test_a_job_kill_through_a_q2_agent_keeps_the_proc_booked_until_the_process_h
         watcher = HostWatcher(host, marker, cores=1).start()
         try:
             wait_for(lambda: watcher.samples > 20, 10, "the watcher's first samples")
-            assert kill_job(victim, actor="test").detail["killing"] == 1
+            killed = kill_job(victim, actor="test")
             t_kill = time.monotonic()
-            log = next(p for p in tmp_path.rglob("*.log") if names[victim] in str(p))
-            wait_for(lambda: "=== killed: a kill" in log.read_text(), KILL_BOUND + 2, "the agent to kill the frame")
-            reached = time.monotonic() - t_kill
+            wait_for(lambda: pids_of(f"{marker} {names[victim]}") == [], 30, "the killed frame's process to be gone")
+            gone = time.monotonic() - t_kill
             wait_for(
                 lambda: scalar(conn, "SELECT count(*) FROM proc WHERE pk_job = %s", (victim,)) == 0,
                 10,
@@ -252,9 +264,12 @@ def test_a_job_kill_through_a_q2_agent_keeps_the_proc_booked_until_the_process_h
             )
         finally:
             watcher.stop()
-        assert watcher.unbooked == [], f"frames running with no proc booked: {watcher.unbooked[:5]}"
+        assert watcher.unbooked == [], f"frames running with no proc booked: {sorted(set(watcher.unbooked))}"
         assert watcher.max_running <= 1
-        assert reached < KILL_BOUND + 2  # the kill poll (0.1 s here) and the frame's own 1 s exit
+        assert gone < KILL_BOUND + 1  # the kill poll (0.1 s here) and the frame's own 1 s exit
+        assert killed.detail["killing"] == 1
+        log = next(p for p in tmp_path.rglob("*.log") if names[victim] in str(p))
+        assert "=== killed: a kill" in log.read_text()
         assert _frames(conn, victim) == [(1, "EATEN", EXIT_STATUS_KILLED, 0)]
         assert scalar(conn, "SELECT count(*) FROM proc") == 0
         assert violations(conn) == []
