@@ -199,6 +199,10 @@ def test_a_job_kill_over_rqd_keeps_its_procs_booked_until_rqd_reports_the_frames
             assert received is not None, f"RQD received no KillRunningFrame within {KILL_BOUND}s"
             assert gone < KILL_BOUND, f"the killed processes lived {gone:.1f}s after the kill"
             assert killed.detail["killing"] == 2 and killed.detail["finished"]
+            print(
+                f"\nrqd kill: KillRunningFrame received {received:.3f}s, processes gone {gone:.3f}s after the kill;"
+                f" {watcher.samples} samples, max {watcher.max_running} running on 2 cores, 0 unbooked"
+            )
             # Recorded as killed: eaten (the job is finished), exit 301, no retry counted.
             assert _frames(conn, victim) == [(1, "EATEN", EXIT_STATUS_KILLED, 0), (2, "EATEN", EXIT_STATUS_KILLED, 0)]
             assert scalar(conn, "SELECT str_state FROM job WHERE pk_job = %s", (victim,)) == "FINISHED"
@@ -268,6 +272,7 @@ def test_a_job_kill_through_a_q2_agent_keeps_the_proc_booked_until_the_process_h
         assert watcher.max_running <= 1
         assert gone < KILL_BOUND + 1  # the kill poll (0.1 s here) and the frame's own 1 s exit
         assert killed.detail["killing"] == 1
+        print(f"\nq2 kill: process gone {gone:.3f}s after the kill (it takes 1 s to exit on SIGTERM)")
         log = next(p for p in tmp_path.rglob("*.log") if names[victim] in str(p))
         assert "=== killed: a kill" in log.read_text()
         assert _frames(conn, victim) == [(1, "EATEN", EXIT_STATUS_KILLED, 0)]

@@ -125,17 +125,23 @@ class SimulatedLauncher:
 
     def running(self) -> int:
         with self._lock:
-            return len(self._heap) - len(self._killed) + len(self._ended)
+            return len(self._heap) - len(self._killed) + len([pk for pk in self._ended if pk in self._killed])
 
     def kill(self, runs: Sequence[RunKill]) -> None:
         """The simulated run ends now: its completion (signal 9) comes at the next poll, and the
-        completion path records it killed (its proc's mark). Until then its proc stays booked."""
+        completion path records it killed (its proc's mark). Until then its proc stays booked.
+
+        A run this launcher does not hold (a previous scheduler's, which died with it) runs
+        nowhere, since simulated runs live only in the process that launched them: it is ended
+        the same way, or its proc would stay booked for ever (its hosts keep pinging)."""
         with self._lock:
-            running = {entry[2] for entry in self._heap} - self._killed
+            running = {entry[2] for entry in self._heap}
             for run in runs:
+                if run.pk_proc in self._killed or run.pk_proc in self._ended:
+                    continue
                 if run.pk_proc in running:
                     self._killed.add(run.pk_proc)
-                    self._ended.append(run.pk_proc)
+                self._ended.append(run.pk_proc)
 
     def heartbeat(self, conn: psycopg.Connection) -> None:
         if self.pings_hosts:
