@@ -370,3 +370,38 @@ def test_a_frame_kill_requeues_the_frame_once_its_run_has_ended_with_no_retry_co
             launcher.close()
         assert conn.execute("SELECT str_state, int_retries FROM frame").fetchone() == ("RUNNING", 0)
         assert violations(conn) == []
+
+
+def test_a_killed_q2_task_that_has_not_started_is_revoked_and_a_marked_task_runs_nothing(tmp_path: Path) -> None:
+    """Two queued tasks of a killed job, no agent consuming yet: the sender ends the one whose
+    run lock is free (nothing runs it) and leaves the one whose run lock is held (a run in
+    progress: its agent stops it); a task that starts after its kill runs nothing and ends it
+    killed. Both are recorded killed, no retry counted."""
+    from dispatch.engine.kills import KillSender
+    from dispatch.engine.launcher import get_launcher
+    from dispatch.hosts.agent import RUN_UNLOCK_SQL, TRY_RUN_LOCK_SQL, HostSpec, register_host, run_frame
+    from tests.integration.agent_support import agent_farm
+
+    farm = agent_farm("arv", "sleep 30", frames=2)
+    with running_scheduler() as proc, autocommit() as conn, autocommit() as holder:
+        register_host(HostSpec(name="arv-host", alloc=str(farm["alloc"]), cores=2, tags=tuple(farm["tags"])), conn)
+        launcher = get_launcher("q2")
+        with make_loop(proc.service, launcher) as loop:
+            assert loop.run_once().booked == 2
+        job = scalar(conn, "SELECT pk_job FROM job")
+        queued, started = [r[0] for r in conn.execute("SELECT pk_proc FROM proc ORDER BY pk_proc")]
+        assert holder.execute(TRY_RUN_LOCK_SQL, (started,)).fetchone()[0]  # stands for a run in progress
+        assert kill_job(job, actor="test").detail["killing"] == 2
+        try:
+            KillSender([launcher]).send_due(conn)
+        finally:
+            holder.execute(RUN_UNLOCK_SQL, (started,))
+            launcher.close()
+        assert [r[0] for r in conn.execute("SELECT pk_proc FROM proc")] == [started]  # the queued one: revoked
+        assert run_frame(queued, "arv-host", log_root=str(tmp_path))["skipped"].startswith("proc is gone")
+        out = run_frame(started, "arv-host", log_root=str(tmp_path))  # its task, delivered after the kill
+        assert out["skipped"] == "killed before it started" and out["ran"] is False
+        assert scalar(conn, "SELECT count(*) FROM proc") == 0
+        assert _frames(conn, job) == [(1, "EATEN", EXIT_STATUS_KILLED, 0), (2, "EATEN", EXIT_STATUS_KILLED, 0)]
+        assert scalar(conn, "SELECT int_cores = int_cores_idle FROM host") is True
+        assert violations(conn) == []
