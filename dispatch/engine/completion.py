@@ -279,11 +279,13 @@ def release_lost_hosts(
 
 
 def kill_frames(conn: psycopg.Connection, frames: Sequence[str]) -> CompletionResult:
-    """Release the running frames' procs the completion way, frames back to WAITING (exit 301).
+    """Release the running frames' procs now, the completion way, frames back to WAITING (exit 301).
 
-    For the admin's kill: whoever kills also asks the launcher to stop the process, best
-    effort; when that process's own report arrives later, its proc is gone and it is a no-op.
-    A kill counts no retry (301 is on the no-retry list).
+    Not a kill (a kill marks the procs and waits for the runs' ends: dispatch.engine.kills): a
+    forced release for runs known to run nowhere, as the stress harness uses it for the frames a
+    SIGKILLed scheduler's simulated launcher took with it. An agent whose proc is released this
+    way stops the process group; a later report of the run is a no-op. No retry is counted (301
+    is on the no-retry list).
     """
     with conn.cursor() as cur:
         cur.execute(PROCS_OF_FRAMES_SQL, (list(frames),))
