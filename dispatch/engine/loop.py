@@ -85,6 +85,7 @@ from dispatch.engine.completion import (
     release_lost_hosts,
 )
 from dispatch.engine.feed import FreeHosts, JobWork, LiveUsage, Skips, fetch_pending, has_waiting_or_running
+from dispatch.engine.kills import KillSender
 from dispatch.engine.launcher import Launcher, get_launcher
 from dispatch.engine.placement import ALL, CENTI, HostRec, HostView, Shard
 
@@ -580,8 +581,6 @@ class DispatchLoop:
         procs, result = release_lost_hosts(conn, self.lost_host_timeout, exclude=exclude, shard=self.shard)
         if not procs:
             return
-        for pk in procs:
-            self.launcher.kill(pk)
         self._hosts_loaded_at = float("-inf")  # the reload leaves the silent hosts out
         stats.lost_released += result.released
         stats.jobs_finished += len(result.finished_jobs)
@@ -1181,7 +1180,8 @@ def dispatch_main(
     """The foreground of `run_scheduler`: `SchedulerProcess(...).run(dispatch_main("simulated"))`.
 
     Runs `workers` loops (CUESCHED_DISPATCH_WORKERS), each on its shard of hosts and jobs with
-    its own launcher, once the service's bootstrap is done; publishes their counters in the
+    its own launcher, and the kill sender over those launchers, once the service's bootstrap is
+    done; publishes their counters in the
     live view, and with `exit_when_idle` stops the whole process (sets `stop`) once no frame is
     WAITING or RUNNING.
     """
@@ -1191,6 +1191,9 @@ def dispatch_main(
         launchers = [get_launcher(launcher or conf.launcher_name(), **launcher_options) for _ in range(count)]
         loops = [DispatchLoop(service, launchers[i], shard=(i, count), **(loop_options or {})) for i in range(count)]
         service.view_providers["dispatch"] = lambda: merge_live_views([lp.live_view() for lp in loops])
+        # Kills go to the hosts through the launchers, from their own thread (dispatch.engine.kills).
+        sender = KillSender(launchers)
+        killing = sender.start(stop)
         others = [
             threading.Thread(target=lp.run, args=(stop, exit_when_idle), name=f"cuesched-dispatch-{i + 1}", daemon=True)
             for i, lp in enumerate(loops[1:])
@@ -1206,6 +1209,7 @@ def dispatch_main(
             stop.set()
             for thread in others:
                 thread.join(30)
+            killing.join(10)
             for lp in loops:
                 lp.requeue_in_process_frames()
                 lp.close()
