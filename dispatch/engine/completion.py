@@ -95,6 +95,19 @@ UNION ALL
 SELECT 'h', pk_host, NULL, NULL, NULL, int_cores_idle, int_mem_idle, int_gpus_idle, int_gpu_mem_idle FROM back
 """
 
+# The licence limits of the procs about to go, locked first and in key order: the booking
+# transaction takes its limit rows first too, so neither ever holds a frame or host row while it
+# waits for a limit row the other holds (with an operator's UPDATE of that limit queued between
+# them, the cycle was found by the operator's wait: "deadlock detected ... in relation
+# limit_record"). The DELETE's licence trigger then finds them held.
+LOCK_LIMITS_OF_PROCS_SQL = """
+SELECT 1 FROM limit_record r
+WHERE r.pk_limit_record IN (
+  SELECT ll.pk_limit_record FROM proc p JOIN layer_limit ll ON ll.pk_layer = p.pk_layer
+  WHERE p.pk_proc = ANY(%(proc)s::text[]))
+ORDER BY r.pk_limit_record FOR UPDATE OF r
+"""
+
 FINISH_JOBS_SQL = """
 UPDATE job j SET str_state = 'FINISHED', ts_stopped = now(), ts_updated = now()
 WHERE j.pk_job = ANY(%s::text[]) AND j.str_state = 'PENDING'
@@ -204,7 +217,9 @@ def complete_in_transaction(cur: psycopg.Cursor[Any], completions: Sequence[Comp
     # Before the statement locks any host row: a key move that took the accounting-keys lock
     # and then waited for one of those rows would otherwise deadlock with the proc trigger.
     cur.execute(LOCK_KEYS_SHARED_SQL)
-    cur.execute(COMPLETE_SQL, complete_params(completions))
+    params = complete_params(completions)
+    cur.execute(LOCK_LIMITS_OF_PROCS_SQL, params)
+    cur.execute(COMPLETE_SQL, params)
     released: list[tuple[str, str, str]] = []  # (pk_proc, pk_frame, pk_job)
     ended: dict[str, str] = {}  # pk_frame -> new state
     for kind, key, a, b, c, d, e, f, g in cur.fetchall():

@@ -62,9 +62,11 @@ from accounting.store import (
     LimitExceeded,
     Store,
 )
+from cuesched_project import conf as project_conf
 from dispatch import conf
 from dispatch.engine.booking import (
     CAP_REFUSALS,
+    REJECT_LOCKED,
     REJECT_MANAGED_FLIP,
     AmbiguousCommitError,
     AmbiguousCompensationError,
@@ -97,7 +99,8 @@ _UNLIMITED_ROOM = 1 << 40
 _JOB_FOLDER_MAX = 100_000
 _MIN_FEED_FRAMES = 64
 # Bookings the batch writer refused: they were placed (so they count as what a cycle could book).
-_WRITE_REJECTIONS = ("frame", "proc", "host", "managed_flip", "keys", "database")
+_WRITE_REJECTIONS = ("frame", "proc", "host", "managed_flip", "keys", "database", REJECT_LOCKED)
+_LOCKED_SHOWN = 60.0  # seconds the live view keeps naming a show's blocker after its last skip
 SYSTEM_ID_SQL = "SELECT (SELECT system_identifier::text FROM pg_control_system())"
 _ALLOC_ATTEMPTS = 3  # a subscription rejection retries the frame on another allocation
 _NO_HOST = "no_host"
@@ -277,6 +280,10 @@ class DispatchLoop:
         self._sleeping: dict[Cluster, float] = {}
         self._cluster_layers: dict[Cluster, set[str]] = {}
         self._blocked_jobs: dict[str, tuple[int, float]] = {}  # managed job -> (least whole cores, since)
+        # Shows skipped because another session held their lock: show -> what the live view shows
+        # (skips, first and last skip, back-off end, the blocking sessions). Not booked before `until`.
+        self._locked_shows: dict[str, dict[str, Any]] = {}
+        self.locked_show_backoff = project_conf.locked_show_backoff()
         self._blocked_folders: dict[str, float] = {}  # managed folder -> since
         self._job_folder: dict[str, str] = {}  # job -> folder, for the jobs the feed returned
         self._managed_seen: set[str] = set()
@@ -373,7 +380,28 @@ class DispatchLoop:
             "blocked_jobs": len(self._blocked_jobs),
             "managed_only": self.managed_only,
             "blocked": dict(self.why),
+            "locked_shows": self._locked_view(),
         }
+
+    def _locked_view(self) -> dict[str, dict[str, Any]]:
+        now = time.time()
+        return {
+            show: dict(entry)
+            for show, entry in list(self._locked_shows.items())
+            if now - entry["last"] <= _LOCKED_SHOWN
+        }
+
+    def _note_locked(self, result: BatchResult) -> None:
+        """Back off the shows the batch skipped for a held lock, and remember who held it."""
+        now, mono = time.time(), time.monotonic()
+        for show in {b.layer.job.show for b, table in result.rejected if table == REJECT_LOCKED}:
+            entry = self._locked_shows.get(show)
+            if entry is None or now - entry["last"] > _LOCKED_SHOWN:
+                entry = self._locked_shows[show] = {"skips": 0, "since": now}
+            entry["skips"] += 1
+            entry["last"] = now
+            entry["until_monotonic"] = mono + self.locked_show_backoff
+            entry["blockers"] = result.blockers.get(show, [])
 
     def _record_why(self, job: str, reason: str, message: str, unblock: str) -> None:
         """Remember the latest reason a job did not book (the ops console's 'why not booking')."""
@@ -626,6 +654,7 @@ class DispatchLoop:
             subs = self._subs.get(show, ())
             if not any(burst - booked >= 1 for booked, burst in (store.sub_counters(show, a) for a, _b, _c in subs)):
                 shows.append(show)
+        shows += [show for show, e in self._locked_shows.items() if e["until_monotonic"] > now]
         self._blocked_folders = {f: t for f, t in self._blocked_folders.items() if now - t <= self.cap_retry}
         folders = list(self._blocked_folders)
         return Skips(jobs=jobs, shows=shows, folders=folders, layers=layers, limits=store.full_licences())
@@ -1063,6 +1092,8 @@ class DispatchLoop:
                 self.service.request_managed_refresh()
             if table in ("job", "job_gpus") and b.managed:
                 self._blocked_jobs[b.layer.job.pk] = (b.cores // CENTI, time.monotonic())
+        if result.blockers:
+            self._note_locked(result)
         view.set_ledger(result.host_rows)
         if result.failed_hosts:
             view.reload_hosts(conn, result.failed_hosts)

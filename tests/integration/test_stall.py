@@ -21,11 +21,8 @@ import pytest
 
 from accounting import db
 from accounting.reconcile import reconcile_unmanaged
+from dispatch.engine.booking import REJECT_LOCKED, write_batch
 from dispatch.engine.feed import fetch_pending
-from dispatch.engine import booking as _booking
-from dispatch.engine.booking import write_batch
-
-REJECT_LOCKED = getattr(_booking, "REJECT_LOCKED", "locked")
 from tests.integration.dispatch_support import (
     ONE_CORE,
     autocommit,
