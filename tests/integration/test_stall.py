@@ -307,3 +307,42 @@ def test_an_operator_limit_write_under_booking_and_completion_never_deadlocks(wr
     finally:
         b_conn.close()
         c_conn.close()
+
+
+def test_a_cap_write_behind_a_held_row_waits_bounded_and_names_the_holder(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The console's, the API's and the commands' cap writes go through the actions: behind a
+    session that holds the row they wait CUESCHED_CAP_WRITE_WAIT, then fail with a message that
+    names it and change nothing; once it is gone the same write goes through."""
+    from django.core.exceptions import ValidationError
+    from django.db import connection
+
+    from accounting.actions import set_limit
+
+    monkeypatch.setenv("CUESCHED_CAP_WRITE_WAIT", "0.5")
+    with autocommit() as conn:
+        conn.execute(
+            "INSERT INTO limit_record (pk_limit_record, str_name, int_max_value) VALUES ('stlc', 'stlc', 10)"
+        )
+    with outside_session() as psql:
+        psql.execute("BEGIN")
+        psql.execute("SELECT 1 FROM limit_record WHERE pk_limit_record = 'stlc' FOR UPDATE")
+
+        def write() -> None:
+            try:
+                set_limit("stlc", max_value=20, actor="ops")
+            finally:
+                connection.close()
+
+        thread, out = in_thread(write)
+        thread.join(RETURNS_WITHIN)
+        if thread.is_alive():
+            psql.execute("ROLLBACK")
+            thread.join(30)
+            pytest.fail("the limit write waited without bound behind a held row")
+        assert isinstance(out.get("error"), ValidationError), out
+        message = " ".join(out["error"].messages)
+        assert "psql-stuck" in message and "nothing was changed" in message
+        psql.execute("ROLLBACK")
+    assert set_limit("stlc", max_value=20, actor="ops").changed
+    with autocommit() as conn:
+        assert scalar(conn, "SELECT int_max_value FROM limit_record WHERE pk_limit_record = 'stlc'") == 20
