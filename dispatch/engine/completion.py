@@ -108,6 +108,8 @@ WHERE r.pk_limit_record IN (
 ORDER BY r.pk_limit_record FOR UPDATE OF r
 """
 
+SHOWS_OF_PROCS_SQL = "SELECT pk_proc, pk_show FROM proc WHERE pk_proc = ANY(%s::text[])"
+
 FINISH_JOBS_SQL = """
 UPDATE job j SET str_state = 'FINISHED', ts_stopped = now(), ts_updated = now()
 WHERE j.pk_job = ANY(%s::text[]) AND j.str_state = 'PENDING'
@@ -176,13 +178,22 @@ class CompletionResult:
     freed_mem: dict[str, int] = field(default_factory=dict)  # KB per host
 
 
-def complete(conn: psycopg.Connection, completions: Sequence[Completion]) -> CompletionResult:
-    """Apply completions in one transaction on an autocommit connection (idempotent by proc)."""
+def complete(
+    conn: psycopg.Connection, completions: Sequence[Completion], *, lock_wait: float | None = None
+) -> CompletionResult:
+    """Apply completions in one transaction on an autocommit connection (idempotent by proc).
+
+    `lock_wait` (seconds) bounds every lock wait of the transaction: past it the whole batch
+    fails with LockNotAvailable, nothing written (the dispatch loop then completes it show by
+    show and keeps a held show's completions for later: booked meanwhile, high, never low).
+    """
     if not completions:
         return CompletionResult()
     with conn.cursor() as cur:
         cur.execute("BEGIN")
         try:
+            if lock_wait is not None:
+                cur.execute("SELECT set_config('lock_timeout', %s, true)", (f"{max(1, int(lock_wait * 1000))}ms",))
             out = complete_in_transaction(cur, completions)
             cur.execute("COMMIT")
         except BaseException:

@@ -50,6 +50,7 @@ from typing import Any
 
 import psycopg
 
+from accounting import blockers as acct_blockers
 from accounting import db as acct_db
 from accounting.service import PAUSED, AccountingService, NotManaged
 from accounting.store import (
@@ -81,7 +82,9 @@ from dispatch.engine.booking import (
 )
 from dispatch.engine.completion import (
     EXIT_STATUS_DOWN_HOST,
+    SHOWS_OF_PROCS_SQL,
     Completion,
+    CompletionResult,
     complete,
     ping_procs,
     release_lost_hosts,
@@ -284,6 +287,7 @@ class DispatchLoop:
         # (skips, first and last skip, back-off end, the blocking sessions). Not booked before `until`.
         self._locked_shows: dict[str, dict[str, Any]] = {}
         self.locked_show_backoff = project_conf.locked_show_backoff()
+        self.booking_lock_wait = project_conf.booking_lock_wait()
         self._blocked_folders: dict[str, float] = {}  # managed folder -> since
         self._job_folder: dict[str, str] = {}  # job -> folder, for the jobs the feed returned
         self._managed_seen: set[str] = set()
@@ -393,15 +397,18 @@ class DispatchLoop:
 
     def _note_locked(self, result: BatchResult) -> None:
         """Back off the shows the batch skipped for a held lock, and remember who held it."""
-        now, mono = time.time(), time.monotonic()
         for show in {b.layer.job.show for b, table in result.rejected if table == REJECT_LOCKED}:
-            entry = self._locked_shows.get(show)
-            if entry is None or now - entry["last"] > _LOCKED_SHOWN:
-                entry = self._locked_shows[show] = {"skips": 0, "since": now}
-            entry["skips"] += 1
-            entry["last"] = now
-            entry["until_monotonic"] = mono + self.locked_show_backoff
-            entry["blockers"] = result.blockers.get(show, [])
+            self._note_locked_show(show, result.blockers.get(show, []))
+
+    def _note_locked_show(self, show: str, blockers: list[dict[str, Any]]) -> None:
+        now = time.time()
+        entry = self._locked_shows.get(show)
+        if entry is None or now - entry["last"] > _LOCKED_SHOWN:
+            entry = self._locked_shows[show] = {"skips": 0, "since": now}
+        entry["skips"] += 1
+        entry["last"] = now
+        entry["until_monotonic"] = time.monotonic() + self.locked_show_backoff
+        entry["blockers"] = blockers
 
     def _record_why(self, job: str, reason: str, message: str, unblock: str) -> None:
         """Remember the latest reason a job did not book (the ops console's 'why not booking')."""
@@ -585,21 +592,65 @@ class DispatchLoop:
     # -- completions ----------------------------------------------------------------------
     def _complete(self, conn: psycopg.Connection, stats: CycleStats) -> None:
         self._pending_completions.extend(self.launcher.poll_completions())
+        held: list[Completion] = []
         while self._pending_completions:
             chunk = self._pending_completions[: self.completion_batch]
             t0 = time.perf_counter()
-            result = complete(conn, chunk)
+            now = time.monotonic()
+            if any(e["until_monotonic"] > now for e in self._locked_shows.values()):
+                # A show is backing off: its completions are set apart without a wait.
+                results, kept = self._complete_by_show(conn, chunk)
+                held.extend(kept)
+            else:
+                try:
+                    results = [complete(conn, chunk, lock_wait=self.booking_lock_wait)]
+                except psycopg.errors.LockNotAvailable:
+                    results, kept = self._complete_by_show(conn, chunk)
+                    held.extend(kept)
             stats.seconds["complete"] += time.perf_counter() - t0
             del self._pending_completions[: len(chunk)]
-            self.view.set_ledger(result.host_rows, result.freed_mem)
-            stats.completed += result.released
-            stats.jobs_finished += len(result.finished_jobs)
-            if result.released:
-                self._sleeping.clear()  # hosts have room again
-                for job in result.released_jobs:
-                    folder = self._job_folder.get(job)
-                    if folder is not None:
-                        self._blocked_folders.pop(folder, None)
+            for result in results:
+                self._settle_completed(result, stats)
+        # Completions of a show another session holds wait for the next cycle (their procs stay
+        # booked meanwhile: high, never low); the loop goes on with the other shows.
+        self._pending_completions.extend(held)
+
+    def _complete_by_show(
+        self, conn: psycopg.Connection, chunk: list[Completion]
+    ) -> tuple[list[CompletionResult], list[Completion]]:
+        """Complete `chunk` show by show; returns what was done and what a held lock kept back."""
+        shows = dict(conn.execute(SHOWS_OF_PROCS_SQL, ([c.pk_proc for c in chunk],)).fetchall())
+        results: list[CompletionResult] = []
+        kept: list[Completion] = []
+        now = time.monotonic()
+        for show in sorted({shows.get(c.pk_proc, "") for c in chunk}):
+            part = [c for c in chunk if shows.get(c.pk_proc, "") == show]
+            entry = self._locked_shows.get(show)
+            if entry is not None and entry["until_monotonic"] > now:
+                kept.extend(part)
+                continue
+            try:
+                results.append(complete(conn, part, lock_wait=self.booking_lock_wait))
+            except psycopg.errors.LockNotAvailable as exc:
+                kept.extend(part)
+                found = acct_blockers.for_lock_error(conn, exc, [show]).get(show, [])
+                self._note_locked_show(show, found)
+                logger.warning(
+                    "completion: show %s's completions wait (a lock stayed held past %.2fs): %s",
+                    show, self.booking_lock_wait, acct_blockers.describe(found),
+                )  # fmt: skip
+        return results, kept
+
+    def _settle_completed(self, result: CompletionResult, stats: CycleStats) -> None:
+        self.view.set_ledger(result.host_rows, result.freed_mem)
+        stats.completed += result.released
+        stats.jobs_finished += len(result.finished_jobs)
+        if result.released:
+            self._sleeping.clear()  # hosts have room again
+            for job in result.released_jobs:
+                folder = self._job_folder.get(job)
+                if folder is not None:
+                    self._blocked_folders.pop(folder, None)
 
     def _sweep_lost_hosts(self, conn: psycopg.Connection, stats: CycleStats) -> None:
         exclude = {b.pk_proc for e in self._pending_compensations for b in e.bookings} | {
