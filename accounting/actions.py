@@ -256,7 +256,7 @@ def flip_show(show_id: str, managed: bool, *, actor: Any) -> ActionResult:
         # FOR KEY SHARE on that row at its COMMIT, which a row lock taken first would block,
         # while the flip's trigger waited for that booking (a 10 s stall, then a failed flip).
         with connection.cursor() as cursor:
-            db.take_keys_lock(cursor, timeout=10.0, what="the accounting-keys lock for the flip")
+            db.take_keys_lock(cursor, timeout=conf.flip_lock_wait(), what="the accounting-keys lock for the flip")
         show = Show.objects.select_for_update().only("b_scheduler_managed").get(pk=show_id)
         result.changes = _write(
             Show, show_id, {"b_scheduler_managed": show.b_scheduler_managed}, {"b_scheduler_managed": managed}

@@ -170,3 +170,10 @@ def cap_write_wait() -> float:
     """How long an operator's cap or limit write (the console, the API, the commands) waits for a
     booking that holds its row, seconds, before it fails with a message naming the holder."""
     return env_float("CUESCHED_CAP_WRITE_WAIT", 10.0)
+
+
+def flip_lock_wait() -> float:
+    """How long a flip through the console or `accounting.actions.flip_show` polls for the
+    accounting-keys lock, seconds, before it fails naming the sessions inside a transaction that
+    hold it (every open transaction that wrote a proc does)."""
+    return env_float("CUESCHED_FLIP_LOCK_WAIT", 10.0)

@@ -275,7 +275,12 @@ def find_lost_procs(
 
 
 def release_lost_hosts(
-    conn: psycopg.Connection, timeout: float, *, exclude: set[str] | None = None, shard: Shard = ALL
+    conn: psycopg.Connection,
+    timeout: float,
+    *,
+    exclude: set[str] | None = None,
+    shard: Shard = ALL,
+    lock_wait: float | None = None,
 ) -> tuple[list[str], CompletionResult]:
     """Release the procs of lost hosts the same way as a completion, frames back to WAITING.
 
@@ -287,7 +292,9 @@ def release_lost_hosts(
         return [], CompletionResult()
     for pk_proc, pk_frame, host in lost:
         logger.warning("lost host %s: releasing proc %s of frame %s, frame back to WAITING", host, pk_proc, pk_frame)
-    result = complete(conn, [Completion(pk, EXIT_STATUS_DOWN_HOST, requeue=True) for pk, _f, _h in lost])
+    result = complete(
+        conn, [Completion(pk, EXIT_STATUS_DOWN_HOST, requeue=True) for pk, _f, _h in lost], lock_wait=lock_wait
+    )
     return [row[0] for row in lost], result
 
 

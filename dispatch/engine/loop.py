@@ -295,6 +295,8 @@ class DispatchLoop:
         self.why: dict[str, dict[str, object]] = {}
         # Work a database failure left open.
         self._pending_completions: list[Completion] = []
+        # Completions of a show another session holds the lock of, kept for the next cycle.
+        self._held_completions: list[Completion] = []
         self._pending_compensations: list[PendingCompensation] = []
         self._unresolved: list[Unresolved] = []
         self._server_id: str | None = None
@@ -474,7 +476,7 @@ class DispatchLoop:
         return self.totals
 
     def _is_idle(self) -> bool:
-        if self._unresolved or self._pending_compensations or self._pending_completions:
+        if self._unresolved or self._pending_compensations or self._pending_completions or self._held_completions:
             return False
         if self.launcher.running():
             return False
@@ -591,7 +593,9 @@ class DispatchLoop:
 
     # -- completions ----------------------------------------------------------------------
     def _complete(self, conn: psycopg.Connection, stats: CycleStats) -> None:
+        self._pending_completions.extend(self._held_completions)
         self._pending_completions.extend(self.launcher.poll_completions())
+        self._held_completions = []
         held: list[Completion] = []
         while self._pending_completions:
             chunk = self._pending_completions[: self.completion_batch]
@@ -613,7 +617,7 @@ class DispatchLoop:
                 self._settle_completed(result, stats)
         # Completions of a show another session holds wait for the next cycle (their procs stay
         # booked meanwhile: high, never low); the loop goes on with the other shows.
-        self._pending_completions.extend(held)
+        self._held_completions = held
 
     def _complete_by_show(
         self, conn: psycopg.Connection, chunk: list[Completion]
@@ -656,7 +660,15 @@ class DispatchLoop:
         exclude = {b.pk_proc for e in self._pending_compensations for b in e.bookings} | {
             b.pk_proc for e in self._unresolved for b in e.bookings
         }
-        procs, result = release_lost_hosts(conn, self.lost_host_timeout, exclude=exclude, shard=self.shard)
+        try:
+            procs, result = release_lost_hosts(
+                conn, self.lost_host_timeout, exclude=exclude, shard=self.shard, lock_wait=self.booking_lock_wait
+            )
+        except psycopg.errors.LockNotAvailable as exc:
+            # A show of a lost host's procs is held by another session: the next sweep tries again.
+            logger.warning("lost-host sweep: a lock stayed held past %.2fs; next sweep retries: %s",
+                           self.booking_lock_wait, exc.diag.message_primary)  # fmt: skip
+            return
         if not procs:
             return
         for pk in procs:

@@ -346,3 +346,29 @@ def test_a_cap_write_behind_a_held_row_waits_bounded_and_names_the_holder(monkey
     assert set_limit("stlc", max_value=20, actor="ops").changed
     with autocommit() as conn:
         assert scalar(conn, "SELECT int_max_value FROM limit_record WHERE pk_limit_record = 'stlc'") == 20
+
+
+def test_a_flip_behind_a_stuck_proc_writer_gives_up_bounded_and_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A flip needs every proc writer out of the way (the exclusive accounting-keys lock): behind
+    an idle transaction that wrote a proc it cannot go on, and says which session to end."""
+    from django.db import connection
+
+    from accounting.actions import flip_show
+    from accounting.db import KeysLockTimeout
+
+    monkeypatch.setenv("CUESCHED_FLIP_LOCK_WAIT", "1")
+    farm = seed("stlf", shows=2, managed=False, jobs=4, frames_per_layer=4, **ONE_CORE)
+    with autocommit() as conn, outside_session() as psql:
+        jobs, _ = plan(conn, {}, managed=False)
+        idx = _by_show(jobs)
+        hold_proc_insert(psql, jobs[idx[farm.show_ids[0]][0]])
+        started = time.monotonic()
+        try:
+            with pytest.raises(KeysLockTimeout) as failed:
+                flip_show(farm.show_ids[1], True, actor="ops")
+        finally:
+            connection.close()
+        assert time.monotonic() - started < RETURNS_WITHIN
+        assert "psql-stuck" in str(failed.value) and "idle in transaction" in str(failed.value)
+        psql.execute("ROLLBACK")
+    assert flip_show(farm.show_ids[1], True, actor="ops").changed
