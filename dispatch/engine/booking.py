@@ -344,6 +344,9 @@ def write_batch(
                 _write_locked_apart(cur, unmanaged, result, extra)
             for b in result.written:
                 b.xid = xid
+            # COMMIT waits for the notification queue's lock behind other committers (and their
+            # WAL flush): that wait is not a held show, so it gets the connection's own timeout.
+            cur.execute(RESTORE_LOCK_TIMEOUT_SQL)
         except BaseException:
             _rollback_quietly(conn)
             raise
@@ -440,6 +443,7 @@ ORDER BY ll.pk_limit_record
 LOCK_LIMIT_SQL = (
     "SELECT 1 FROM limit_record WHERE pk_limit_record = ANY(%s::text[]) ORDER BY pk_limit_record FOR UPDATE"
 )
+RESTORE_LOCK_TIMEOUT_SQL = "SET LOCAL lock_timeout TO DEFAULT"
 SHOWS_IN_LOCK_ORDER_SQL = "SELECT s FROM unnest(%s::text[]) AS s ORDER BY hashtext(s), s"
 
 

@@ -195,6 +195,9 @@ def complete(
             if lock_wait is not None:
                 cur.execute("SELECT set_config('lock_timeout', %s, true)", (f"{max(1, int(lock_wait * 1000))}ms",))
             out = complete_in_transaction(cur, completions)
+            if lock_wait is not None:
+                # COMMIT's wait for the notification queue is no held show: the connection's timeout.
+                cur.execute("SET LOCAL lock_timeout TO DEFAULT")
             cur.execute("COMMIT")
         except BaseException:
             if not conn.broken:
