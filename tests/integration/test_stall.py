@@ -93,6 +93,20 @@ def plan_job(conn: psycopg.Connection, job_pk: str, n: int, *, managed: bool) ->
     return bookings
 
 
+def _store_status() -> str:
+    from io import StringIO
+
+    from django.core.management import call_command
+    from django.db import connection
+
+    out = StringIO()
+    try:
+        call_command("store_status", stdout=out)
+    finally:
+        connection.close()
+    return out.getvalue()
+
+
 def _by_show(jobs: list[Any]) -> dict[str, list[int]]:
     shows: dict[str, list[int]] = {}
     for i, job in enumerate(jobs):
@@ -165,6 +179,11 @@ def test_a_row_lock_on_a_managed_show_skips_that_show_and_settles_its_store_book
             assert store_cores(proc.service, farm) == db_cores(conn, farm)
             locked = loop.live_view()["locked_shows"]
             assert held in locked and any(b["application_name"] == "psql-stuck" for b in locked[held]["blockers"])
+            # store_status reads the published view: it names the show and the session.
+            proc.service.view_providers["dispatch"] = loop.live_view
+            wait_for(lambda: f"LOCKED: show {held}" in _store_status(), timeout=10, what="store_status to name it")
+            line = next(x for x in _store_status().splitlines() if x.startswith(f"LOCKED: show {held}"))
+            assert "psql-stuck" in line and "idle in transaction" in line
             psql.execute("ROLLBACK")
             # Released: the show books again (after the skip's short back-off).
             deadline = time.monotonic() + 10
