@@ -391,3 +391,33 @@ def test_a_flip_behind_a_stuck_proc_writer_gives_up_bounded_and_names_it(monkeyp
         assert "psql-stuck" in str(failed.value) and "idle in transaction" in str(failed.value)
         psql.execute("ROLLBACK")
     assert flip_show(farm.show_ids[1], True, actor="ops").changed
+
+
+def test_the_display_write_skips_a_managed_counter_row_another_session_holds() -> None:
+    """The recompute writes SUM(proc) into managed shows' counter rows for CueGUI and the console:
+    a row another session holds (an operator's UPDATE left open) is left for the next pass, and
+    every other row is written at once, so nobody waits and no cycle can form with that session."""
+    farm = seed("stld", shows=2, managed=True, jobs=4, frames_per_layer=4, **ONE_CORE)
+    held, other = farm.show_ids
+    with running_scheduler() as proc, autocommit() as conn, outside_session() as psql:
+        jobs, _ = plan(conn, {}, managed=True)
+        idx = _by_show(jobs)
+        bookings = plan_job(conn, jobs[idx[held][0]].pk, 2, managed=True)
+        bookings += plan_job(conn, jobs[idx[other][0]].pk, 2, managed=True)
+        assert len(write_batch(conn, bookings, mem_used=256_000).written) == 4
+        psql.execute("BEGIN")
+        psql.execute("UPDATE subscription SET int_size = int_size WHERE pk_show = %s", (held,))
+        thread, out = in_thread(proc.service.recomputer.run_once, conn)
+        thread.join(RETURNS_WITHIN)
+        if thread.is_alive():
+            psql.execute("ROLLBACK")
+            thread.join(30)
+            pytest.fail("the display write waited for a counter row another session holds")
+        assert "error" not in out, out.get("error")
+        assert out["value"].pg_error is None
+        display = dict(conn.execute("SELECT pk_show, SUM(int_cores) FROM subscription GROUP BY 1").fetchall())
+        assert display[other] == 200 and display[held] == 0
+        psql.execute("ROLLBACK")
+        proc.service.recomputer.run_once(conn)
+        display = dict(conn.execute("SELECT pk_show, SUM(int_cores) FROM subscription GROUP BY 1").fetchall())
+        assert display[held] == 200

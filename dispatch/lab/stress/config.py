@@ -191,8 +191,8 @@ def small(cfg: StressConfig | None = None, **overrides: Any) -> StressConfig:
         "fs_seconds": 6.0,
         "fs_converge_by": 3.0,
         "stall_frames_per_layer": 25,
-        "stall_window": 1.5,
-        "stall_min_ratio": 0.3,
+        "stall_window": 2.0,
+        "stall_min_ratio": 0.2,
     }
     sizes.update(overrides)
     return replace(base, **sizes)
