@@ -74,6 +74,8 @@ class ServiceState:
     loops: dict[str, LoopState] = field(default_factory=dict)
     managed_published_at: dict[str, float] = field(default_factory=dict)
     last_reconcile_drift: dict[str, int] = field(default_factory=dict)
+    # Unmanaged shows the last reconcile left out: another session held their lock (show -> who).
+    last_reconcile_skipped: dict[str, str] = field(default_factory=dict)
     server_changes: int = 0
     # vertex -> key -> (signed drift a recompute corrected, unix time), kept for
     # `conf.drift_memory_seconds()`: the next pass measures 0 once corrected, and ops must still
@@ -387,11 +389,13 @@ class AccountingService:
     def _reconcile_tick(self, conn: psycopg.Connection) -> str:
         result = reconcile_unmanaged(conn)
         self.state.last_reconcile_drift = result.drift_cores
+        self.state.last_reconcile_skipped = result.skipped
         for table, cores in result.drift_cores.items():
             metrics.DB_RECONCILE_DRIFT.labels(table).set(cores)
         if any(result.drift_cores.values()):
             logger.warning("reconcile: unmanaged shows' counters had drifted from SUM(proc): %s", result.drift_cores)
-        return f"reconcile: {result.shows} unmanaged show(s), drift {result.drift_cores}"
+        skipped = f", {len(result.skipped)} skipped (lock held)" if result.skipped else ""
+        return f"reconcile: {result.shows} unmanaged show(s), drift {result.drift_cores}{skipped}"
 
     def _history_tick(self, conn: psycopg.Connection) -> str:
         return self.history.sample(conn, self.state.measured_drift())

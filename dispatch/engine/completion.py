@@ -105,6 +105,21 @@ UNION ALL
 SELECT 'h', pk_host, NULL, NULL, NULL, int_cores_idle, int_mem_idle, int_gpus_idle, int_gpu_mem_idle FROM back
 """
 
+# The licence limits of the procs about to go, locked first and in key order: the booking
+# transaction takes its limit rows first too, so neither ever holds a frame or host row while it
+# waits for a limit row the other holds (with an operator's UPDATE of that limit queued between
+# them, the cycle was found by the operator's wait: "deadlock detected ... in relation
+# limit_record"). The DELETE's licence trigger then finds them held.
+LOCK_LIMITS_OF_PROCS_SQL = """
+SELECT 1 FROM limit_record r
+WHERE r.pk_limit_record IN (
+  SELECT ll.pk_limit_record FROM proc p JOIN layer_limit ll ON ll.pk_layer = p.pk_layer
+  WHERE p.pk_proc = ANY(%(proc)s::text[]))
+ORDER BY r.pk_limit_record FOR UPDATE OF r
+"""
+
+SHOWS_OF_PROCS_SQL = "SELECT pk_proc, pk_show FROM proc WHERE pk_proc = ANY(%s::text[])"
+
 FINISH_JOBS_SQL = """
 UPDATE job j SET str_state = 'FINISHED', ts_stopped = now(), ts_updated = now()
 WHERE j.pk_job = ANY(%s::text[]) AND j.str_state = 'PENDING'
@@ -174,14 +189,26 @@ class CompletionResult:
     killed: int = 0  # frames ended as killed (their proc carried a kill mark)
 
 
-def complete(conn: psycopg.Connection, completions: Sequence[Completion]) -> CompletionResult:
-    """Apply completions in one transaction on an autocommit connection (idempotent by proc)."""
+def complete(
+    conn: psycopg.Connection, completions: Sequence[Completion], *, lock_wait: float | None = None
+) -> CompletionResult:
+    """Apply completions in one transaction on an autocommit connection (idempotent by proc).
+
+    `lock_wait` (seconds) bounds every lock wait of the transaction: past it the whole batch
+    fails with LockNotAvailable, nothing written (the dispatch loop then completes it show by
+    show and keeps a held show's completions for later: booked meanwhile, high, never low).
+    """
     if not completions:
         return CompletionResult()
     with conn.cursor() as cur:
         cur.execute("BEGIN")
         try:
+            if lock_wait is not None:
+                cur.execute("SELECT set_config('lock_timeout', %s, true)", (f"{max(1, int(lock_wait * 1000))}ms",))
             out = complete_in_transaction(cur, completions)
+            if lock_wait is not None:
+                # COMMIT's wait for the notification queue is no held show: the connection's timeout.
+                cur.execute("SET LOCAL lock_timeout TO DEFAULT")
             cur.execute("COMMIT")
         except BaseException:
             if not conn.broken:
@@ -215,7 +242,9 @@ def complete_in_transaction(cur: psycopg.Cursor[Any], completions: Sequence[Comp
     # Before the statement locks any host row: a key move that took the accounting-keys lock
     # and then waited for one of those rows would otherwise deadlock with the proc trigger.
     cur.execute(LOCK_KEYS_SHARED_SQL)
-    cur.execute(COMPLETE_SQL, complete_params(completions))
+    params = complete_params(completions)
+    cur.execute(LOCK_LIMITS_OF_PROCS_SQL, params)
+    cur.execute(COMPLETE_SQL, params)
     released: list[tuple[str, str, str]] = []  # (pk_proc, pk_frame, pk_job)
     ended: dict[str, tuple[str, int]] = {}  # pk_frame -> (new state, recorded exit status)
     for kind, key, a, b, c, d, e, f, g in cur.fetchall():
@@ -262,7 +291,12 @@ def find_lost_procs(
 
 
 def release_lost_hosts(
-    conn: psycopg.Connection, timeout: float, *, exclude: set[str] | None = None, shard: Shard = ALL
+    conn: psycopg.Connection,
+    timeout: float,
+    *,
+    exclude: set[str] | None = None,
+    shard: Shard = ALL,
+    lock_wait: float | None = None,
 ) -> tuple[list[str], CompletionResult]:
     """Release the procs of lost hosts the same way as a completion, frames back to WAITING.
 
@@ -274,7 +308,9 @@ def release_lost_hosts(
         return [], CompletionResult()
     for pk_proc, pk_frame, host in lost:
         logger.warning("lost host %s: releasing proc %s of frame %s, frame back to WAITING", host, pk_proc, pk_frame)
-    result = complete(conn, [Completion(pk, EXIT_STATUS_DOWN_HOST, requeue=True) for pk, _f, _h in lost])
+    result = complete(
+        conn, [Completion(pk, EXIT_STATUS_DOWN_HOST, requeue=True) for pk, _f, _h in lost], lock_wait=lock_wait
+    )
     return [row[0] for row in lost], result
 
 

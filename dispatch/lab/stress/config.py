@@ -79,6 +79,12 @@ class StressConfig:
     fs_converge_by: float = 6.0
     fs_tolerance: float = 0.1
     fs_window: float = 1.0
+    # stall (issue 27, row 7): frames per layer of its farm (four shows, two managed), how long
+    # the other shows' booking rate is measured before and during the hold, s, and the least
+    # ratio of the two that passes
+    stall_frames_per_layer: int = 60
+    stall_window: float = 5.0
+    stall_min_ratio: float = 0.5
     # drain on real frames: `simulated` (default), or `rqd` - the drain farm's first
     # `rqd_daemons` hosts are real OpenCue RQD daemons (one per host, on this machine), its
     # layers run `true`, and the rqd launcher and the gateway carry every frame
@@ -184,6 +190,9 @@ def small(cfg: StressConfig | None = None, **overrides: Any) -> StressConfig:
         "fs_runtime_max": 1.0,
         "fs_seconds": 6.0,
         "fs_converge_by": 3.0,
+        "stall_frames_per_layer": 25,
+        "stall_window": 2.0,
+        "stall_min_ratio": 0.2,
     }
     sizes.update(overrides)
     return replace(base, **sizes)

@@ -33,6 +33,7 @@ REGISTRY: tuple[Phase, ...] = (
     Phase("listener_wedge", "lw"),
     Phase("flip_roundtrip", "fr"),
     Phase("fairshare", "fs"),
+    Phase("stall", "sl"),
 )
 
 PHASES: tuple[str, ...] = tuple(p.name for p in REGISTRY)
