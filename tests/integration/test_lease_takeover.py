@@ -1,0 +1,278 @@
+"""Issue 27 row 8: a standby takes over from a stopped scheduler, and a lost lease is fatal.
+
+Real processes: two `manage.py run_scheduler` (simulated launcher, frames of a fraction of a
+second, so both book all the time) on the test database, the first the holder, the second a
+`--standby`. The holder is SIGSTOPped (with or without its lock session killed, the issue's
+case) and the test measures, from the database, how long the standby takes to hold the lease
+and book; then it SIGCONTs the holder and reads what that one did after it woke up: every
+booking transaction logs its COMMIT (with its transaction id) just before sending it, so the
+holder's log written after SIGCONT names every COMMIT it sent after the takeover, and
+`pg_xact_status` says whether any of them committed. A sampler checks SUM(proc) against the
+burst all along (50 ms). Each test prints what it measured (`-s`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from accounting import singleton
+from tests.integration.agent_support import database_url_for_agents
+from tests.integration.dispatch_support import autocommit, scalar, seed
+from tests.integration.runtime_support import wait_for
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+ROOT = Path(__file__).resolve().parents[2]
+BURST = 6  # whole cores: the show's one subscription
+TAKEOVER_BOUND = 15.0  # the issue's bound, seconds from the lease loss
+COMMIT_LINE = re.compile(r"booking: COMMIT xid (\d+) under lease (\d+)")
+LEASE_ROW_SQL = "SELECT int_generation FROM cuesched_scheduler_lease WHERE id = 1"
+
+
+@dataclass
+class Sched:
+    """One `run_scheduler` child process and the file its output goes to."""
+
+    proc: subprocess.Popen[bytes]
+    out: Path
+
+    def text(self, start: int = 0) -> str:
+        return self.out.read_bytes()[start:].decode(errors="replace")
+
+    def stopped(self) -> bool:
+        """Every thread of the process is in the stopped state (SIGSTOP delivered)."""
+        try:
+            tasks = os.listdir(f"/proc/{self.proc.pid}/task")
+        except OSError:
+            return False
+        for tid in tasks:
+            try:
+                stat = Path(f"/proc/{self.proc.pid}/task/{tid}/stat").read_text()
+            except OSError:
+                continue
+            if stat[stat.rindex(")") + 2] not in "tT":
+                return False
+        return True
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGCONT)
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(30)
+
+
+@dataclass
+class Sampler:
+    """SUM(proc) of the show against its burst every 50 ms, on a connection of its own."""
+
+    show: str
+    samples: int = 0
+    worst: int = 0
+    over: int = 0
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def start(self) -> Sampler:
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        with autocommit() as conn:
+            while not self._stop.wait(0.05):
+                cores = int(
+                    scalar(conn, "SELECT COALESCE(SUM(int_cores_reserved), 0) FROM proc WHERE pk_show = %s", (self.show,))
+                )
+                self.samples += 1
+                self.worst = max(self.worst, cores)
+                self.over += cores > BURST * 100
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+
+
+def _spawn(tmp_path: Path, name: str, *args: str) -> Sched:
+    env = {
+        **os.environ,
+        "DATABASE_URL": database_url_for_agents(),
+        # DEBUG: the booking transaction's COMMIT line is what the test reads of the holder.
+        "CUESCHED_LOG_LEVEL": "DEBUG",
+        "CUESCHED_STANDBY_POLL_INTERVAL": "0.5",
+        "CUESCHED_RECOMPUTE_INTERVAL": "3600",
+    }
+    out = tmp_path / f"{name}.out"
+    with open(out, "wb") as fh:
+        proc = subprocess.Popen(
+            [sys.executable, "manage.py", "run_scheduler", "--launcher", "simulated", "--runtime", "0.1-0.4",
+             "--metrics-port", "0", *args],
+            cwd=ROOT,
+            env=env,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    return Sched(proc, out)
+
+
+@dataclass
+class Farm:
+    show: str
+    jobs: list[str]
+
+
+@pytest.fixture
+def farm() -> Iterator[Farm]:
+    """One managed show at a burst of BURST cores, frames enough to keep booking for minutes."""
+    seeded = seed(
+        "lease",
+        allocs=1,
+        hosts=2,
+        host_cores_choices=(16,),
+        layer_cores_choices=(1,),
+        layers=1,
+        jobs=2,
+        frames_per_layer=3000,
+        manual_tags=0,
+        sub_burst=BURST * 100,
+        folder_max_cores=-1,
+        job_max_cores=100_000,
+    )
+    farm = Farm(next(iter(seeded.show_ids)), list(seeded.job_ids))
+    yield farm
+    with autocommit() as conn:
+        conn.execute("UPDATE job SET str_state = 'FINISHED' WHERE pk_job = ANY(%s)", (farm.jobs,))
+
+
+def _procs_of(conn: psycopg.Connection, farm: Farm) -> int:
+    return int(scalar(conn, "SELECT count(*) FROM proc WHERE pk_show = %s", (farm.show,)))
+
+
+def _started_frames(conn: psycopg.Connection, farm: Farm) -> int:
+    return int(scalar(conn, "SELECT count(*) FROM frame WHERE pk_job = ANY(%s) AND str_state <> 'WAITING'", (farm.jobs,)))
+
+
+def _holder_pid(conn: psycopg.Connection) -> int | None:
+    row = conn.execute(singleton.HOLDER_SQL, {"key": singleton.SCHEDULER_LOCK_KEY}).fetchone()
+    return None if row is None else int(row[0])
+
+
+def _committed_after(conn: psycopg.Connection, text: str) -> list[tuple[int, str]]:
+    """(xid, status) of every COMMIT the text names that PostgreSQL says committed."""
+    out = []
+    for xid, _lease in COMMIT_LINE.findall(text):
+        status = scalar(conn, "SELECT pg_xact_status(%s::text::xid8)", (xid,))
+        if status == "committed":
+            out.append((int(xid), status))
+    return out
+
+
+def _start_pair(tmp_path: Path, conn: psycopg.Connection, farm: Farm) -> tuple[Sched, Sched, int]:
+    holder = _spawn(tmp_path, "holder")
+    try:
+        wait_for(lambda: holder.proc.poll() is None and _procs_of(conn, farm) > 0, 90, "the holder booking")
+    except AssertionError:
+        holder.kill()
+        raise AssertionError(holder.text()[-4000:]) from None
+    generation = int(scalar(conn, LEASE_ROW_SQL))
+    standby = _spawn(tmp_path, "standby", "--standby")
+    # The standby is up and polling for the lock (its own output says so) before the fault.
+    wait_for(lambda: "standby: waiting for the scheduler lock" in standby.text(), 90, "the standby waiting")
+    assert standby.proc.poll() is None, standby.text()[-3000:]
+    return holder, standby, generation
+
+
+@pytest.mark.parametrize("kill_lock_session", [False, True], ids=["stopped", "stopped_and_lock_session_killed"])
+def test_a_standby_takes_over_from_a_stopped_holder_and_the_woken_holder_commits_nothing(
+    tmp_path: Path, farm: Farm, kill_lock_session: bool
+) -> None:
+    """SIGSTOP the booking holder (and, in the issue's case, kill its lock session): the standby
+    holds the lease and books within 15 s; the holder, SIGCONTed after that, commits no booking
+    and exits non-zero; SUM(proc) never passes the burst."""
+    sampler = Sampler(farm.show).start()
+    holder = standby = None
+    try:
+        with autocommit() as conn:
+            holder, standby, generation = _start_pair(tmp_path, conn, farm)
+            lock_pid = _holder_pid(conn)
+            assert lock_pid is not None
+            os.kill(holder.proc.pid, signal.SIGSTOP)
+            wait_for(holder.stopped, 10, "the holder stopped")
+            stopped_at = time.monotonic()
+            if kill_lock_session:
+                assert scalar(conn, "SELECT pg_terminate_backend(%s)", (lock_pid,))
+            started_before = _started_frames(conn, farm)
+            wait_for(lambda: int(scalar(conn, LEASE_ROW_SQL)) > generation, TAKEOVER_BOUND + 5, "the standby's lease")
+            lease_after = time.monotonic() - stopped_at
+            wait_for(lambda: _started_frames(conn, farm) > started_before, TAKEOVER_BOUND + 5, "a standby booking")
+            booking_after = time.monotonic() - stopped_at
+            woke_at = len(holder.out.read_bytes())  # nothing is written while it is stopped
+            os.kill(holder.proc.pid, signal.SIGCONT)
+            code = holder.proc.wait(60)
+            after_wake = holder.text(woke_at)
+            committed = _committed_after(conn, after_wake)
+            # The standby books on after the holder is gone.
+            more = _started_frames(conn, farm)
+            wait_for(lambda: _started_frames(conn, farm) > more, 20, "the standby booking on")
+            assert standby.proc.poll() is None, standby.text()[-3000:]
+    finally:
+        sampler.stop()
+        for s in (holder, standby):
+            if s is not None:
+                s.kill()
+    print(
+        f"\nstopped holder{' + lock session killed' if kill_lock_session else ''}: standby's lease after "
+        f"{lease_after:.2f}s, its first booking after {booking_after:.2f}s; woken holder exit {code}, "
+        f"{len(COMMIT_LINE.findall(after_wake))} COMMIT(s) sent after waking, {len(committed)} committed; "
+        f"{sampler.samples} samples, worst {sampler.worst / 100:.0f}/{BURST} cores"
+    )
+    assert booking_after <= TAKEOVER_BOUND, f"the standby booked {booking_after:.2f}s after the holder stopped"
+    assert committed == [], f"the woken holder committed bookings after the takeover: {committed}"
+    assert code != 0, holder.text()[-3000:]
+    assert "lease" in after_wake, after_wake[-3000:]
+    assert sampler.over == 0, f"{sampler.over} of {sampler.samples} samples over the burst (worst {sampler.worst})"
+
+
+def test_a_holder_whose_lock_session_is_killed_exits_non_zero_once_the_standby_took_over(
+    tmp_path: Path, farm: Farm
+) -> None:
+    """Only the lock session dies (the process runs on): the standby takes the lock and the
+    lease, and the old holder stops booking and exits non-zero, saying why."""
+    holder = standby = None
+    try:
+        with autocommit() as conn:
+            holder, standby, generation = _start_pair(tmp_path, conn, farm)
+            lock_pid = _holder_pid(conn)
+            assert lock_pid is not None
+            killed_at = time.monotonic()
+            assert scalar(conn, "SELECT pg_terminate_backend(%s)", (lock_pid,))
+            wait_for(lambda: int(scalar(conn, LEASE_ROW_SQL)) > generation, TAKEOVER_BOUND, "the standby's lease")
+            lease_after = time.monotonic() - killed_at
+            code = holder.proc.wait(60)
+            exited_after = time.monotonic() - killed_at
+            assert standby.proc.poll() is None, standby.text()[-3000:]
+    finally:
+        for s in (holder, standby):
+            if s is not None:
+                s.kill()
+    print(f"\nlock session killed: standby's lease after {lease_after:.2f}s, holder exit {code} after {exited_after:.2f}s")
+    text = holder.text()
+    assert code != 0, text[-3000:]
+    assert "lost" in text and "lease" in text, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
