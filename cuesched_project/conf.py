@@ -125,3 +125,15 @@ def scheduler_database_url() -> str:
 def standby_poll_interval() -> float:
     """A `run_scheduler --standby` retries the one-scheduler lock this often, seconds."""
     return env_float("CUESCHED_STANDBY_POLL_INTERVAL", 1.0)
+
+
+def lease_ttl() -> float:
+    """The scheduler lease's deadline is renewed to now + this, seconds. Once it has passed, a
+    standby terminates the holder's sessions and takes over: a stopped holder is replaced this
+    long after its last renewal (plus a standby poll). Keep it above lease_renew_interval x 2."""
+    return env_float("CUESCHED_LEASE_TTL", 6.0)
+
+
+def lease_renew_interval() -> float:
+    """How often the scheduler renews its lease deadline on its lock session, seconds."""
+    return env_float("CUESCHED_LEASE_RENEW_INTERVAL", 1.5)
