@@ -20,6 +20,10 @@ Why each phase exists:
   after the first's lock session is killed (the lease must fence the first), the listener's
   path frozen while caps drop (the heartbeat deadline must bound the stale caps), and a show
   flipped out and back faster than the managed-shows tick (its generation must force a seed).
+- stopped_holder (issue 27 row 8): the booking scheduler, a real `run_scheduler` process, is
+  SIGSTOPped with a `--standby` waiting: the standby must take over within 15 s (the lease
+  deadline passes, it terminates the stopped holder's sessions), and the holder, woken, must
+  commit nothing and exit non-zero.
 
 The watchdog's breach rule: a key over its current cap is a breach unless its cap was
 lowered during the phase and every proc of the key was decided before the decrease reached
@@ -41,6 +45,7 @@ import heapq
 import math
 import os
 import random
+import re
 import signal
 import statistics
 import subprocess
@@ -86,6 +91,7 @@ PHASES: tuple[str, ...] = (
     "listener_wedge",
     "flip_roundtrip",
     "fairshare",
+    "stopped_holder",
 )
 PERTURBATIONS = PHASES[2:]
 # The farm prefix letters of each perturbation phase (`<prefix>_<letters>`); the older phases
@@ -97,6 +103,7 @@ PHASE_LETTERS: dict[str, str] = {
     "listener_wedge": "lw",
     "flip_roundtrip": "fr",
     "fairshare": "fs",
+    "stopped_holder": "sh",
 }
 
 # SUM(proc) of the farm's shows against every cap, in one statement (one snapshot); only the
@@ -1208,13 +1215,22 @@ def _database_url() -> str:
     return url_from_settings(connection.settings_dict)
 
 
-def _start_scheduler(cfg: StressConfig, log: Path) -> subprocess.Popen[bytes]:
+def _start_scheduler(
+    cfg: StressConfig,
+    log: Path,
+    *,
+    args: Sequence[str] = (),
+    extra_env: dict[str, str] | None = None,
+    runtime: tuple[float, float] | None = None,
+) -> subprocess.Popen[bytes]:
+    low, high = runtime or (cfg.runtime_min, cfg.runtime_max)
     manage = Path(__file__).resolve().parents[2] / "manage.py"
     environ = {
         **os.environ,
         **QUIET_LOOPS,
         "DATABASE_URL": _database_url(),
         "CUESCHED_SIM_SEED": str(cfg.seed),
+        **(extra_env or {}),
     }
     with log.open("ab") as out:
         return subprocess.Popen(
@@ -1225,9 +1241,10 @@ def _start_scheduler(cfg: StressConfig, log: Path) -> subprocess.Popen[bytes]:
                 "--launcher",
                 "simulated",
                 "--runtime",
-                f"{cfg.runtime_min}-{cfg.runtime_max}",
+                f"{low}-{high}",
                 "--metrics-port",
                 "0",
+                *args,
             ],
             env=environ,
             stdout=out,
@@ -1334,6 +1351,182 @@ def phase_sigkill(cfg: StressConfig, log_dir: Path | None = None) -> PhaseReport
     report.breaches = len(watchdog.breaches)
     report.breach_keys = sorted(f"{v} {k}" for v, k in watchdog.breach_keys())
     report.samples = watchdog.samples
+    _teardown(spec, report)
+    return report
+
+
+# The line the booking transaction logs (at DEBUG) just before it sends COMMIT.
+_COMMIT_LINE = re.compile(rb"booking: COMMIT xid (\d+) under lease")
+# The stopped-holder bound of issue 27: a standby holds the lease this soon after the stop.
+TAKEOVER_BOUND = 15.0
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    for tid in tasks:
+        try:
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except OSError:
+            continue
+        if stat[stat.rindex(")") + 2] not in "tT":
+            return False
+    return True
+
+
+def phase_stopped_holder(cfg: StressConfig, log_dir: Path | None = None) -> PhaseReport:
+    """Issue 27 row 8: the holder (a run_scheduler process) SIGSTOPped under load, a standby waiting.
+
+    The standby can only take over by the lease's deadline: the stopped holder keeps its lock
+    session and whatever transaction it had open. Measured from the database: stop -> the
+    standby's lease (bound 15 s) -> its first booking. The stopped holder's frames stopped with
+    its simulated launcher, so the harness reports them ended the completion way (as their
+    agents would) once the standby holds the lease. Then the holder is woken: every COMMIT it
+    sends after waking is in its log (the booking transaction logs it at DEBUG before sending),
+    and none may have committed; it must exit non-zero. The standby books the rest; audit.
+    """
+    spec = cfg.integrity_spec("stopped_holder")
+    report = PhaseReport(name="stopped_holder", frames=cfg.frames(spec))
+    seed = _seed(spec)
+    root = log_dir or Path(os.environ.get("TMPDIR", "/tmp"))
+    holder_log, standby_log = (root / f"{spec.prefix}-{n}.log" for n in ("holder", "standby"))
+    for path in (holder_log, standby_log):
+        path.write_bytes(b"")
+    watchdog = CapWatchdog(list(seed.show_ids), interval=cfg.watch_interval).start()
+    jobs = list(seed.job_ids)
+    conn = db.connect(autocommit=True, application_name="cuesched-stress")
+    procs: list[subprocess.Popen[bytes]] = []
+    deadline = time.monotonic() + cfg.phase_timeout
+
+    def count(sql: str) -> int:
+        row = conn.execute(sql, (jobs,)).fetchone()
+        return int(row[0]) if row else 0
+
+    def generation() -> int:
+        row = conn.execute(LEASE_ROW_SQL).fetchone()
+        return int(row[0]) if row else 0
+
+    def wait(what: str, predicate: Callable[[], bool], timeout: float) -> float | None:
+        t0 = time.monotonic()
+        until = min(deadline, t0 + timeout)
+        while time.monotonic() < until:
+            if predicate():
+                return time.monotonic() - t0
+            time.sleep(0.01)
+        report.failed.append(f"timed out waiting for {what}")
+        return None
+
+    def fresh_view() -> dict[str, Any] | None:
+        with conn.cursor() as cur:
+            view = live.read_view(cur)
+        return view if view is not None and view.get("pid") == procs[-1].pid else None
+
+    started = time.perf_counter()
+    try:
+        env_extra = {"CUESCHED_STANDBY_POLL_INTERVAL": str(cfg.sb_poll)}
+        runtime = (cfg.int_runtime_min, cfg.int_runtime_max)  # frames that outlast the standby's start
+        initial = generation()
+        holder = _start_scheduler(
+            cfg, holder_log, runtime=runtime, extra_env={**env_extra, "CUESCHED_LOG_LEVEL": "DEBUG"}
+        )
+        procs.append(holder)
+        if wait("the holder's lease", lambda: generation() > initial, 60) is None:
+            return report
+        before = generation()
+        standby = _start_scheduler(cfg, standby_log, runtime=runtime, args=("--standby",), extra_env=env_extra)
+        procs.append(standby)
+        if (
+            wait(
+                "the standby to wait for the lock",
+                lambda: b"waiting for the scheduler lock" in standby_log.read_bytes(),
+                60,
+            )
+            is None
+            or wait("the holder booking", lambda: count(STARTED_SQL) > 0, 60) is None
+        ):
+            return report
+        if count(WAITING_SQL) == 0:
+            report.failed.append("the holder booked every frame before the standby was up: give the farm more frames")
+            return report
+        holder.send_signal(signal.SIGSTOP)
+        if wait("the holder to stop", lambda: _all_threads_stopped(holder.pid), 10) is None:
+            return report
+        orphans = [f for (f,) in conn.execute("SELECT pk_frame FROM proc WHERE pk_job = ANY(%s)", (jobs,))]
+        started_at_stop = count(STARTED_SQL)
+        takeover = wait("the standby's lease", lambda: generation() > before, TAKEOVER_BOUND + 10)
+        if takeover is None:
+            return report
+        report.notes.append(f"holder SIGSTOPped with {len(orphans)} procs -> the standby's lease: {takeover:.2f}s")
+        if takeover > TAKEOVER_BOUND:
+            report.failed.append(f"the standby took over {takeover:.2f}s after the stop (bound {TAKEOVER_BOUND:.0f}s)")
+        released = kill_frames(conn, orphans).released
+        first = wait("the standby's first booking", lambda: count(STARTED_SQL) > started_at_stop, 30)
+        if first is not None:
+            report.notes.append(
+                f"stopped holder's frames released the completion way: {released}; "
+                f"the standby's first booking {takeover + first:.2f}s after the stop"
+            )
+        woke_at = holder_log.stat().st_size  # a stopped process writes nothing
+        holder.send_signal(signal.SIGCONT)
+        try:
+            code = holder.wait(60)
+        except subprocess.TimeoutExpired:
+            code = None
+            report.failed.append("the woken holder did not exit within 60 s")
+        with holder_log.open("rb") as fh:
+            fh.seek(woke_at)
+            after = fh.read()
+        sent = [int(x) for x in _COMMIT_LINE.findall(after)]
+        committed = [
+            x
+            for x in sent
+            if conn.execute("SELECT pg_xact_status(%s::text::xid8)", (str(x),)).fetchone()[0] == "committed"
+        ]
+        report.notes.append(
+            f"woken holder: exit {code}, {len(sent)} COMMIT(s) sent after waking, {len(committed)} committed"
+        )
+        if committed:
+            report.failed.append(
+                f"the woken holder committed {len(committed)} booking transaction(s) after the takeover"
+            )
+        if code == 0:
+            report.failed.append("the woken holder exited 0 after losing its lease")
+        # The standby books the rest; done when nothing waits and nothing runs.
+        wait(
+            "the standby to run every frame",
+            lambda: count(WAITING_SQL) == 0 and count("SELECT count(*) FROM proc WHERE pk_job = ANY(%s)") == 0,
+            cfg.phase_timeout,
+        )
+        if standby.poll() is not None:
+            report.failed.append(f"the standby exited with {standby.returncode} (log {standby_log})")
+        mark = time.time()
+        wait("a live view from the standby", lambda: (v := fresh_view()) is not None and v["published_at"] >= mark, 30)
+        view = fresh_view()
+        if view is not None:
+            report.failed.extend(audit(seed, lambda: view_counters(fresh_view() or view, seed), settle=5.0))
+            report.rejected = dict(view.get("extra", {}).get("dispatch", {}).get("rejected", {}))
+        n_started, window = conn.execute(STARTED_SQL, (jobs,)).fetchone() or (0, 0.0)
+        report.booked = int(n_started or 0)
+        report.window = float(window or 0.0)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(10)
+        watchdog.stop()
+        conn.close()
+        report.wall = time.perf_counter() - started
+    report.breaches = len(watchdog.breaches)
+    report.breach_keys = sorted(f"{v} {k}" for v, k in watchdog.breach_keys())
+    report.samples = watchdog.samples
+    _watchdog_notes(watchdog, report)
     _teardown(spec, report)
     return report
 
@@ -2424,6 +2617,7 @@ RUNNERS: dict[str, Callable[[StressConfig], PhaseReport]] = {
     "listener_wedge": phase_listener_wedge,
     "flip_roundtrip": phase_flip_roundtrip,
     "fairshare": phase_fairshare,
+    "stopped_holder": phase_stopped_holder,
 }
 
 
