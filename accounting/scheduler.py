@@ -50,6 +50,20 @@ class SchedulerOptions:
 LEASE_MARGIN = 1.0
 
 
+class LeaseSettingsError(ValueError):
+    """CUESCHED_LEASE_TTL and CUESCHED_LEASE_RENEW_INTERVAL that would let a live holder lose its lease."""
+
+
+def check_lease_settings(ttl: float, renew: float) -> None:
+    """A live holder renews at least twice per TTL, and its own lease clock outlasts a renewal."""
+    if not (renew > 0 and ttl >= 2 * renew and ttl - LEASE_MARGIN > renew):
+        raise LeaseSettingsError(
+            f"CUESCHED_LEASE_TTL={ttl:g} and CUESCHED_LEASE_RENEW_INTERVAL={renew:g} would let a running "
+            "scheduler lose its lease between two renewals; the scheduler did not start. Hint: keep the renew "
+            f"interval positive, at most half the TTL and under TTL - {LEASE_MARGIN:g} s (defaults 6 and 1.5)"
+        )
+
+
 class SchedulerProcess:
     """Owns the lock connection and every thread; `run()` blocks until `stop` is set.
 
@@ -78,6 +92,7 @@ class SchedulerProcess:
             if self.options.lease_renew_interval is None
             else self.options.lease_renew_interval
         )
+        check_lease_settings(self.lease_ttl, self.renew_interval)
         self.lock_lost = False
         self.ready = threading.Event()
         self.lease_taken_at: float | None = None

@@ -21,13 +21,16 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import psycopg
 import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
 
-from accounting import singleton
+from accounting import db, singleton
 from dispatch.engine.completion import Completion, complete
 from tests.integration.agent_support import database_url_for_agents
 from tests.integration.dispatch_support import autocommit, scalar, seed
@@ -299,3 +302,83 @@ def test_a_holder_whose_lock_session_is_killed_exits_non_zero_once_the_standby_t
     assert code != 0, text[-3000:]
     assert "lost" in text and "lease" in text, text[-3000:]
     assert "Traceback" not in text, text[-3000:]
+
+
+# --------------------------------------------------------------------------- the fence's privilege
+
+
+@contextmanager
+def _role(name: str, *grants: str) -> Iterator[str]:
+    """A login role of this test (cluster-wide, so uniquely named and dropped at the end)."""
+    with autocommit() as conn:
+        conn.execute(f'DROP ROLE IF EXISTS "{name}"')  # left by an interrupted run (owns nothing)
+        conn.execute(f'CREATE ROLE "{name}" LOGIN')
+        for grant in grants:
+            conn.execute(f'GRANT {grant} TO "{name}"')
+        try:
+            yield name
+        finally:
+            conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", (name,))
+            conn.execute(f'DROP OWNED BY "{name}"')
+            conn.execute(f'DROP ROLE IF EXISTS "{name}"')
+
+
+def _connect_as(role: str, application_name: str) -> psycopg.Connection:
+    info = psycopg.conninfo.conninfo_to_dict(db.conninfo())
+    info.update(user=role, application_name=application_name)
+    info.pop("password", None)
+    return psycopg.connect(psycopg.conninfo.make_conninfo(**info), autocommit=True)
+
+
+def _expired_lease(conn: psycopg.Connection, generation: int) -> None:
+    conn.execute(
+        "UPDATE cuesched_scheduler_lease SET int_generation = %s, ts_deadline = clock_timestamp() - interval '1 s'"
+        " WHERE id = 1",
+        (generation,),
+    )
+
+
+def test_the_fence_ends_exactly_the_expired_holders_sessions_with_the_privilege_it_needs() -> None:
+    """A standby ends every session tagged with the expired generation (only those), if it may:
+    without pg_signal_backend a role cannot end another role's session (refused, logged with the
+    hint, nothing ended); with it, it can; a live deadline ends nothing."""
+    with autocommit() as conn:
+        generation = int(scalar(conn, LEASE_ROW_SQL)) + 100
+        with (
+            _role("cuesched_lease_t_holder") as holder,
+            _role("cuesched_lease_t_standby", "SELECT ON cuesched_scheduler_lease") as standby,
+        ):
+            tagged = [_connect_as(holder, f"cuesched-{n}{db.lease_tag(generation)}") for n in ("lock", "dispatch")]
+            other = _connect_as(holder, f"cuesched-dispatch{db.lease_tag(generation + 1)}")
+            try:
+                conn.execute(
+                    "UPDATE cuesched_scheduler_lease SET int_generation = %s,"
+                    " ts_deadline = clock_timestamp() + interval '1 min' WHERE id = 1",
+                    (generation,),
+                )
+                with _connect_as(standby, "cuesched-standby-fence") as side:
+                    assert singleton.fence_expired_holder(side) is None  # the deadline is ahead
+                    _expired_lease(conn, generation)
+                    refused = singleton.fence_expired_holder(side)
+                    assert refused is not None and refused.terminated == []
+                    assert {pid for pid, _app, _role in refused.refused} == {c.info.backend_pid for c in tagged}
+                conn.execute(f'GRANT pg_signal_backend TO "{standby}"')
+                with _connect_as(standby, "cuesched-standby-fence") as side:
+                    fenced = singleton.fence_expired_holder(side)
+                assert fenced is not None and fenced.refused == []
+                assert {pid for pid, _app in fenced.terminated} == {c.info.backend_pid for c in tagged}
+                for c in tagged:
+                    with pytest.raises(psycopg.OperationalError):
+                        c.execute("SELECT 1")
+                assert other.execute("SELECT 1").fetchone() == (1,)  # another generation's: untouched
+            finally:
+                for c in [*tagged, other]:
+                    c.close()
+                conn.execute("UPDATE cuesched_scheduler_lease SET ts_deadline = NULL WHERE id = 1")
+
+
+def test_lease_settings_that_would_lose_a_live_lease_are_refused_with_a_hint(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUESCHED_LEASE_TTL", "2")
+    monkeypatch.setenv("CUESCHED_LEASE_RENEW_INTERVAL", "1.5")
+    with pytest.raises(CommandError, match=r"CUESCHED_LEASE_TTL=2 and CUESCHED_LEASE_RENEW_INTERVAL=1\.5.*Hint"):
+        call_command("run_scheduler", "--no-dispatch", "--metrics-port", "0")

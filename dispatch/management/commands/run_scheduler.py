@@ -11,7 +11,7 @@ from django.db import connection
 
 from accounting.cuebot import CuebotModeError
 from accounting.metrics import MetricsPortError
-from accounting.scheduler import SchedulerOptions, SchedulerProcess
+from accounting.scheduler import LeaseSettingsError, SchedulerOptions, SchedulerProcess
 from accounting.singleton import SchedulerAlreadyRunning
 from accounting.trigger_health import describe, trigger_problems
 from cuesched_project import conf
@@ -122,9 +122,12 @@ class Command(BaseCommand):
                 workers=options["workers"],
                 **launcher_options,
             )
-        process = SchedulerProcess(
-            SchedulerOptions(metrics_port=options["metrics_port"], standby=options["standby"]), stop=stop
-        )
+        try:
+            process = SchedulerProcess(
+                SchedulerOptions(metrics_port=options["metrics_port"], standby=options["standby"]), stop=stop
+            )
+        except LeaseSettingsError as exc:
+            raise CommandError(str(exc)) from None
         try:
             process.run(main)
         except (SchedulerAlreadyRunning, MetricsPortError, CuebotModeError) as exc:
