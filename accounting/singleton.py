@@ -156,6 +156,12 @@ def fence_expired_holder(conn: psycopg.Connection) -> Fenced | None:
     return fenced
 
 
+def deadline_in(conn: psycopg.Connection) -> float | None:
+    """Seconds until the lease's deadline by the database's clock (None: no deadline kept)."""
+    row = conn.execute(EXPIRED_SQL).fetchone()
+    return None if row is None or row[2] is None else -float(row[2])
+
+
 def take_lease(conn: psycopg.Connection, holder: str | None = None, *, ttl: float | None = None) -> int:
     """Bump the lease generation, after every in-flight proc write has committed; returns it.
 
@@ -217,6 +223,12 @@ def wait_for_lock(stop: threading.Event, poll: float) -> psycopg.Connection | No
                     fenced = fence_expired_holder(side)
                     if fenced is not None and fenced.terminated:
                         continue  # the lock went with the holder's lock session: take it now
+                    if fenced is None:
+                        # Look again right after the deadline rather than up to a poll later.
+                        left = deadline_in(side)
+                        if left is not None and left < poll:
+                            stop.wait(max(left, 0.0) + 0.05)
+                            continue
                 except psycopg.Error as exc:
                     logger.debug("standby: deadline check failed: %s", exc)
             except psycopg.Error:
