@@ -31,6 +31,8 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 
 from accounting import db, singleton
+from accounting import triggers as acct_triggers
+from dispatch.engine.booking import LEASE_SQL, LeaseLostError, write_batch
 from dispatch.engine.completion import Completion, complete
 from tests.integration.agent_support import database_url_for_agents
 from tests.integration.dispatch_support import autocommit, scalar, seed
@@ -382,3 +384,50 @@ def test_lease_settings_that_would_lose_a_live_lease_are_refused_with_a_hint(mon
     monkeypatch.setenv("CUESCHED_LEASE_RENEW_INTERVAL", "1.5")
     with pytest.raises(CommandError, match=r"CUESCHED_LEASE_TTL=2 and CUESCHED_LEASE_RENEW_INTERVAL=1\.5.*Hint"):
         call_command("run_scheduler", "--no-dispatch", "--metrics-port", "0")
+
+
+def test_a_takeover_ends_the_stopped_holders_open_booking_transaction_and_fences_its_next_one() -> None:
+    """A booking transaction of the holder left open (its process stopped after the lease check,
+    holding the shared keys lock and the lease row FOR KEY SHARE): the takeover waited for it
+    for ever. Now, once the deadline has passed, it is terminated (rolled back), the generation
+    moves on, and the holder's next booking transaction, on a new connection, is refused."""
+    with autocommit() as conn:
+        generation = int(scalar(conn, LEASE_ROW_SQL)) + 100
+        _expired_lease(conn, generation)
+        stuck = db.connect(application_name="cuesched-dispatch")  # untagged so far: tag it by hand
+        stuck.execute(
+            "SELECT set_config('application_name', %s, false)", (f"cuesched-dispatch{db.lease_tag(generation)}",)
+        )
+        stuck.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
+        stuck.execute(acct_triggers.LOCK_KEYS_SHARED_SQL)
+        stuck.execute(LEASE_SQL)
+        out: dict[str, object] = {}
+
+        def takeover() -> None:
+            try:
+                lock = singleton.acquire()
+                out["generation"] = singleton.take_lease(lock)
+                lock.close()
+            except BaseException as exc:  # reported below
+                out["error"] = exc
+
+        started = time.monotonic()
+        thread = threading.Thread(target=takeover, daemon=True)
+        thread.start()
+        thread.join(20)
+        took = time.monotonic() - started
+        try:
+            assert not thread.is_alive(), "the takeover waited for the stopped holder's open transaction"
+            assert "error" not in out, out
+            assert out["generation"] == generation + 1
+            with pytest.raises(psycopg.OperationalError):
+                stuck.execute("SELECT 1")
+            with db.connect(application_name="cuesched-dispatch") as woken:
+                with pytest.raises(LeaseLostError):
+                    write_batch(woken, [], mem_used=0, lease=generation)
+        finally:
+            db.set_lease_tag(None)
+            stuck.close()
+            conn.execute("UPDATE cuesched_scheduler_lease SET ts_deadline = NULL WHERE id = 1")
+    print(f"\nopen booking transaction of an expired holder: takeover in {took:.2f}s")
+    assert took < 5
