@@ -116,7 +116,7 @@ class Sampler:
             self._thread.join(10)
 
 
-def _spawn(tmp_path: Path, name: str, *args: str) -> Sched:
+def _spawn(tmp_path: Path, name: str, *args: str, extra_env: dict[str, str] | None = None) -> Sched:
     env = {
         **os.environ,
         "DATABASE_URL": database_url_for_agents(),
@@ -124,6 +124,7 @@ def _spawn(tmp_path: Path, name: str, *args: str) -> Sched:
         "CUESCHED_LOG_LEVEL": "DEBUG",
         "CUESCHED_STANDBY_POLL_INTERVAL": "0.5",
         "CUESCHED_RECOMPUTE_INTERVAL": "3600",
+        **(extra_env or {}),
     }
     out = tmp_path / f"{name}.out"
     with open(out, "wb") as fh:
@@ -203,15 +204,17 @@ def _committed_after(conn: psycopg.Connection, text: str) -> list[tuple[int, str
     return out
 
 
-def _start_pair(tmp_path: Path, conn: psycopg.Connection, farm: Farm) -> tuple[Sched, Sched, int]:
-    holder = _spawn(tmp_path, "holder")
+def _start_pair(
+    tmp_path: Path, conn: psycopg.Connection, farm: Farm, extra_env: dict[str, str] | None = None
+) -> tuple[Sched, Sched, int]:
+    holder = _spawn(tmp_path, "holder", extra_env=extra_env)
     try:
         wait_for(lambda: holder.proc.poll() is None and _procs_of(conn, farm) > 0, 90, "the holder booking")
     except AssertionError:
         holder.kill()
         raise AssertionError(holder.text()[-4000:]) from None
     generation = int(scalar(conn, LEASE_ROW_SQL))
-    standby = _spawn(tmp_path, "standby", "--standby")
+    standby = _spawn(tmp_path, "standby", "--standby", extra_env=extra_env)
     # The standby is up and polling for the lock (its own output says so) before the fault.
     wait_for(lambda: "standby: waiting for the scheduler lock" in standby.text(), 90, "the standby waiting")
     assert standby.proc.poll() is None, standby.text()[-3000:]
@@ -278,12 +281,23 @@ def test_a_standby_takes_over_from_a_stopped_holder_and_the_woken_holder_commits
 def test_a_holder_whose_lock_session_is_killed_exits_non_zero_once_the_standby_took_over(
     tmp_path: Path, farm: Farm
 ) -> None:
-    """Only the lock session dies (the process runs on): the standby takes the lock and the
-    lease, and the old holder stops booking and exits non-zero, saying why."""
+    """A holder booking under load keeps its lease with a standby waiting for two TTLs (its
+    renewals are not held up by the bookings). Then only its lock session dies (the process runs
+    on): the standby takes the lock and the lease, and the old holder stops booking and exits
+    non-zero, saying why."""
     holder = standby = None
+    ttl = 3.0
     try:
         with autocommit() as conn:
-            holder, standby, generation = _start_pair(tmp_path, conn, farm)
+            holder, standby, generation = _start_pair(
+                tmp_path, conn, farm, {"CUESCHED_LEASE_TTL": str(ttl), "CUESCHED_LEASE_RENEW_INTERVAL": "1"}
+            )
+            booked = _started_frames(conn, farm)
+            quiet_until = time.monotonic() + 2 * ttl  # an absence over a period: nothing to wait for
+            while time.monotonic() < quiet_until:
+                assert int(scalar(conn, LEASE_ROW_SQL)) == generation, "the standby took over a live holder"
+                time.sleep(0.1)
+            assert _started_frames(conn, farm) > booked, "the holder stopped booking"
             lock_pid = _holder_pid(conn)
             assert lock_pid is not None
             killed_at = time.monotonic()
@@ -332,12 +346,23 @@ def _connect_as(role: str, application_name: str) -> psycopg.Connection:
     return psycopg.connect(psycopg.conninfo.make_conninfo(**info), autocommit=True)
 
 
-def _expired_lease(conn: psycopg.Connection, generation: int) -> None:
+def _set_lease(conn: psycopg.Connection, generation: int, deadline: str) -> None:
+    """The lease row at `generation` with its deadline `deadline` (SQL) from now; the row is
+    written if missing (a transactional test's flush empties the table)."""
     conn.execute(
-        "UPDATE cuesched_scheduler_lease SET int_generation = %s, ts_deadline = clock_timestamp() - interval '1 s'"
-        " WHERE id = 1",
+        "INSERT INTO cuesched_scheduler_lease AS t (id, int_generation, str_holder, ts_deadline)"
+        f" VALUES (1, %s, 'test', clock_timestamp() + interval '{deadline}')"
+        " ON CONFLICT (id) DO UPDATE SET int_generation = EXCLUDED.int_generation, ts_deadline = EXCLUDED.ts_deadline",
         (generation,),
     )
+
+
+def _expired_lease(conn: psycopg.Connection, generation: int) -> None:
+    _set_lease(conn, generation, "-1 s")
+
+
+def _next_generation(conn: psycopg.Connection) -> int:
+    return int(scalar(conn, "SELECT COALESCE(max(int_generation), 0) FROM cuesched_scheduler_lease")) + 100
 
 
 def test_the_fence_ends_exactly_the_expired_holders_sessions_with_the_privilege_it_needs() -> None:
@@ -345,7 +370,7 @@ def test_the_fence_ends_exactly_the_expired_holders_sessions_with_the_privilege_
     without pg_signal_backend a role cannot end another role's session (refused, logged with the
     hint, nothing ended); with it, it can; a live deadline ends nothing."""
     with autocommit() as conn:
-        generation = int(scalar(conn, LEASE_ROW_SQL)) + 100
+        generation = _next_generation(conn)
         with (
             _role("cuesched_lease_t_holder") as holder,
             _role("cuesched_lease_t_standby", "SELECT ON cuesched_scheduler_lease") as standby,
@@ -353,11 +378,7 @@ def test_the_fence_ends_exactly_the_expired_holders_sessions_with_the_privilege_
             tagged = [_connect_as(holder, f"cuesched-{n}{db.lease_tag(generation)}") for n in ("lock", "dispatch")]
             other = _connect_as(holder, f"cuesched-dispatch{db.lease_tag(generation + 1)}")
             try:
-                conn.execute(
-                    "UPDATE cuesched_scheduler_lease SET int_generation = %s,"
-                    " ts_deadline = clock_timestamp() + interval '1 min' WHERE id = 1",
-                    (generation,),
-                )
+                _set_lease(conn, generation, "1 min")
                 with _connect_as(standby, "cuesched-standby-fence") as side:
                     assert singleton.fence_expired_holder(side) is None  # the deadline is ahead
                     _expired_lease(conn, generation)
@@ -392,7 +413,7 @@ def test_a_takeover_ends_the_stopped_holders_open_booking_transaction_and_fences
     for ever. Now, once the deadline has passed, it is terminated (rolled back), the generation
     moves on, and the holder's next booking transaction, on a new connection, is refused."""
     with autocommit() as conn:
-        generation = int(scalar(conn, LEASE_ROW_SQL)) + 100
+        generation = _next_generation(conn)
         _expired_lease(conn, generation)
         stuck = db.connect(application_name="cuesched-dispatch")  # untagged so far: tag it by hand
         stuck.execute(
