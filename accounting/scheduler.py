@@ -117,6 +117,10 @@ class SchedulerProcess:
         self.service.lease_generation = generation
         metrics.LEASE_GENERATION.set(generation)
         logger.info("scheduler lease taken: generation %d", generation)
+        # Renewing from now on, not after the bootstrap: a bootstrap longer than the TTL would
+        # otherwise let a standby take the lease from a healthy new holder.
+        self._lock_guard = threading.Thread(target=self._guard_lock, name="cuesched-lock", daemon=True)
+        self._lock_guard.start()
         metrics.serve(self.options.metrics_port, self.options.metrics_addr)
         self.service.start(self.stop, bootstrap_timeout=self.options.bootstrap_timeout)
         self._publisher = threading.Thread(
@@ -126,8 +130,6 @@ class SchedulerProcess:
             daemon=True,
         )
         self._publisher.start()
-        self._lock_guard = threading.Thread(target=self._guard_lock, name="cuesched-lock", daemon=True)
-        self._lock_guard.start()
         self.ready.set()
 
     def _guard_lock(self) -> None:
