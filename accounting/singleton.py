@@ -178,11 +178,20 @@ def take_lease(conn: psycopg.Connection, holder: str | None = None, *, ttl: floa
     ttl = conf.lease_ttl() if ttl is None else ttl
     with conn.transaction(), conn.cursor() as cur:
         cur.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
+        waited = 0
         while True:
             try:
                 db.take_keys_lock(cur, timeout=0.5, what="the lease takeover")
                 break
             except db.KeysLockTimeout:
+                waited += 1
+                if waited % 10 == 0:
+                    logger.warning(
+                        "lease takeover: a proc write has kept the accounting-keys lock for %ds; the previous "
+                        "holder's sessions are terminated once its lease deadline has passed, any other "
+                        "session's only when it ends",
+                        waited // 2,
+                    )
                 _fence_on_the_side()
         cur.execute(LOCK_LEASE_ROW_SQL)
         row = cur.execute(TAKE_LEASE_SQL, {"holder": (holder or holder_name())[:255], "ttl": ttl}).fetchone()
