@@ -1408,6 +1408,11 @@ def phase_stopped_holder(cfg: StressConfig, log_dir: Path | None = None) -> Phas
         row = conn.execute(LEASE_ROW_SQL).fetchone()
         return int(row[0]) if row else 0
 
+    def count_procs_besides(procs: list[str]) -> int:
+        sql = "SELECT count(*) FROM proc WHERE pk_job = ANY(%s) AND pk_proc <> ALL(%s)"
+        row = conn.execute(sql, (jobs, procs)).fetchone()
+        return int(row[0]) if row else 0
+
     def wait(what: str, predicate: Callable[[], bool], timeout: float) -> float | None:
         t0 = time.monotonic()
         until = min(deadline, t0 + timeout)
@@ -1447,14 +1452,14 @@ def phase_stopped_holder(cfg: StressConfig, log_dir: Path | None = None) -> Phas
             or wait("the holder booking", lambda: count(STARTED_SQL) > 0, 60) is None
         ):
             return report
-        if count(WAITING_SQL) == 0:
-            report.failed.append("the holder booked every frame before the standby was up: give the farm more frames")
-            return report
         holder.send_signal(signal.SIGSTOP)
         if wait("the holder to stop", lambda: _all_threads_stopped(holder.pid), 10) is None:
             return report
-        orphans = [f for (f,) in conn.execute("SELECT pk_frame FROM proc WHERE pk_job = ANY(%s)", (jobs,))]
-        started_at_stop = count(STARTED_SQL)
+        held = conn.execute("SELECT pk_proc, pk_frame FROM proc WHERE pk_job = ANY(%s)", (jobs,)).fetchall()
+        orphans, orphan_procs = [f for _p, f in held], [p for p, _f in held]
+        if not orphans and count(WAITING_SQL) == 0:
+            report.failed.append("the holder ran every frame before the standby was up: give the farm more frames")
+            return report
         takeover = wait("the standby's lease", lambda: generation() > before, TAKEOVER_BOUND + 10)
         if takeover is None:
             return report
@@ -1462,7 +1467,12 @@ def phase_stopped_holder(cfg: StressConfig, log_dir: Path | None = None) -> Phas
         if takeover > TAKEOVER_BOUND:
             report.failed.append(f"the standby took over {takeover:.2f}s after the stop (bound {TAKEOVER_BOUND:.0f}s)")
         released = kill_frames(conn, orphans).released
-        first = wait("the standby's first booking", lambda: count(STARTED_SQL) > started_at_stop, 30)
+        # A proc that is not the stopped holder's: the standby's (it may re-book those frames).
+        first = wait(
+            "the standby's first booking",
+            lambda: count_procs_besides(orphan_procs) > 0,
+            30,
+        )
         if first is not None:
             report.notes.append(
                 f"stopped holder's frames released the completion way: {released}; "
