@@ -30,7 +30,7 @@ import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
 
-from accounting import db, singleton
+from accounting import db, live, singleton
 from accounting import triggers as acct_triggers
 from dispatch.engine.booking import LEASE_SQL, LeaseLostError, write_batch
 from dispatch.engine.completion import Completion, complete
@@ -189,6 +189,11 @@ def _started_frames(conn: psycopg.Connection, farm: Farm) -> int:
     )
 
 
+def _view_pid(conn: psycopg.Connection) -> int | None:
+    """The pid of the process whose live view is published now."""
+    return scalar(conn, f"SELECT pid FROM {live.TABLE} WHERE id = 1")
+
+
 def _holder_pid(conn: psycopg.Connection) -> int | None:
     row = conn.execute(singleton.HOLDER_SQL, {"key": singleton.SCHEDULER_LOCK_KEY}).fetchone()
     return None if row is None else int(row[0])
@@ -252,7 +257,13 @@ def test_a_standby_takes_over_from_a_stopped_holder_and_the_woken_holder_commits
             wait_for(lambda: _started_frames(conn, farm) > started_before, 20, "a standby booking")
             booking_after = time.monotonic() - stopped_at
             woke_at = len(holder.out.read_bytes())  # nothing is written while it is stopped
+            wait_for(lambda: _view_pid(conn) == standby.proc.pid, 20, "the standby's live view")
             os.kill(holder.proc.pid, signal.SIGCONT)
+            # Until it has exited, the woken holder must not put its view over the standby's.
+            stale_views = 0
+            while holder.proc.poll() is None and time.monotonic() - stopped_at < 120:
+                stale_views += _view_pid(conn) == holder.proc.pid
+                time.sleep(0.01)
             code = holder.proc.wait(60)
             after_wake = holder.text(woke_at)
             committed = _committed_after(conn, after_wake)
@@ -273,6 +284,7 @@ def test_a_standby_takes_over_from_a_stopped_holder_and_the_woken_holder_commits
     )
     assert lease_after <= TAKEOVER_BOUND, f"the standby took the lease {lease_after:.2f}s after the holder stopped"
     assert committed == [], f"the woken holder committed bookings after the takeover: {committed}"
+    assert stale_views == 0, f"the woken holder published its live view over the standby's ({stale_views} samples)"
     assert code != 0, holder.text()[-3000:]
     assert "lease" in after_wake, after_wake[-3000:]
     assert sampler.over == 0, f"{sampler.over} of {sampler.samples} samples over the burst (worst {sampler.worst})"
