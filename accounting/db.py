@@ -30,6 +30,40 @@ def conninfo(alias: str = "default") -> str:
     return conninfo_from_settings(connections[alias].settings_dict)
 
 
+# The lease tag every connection of this process carries in its application_name once it holds
+# the scheduler lease (set_lease_tag): a standby that finds the lease's deadline passed
+# terminates exactly the sessions tagged with the old generation (accounting/singleton.py).
+_lease_tag: str | None = None
+# PostgreSQL keeps NAMEDATALEN - 1 bytes of an application_name.
+APPLICATION_NAME_MAX = 63
+
+
+def lease_tag(generation: int) -> str:
+    """The application_name suffix of the sessions of the scheduler holding lease `generation`."""
+    return f" [lease {generation}]"
+
+
+def set_lease_tag(generation: int | None) -> None:
+    """Tag every connection this process opens from now on with the lease it books under."""
+    global _lease_tag
+    _lease_tag = None if generation is None else lease_tag(generation)
+
+
+def clear_lease_tag(generation: int | None) -> None:
+    """At a scheduler's stop: untag later connections, unless another scheduler of this process
+    (an in-process test harness) has tagged them with its own lease since."""
+    global _lease_tag
+    if generation is not None and _lease_tag == lease_tag(generation):
+        _lease_tag = None
+
+
+def tagged(application_name: str) -> str:
+    """`application_name` with this process's lease tag, the name cut so the tag always fits."""
+    if not _lease_tag:
+        return application_name[:APPLICATION_NAME_MAX]
+    return application_name[: APPLICATION_NAME_MAX - len(_lease_tag)] + _lease_tag
+
+
 def connect(*, autocommit: bool = True, application_name: str = "cuesched", **extra: Any) -> psycopg.Connection:
     # TCP keepalives and a user timeout, so a silently dead network path fails the connection in
     # seconds instead of the kernel's ~15 minutes of retries (both ignored on Unix sockets).
@@ -46,7 +80,9 @@ def connect(*, autocommit: bool = True, application_name: str = "cuesched", **ex
     info = conninfo()
     options = with_writer_option(psycopg.conninfo.conninfo_to_dict(info).get("options"))
     params["options"] = f"{options} {timeout_options()}".strip()
-    return psycopg.connect(info, autocommit=autocommit, application_name=application_name, connect_timeout=10, **params)
+    return psycopg.connect(
+        info, autocommit=autocommit, application_name=tagged(application_name), connect_timeout=10, **params
+    )
 
 
 def timeout_options() -> str:

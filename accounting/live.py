@@ -178,6 +178,11 @@ def run_publisher(service: AccountingService, stop: threading.Event, interval: f
     conn: psycopg.Connection | None = None
     while not stop.is_set():
         try:
+            if service.lease_lost.is_set() or service.lease_expired():
+                # Another scheduler may own the Store (and the view) now: a holder woken from a
+                # stop must not overwrite its view with this one's, even once.
+                stop.wait(interval)
+                continue
             if conn is None or conn.closed or conn.broken:
                 conn = db.connect(application_name="cuesched-live")
             publish(service, conn)

@@ -122,6 +122,10 @@ class SchedulerLease(models.Model):
     int_generation = models.BigIntegerField(db_default=0, default=0)
     str_holder = models.CharField(max_length=255, db_default="", default="")
     ts_acquired = models.DateTimeField(null=True)
+    # The holder's heartbeat: renewed to clock_timestamp() + CUESCHED_LEASE_TTL by its lock
+    # session every few seconds. Past it, a standby may terminate the holder's sessions and take
+    # over (accounting/singleton.py). NULL: a holder that renews no deadline (never terminated).
+    ts_deadline = models.DateTimeField(null=True)
 
     class Meta:
         db_table = "cuesched_scheduler_lease"

@@ -20,6 +20,7 @@ loops talk to. Otherwise `apply_booking` refuses managed bookings with the table
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -127,6 +128,11 @@ class AccountingService:
         # for tests that drive the service alone), and the server the Store was seeded against.
         self.lease_generation: int | None = None
         self.lease_lost = threading.Event()
+        # Until when (time.monotonic()) this process surely still holds its lease: its last
+        # renewal's send time + the TTL - a margin (SchedulerProcess keeps it; inf = no lease
+        # clock, for tests that drive the service alone). Past it the dispatch loop neither
+        # books nor launches: a standby may have taken over while this process was stopped.
+        self.lease_valid_until = math.inf
         self.server_id: str | None = None
         self._max_xmax = 0
         self._managed_wakeup = threading.Event()
@@ -182,12 +188,23 @@ class AccountingService:
         self._managed_wakeup.set()
 
     # -- whether the Store may enforce ---------------------------------------------------
+    def lease_expired(self) -> bool:
+        """This process cannot be sure it still holds the lease (no renewal for too long)."""
+        return time.monotonic() >= self.lease_valid_until
+
     def can_enforce(self) -> bool:
-        return self.listener.fresh() and not self.lease_lost.is_set() and self.bootstrapped.is_set()
+        return (
+            self.listener.fresh()
+            and not self.lease_lost.is_set()
+            and not self.lease_expired()
+            and self.bootstrapped.is_set()
+        )
 
     def pause_reason(self) -> str | None:
         if self.lease_lost.is_set():
             return "this scheduler lost its lease to another one"
+        if self.lease_expired():
+            return "this scheduler's lease was not renewed in time (it may have been taken over)"
         if not self.listener.fresh():
             age = self.listener.heartbeat_age()
             state = self.listener.stats.state

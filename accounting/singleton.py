@@ -14,16 +14,40 @@ in-flight proc write including the old holder's last booking batch, it bumps
 its scheduler took (`dispatch.engine.booking.write_batch`), so after a takeover the old holder
 cannot commit a single booking, and the new one bootstraps from a SUM(proc) that already
 holds every booking the old one committed.
+
+A lock session alone is not a liveness proof either: a holder that is stopped (SIGSTOP, a
+frozen VM) keeps its sessions, its lock and any transaction it had open, and a standby would
+wait for it forever. So the holder renews a deadline on the lease row (`ts_deadline`, now +
+CUESCHED_LEASE_TTL, every CUESCHED_LEASE_RENEW_INTERVAL) from its lock session, and tags every
+session it opens with its lease generation in `application_name` (`accounting.db.lease_tag`).
+A standby that finds the deadline passed by the database's clock terminates every session of
+this database carrying the old generation's tag (`fence_expired_holder`): the lock session (the
+advisory lock goes with it), the dispatch connections with whatever transaction they had open
+(rolled back), the listener. Then it takes the lock and the lease. Terminating needs the
+privilege to signal those backends: the same role, a member of it, or `pg_signal_backend`
+(never a superuser's backend unless the standby is superuser too); without it the standby logs
+why and keeps waiting.
+
+Whatever the timing, safety rests on the generation alone: the takeover bumps it under the
+exclusive accounting-keys lock and `FOR UPDATE` of the lease row, and every booking transaction
+reads it `FOR KEY SHARE` after taking the keys lock shared, so a booking commits only under the
+generation current at its COMMIT. The deadline only decides when a standby may stop waiting.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import socket
 import threading
+from dataclasses import dataclass
 
 import psycopg
 
 from accounting import db
+from cuesched_project import conf
+
+logger = logging.getLogger(__name__)
 
 # An arbitrary, fixed 64-bit key ("cuesched" in ASCII).
 SCHEDULER_LOCK_KEY = 0x6375657363686564
@@ -37,14 +61,36 @@ WHERE l.locktype = 'advisory' AND l.granted
 """
 
 
+# FOR UPDATE, not the UPDATE's own FOR NO KEY UPDATE: it must wait for (and block) the
+# booking transactions' FOR KEY SHARE of the row, which the deadline renewals do not.
+LOCK_LEASE_ROW_SQL = "SELECT int_generation FROM cuesched_scheduler_lease WHERE id = 1 FOR UPDATE"
 TAKE_LEASE_SQL = """
-INSERT INTO cuesched_scheduler_lease AS t (id, int_generation, str_holder, ts_acquired)
-VALUES (1, 1, %(holder)s, now())
+INSERT INTO cuesched_scheduler_lease AS t (id, int_generation, str_holder, ts_acquired, ts_deadline)
+VALUES (1, 1, %(holder)s, now(), clock_timestamp() + make_interval(secs => %(ttl)s))
 ON CONFLICT (id) DO UPDATE
-SET int_generation = t.int_generation + 1, str_holder = EXCLUDED.str_holder, ts_acquired = now()
+SET int_generation = t.int_generation + 1, str_holder = EXCLUDED.str_holder, ts_acquired = now(),
+    ts_deadline = EXCLUDED.ts_deadline
 RETURNING int_generation
 """
 LEASE_SQL = "SELECT int_generation FROM cuesched_scheduler_lease WHERE id = 1"
+# The heartbeat: only the generation's holder moves the deadline (0 rows: the lease is gone).
+RENEW_SQL = """
+UPDATE cuesched_scheduler_lease SET ts_deadline = clock_timestamp() + make_interval(secs => %(ttl)s)
+WHERE id = 1 AND int_generation = %(generation)s
+RETURNING int_generation
+"""
+# The lease as a standby judges it: by the database's clock, never the standby's.
+EXPIRED_SQL = """
+SELECT int_generation, ts_deadline IS NOT NULL AND ts_deadline < clock_timestamp(),
+       EXTRACT(EPOCH FROM clock_timestamp() - ts_deadline)::float8
+FROM cuesched_scheduler_lease WHERE id = 1
+"""
+# The sessions of the expired holder: this database, tagged with its generation, not this one.
+HOLDER_SESSIONS_SQL = """
+SELECT pid, application_name, usename FROM pg_stat_activity
+WHERE datname = current_database() AND pid <> pg_backend_pid() AND right(application_name, %(n)s) = %(tag)s
+"""
+TERMINATE_SQL = "SELECT pg_terminate_backend(%(pid)s, %(wait_ms)s)"
 
 
 class SchedulerAlreadyRunning(RuntimeError):
@@ -56,34 +102,154 @@ class LeaseLost(RuntimeError):
 
 
 def holder_name() -> str:
-    return f"{socket.gethostname()}:{__import__('os').getpid()}"
+    return f"{socket.gethostname()}:{os.getpid()}"
 
 
-def take_lease(conn: psycopg.Connection, holder: str | None = None) -> int:
+@dataclass
+class Fenced:
+    """What `fence_expired_holder` did: the expired generation, the sessions it ended, and those
+    it was not allowed to end (pid, application_name, role)."""
+
+    generation: int
+    overdue: float
+    terminated: list[tuple[int, str]]
+    refused: list[tuple[int, str, str]]
+
+
+def fence_expired_holder(conn: psycopg.Connection) -> Fenced | None:
+    """If the lease's deadline has passed, terminate every session of its holder; else None.
+
+    The sessions are found by the generation's tag in application_name, so a holder that took
+    the lease again on a new session, or opened a new dispatch connection, is found too; a
+    session that merely calls itself so only gets itself terminated. pg_terminate_backend waits
+    (bounded) for each backend to exit, so the holder's open transactions have rolled back and
+    its advisory lock is free when this returns.
+    """
+    row = conn.execute(EXPIRED_SQL).fetchone()
+    if row is None or not row[1]:
+        return None
+    generation, overdue = int(row[0]), float(row[2])
+    tag = db.lease_tag(generation)
+    fenced = Fenced(generation, overdue, [], [])
+    for pid, app, role in conn.execute(HOLDER_SESSIONS_SQL, {"n": len(tag), "tag": tag}).fetchall():
+        try:
+            conn.execute(TERMINATE_SQL, {"pid": pid, "wait_ms": 3000})
+            fenced.terminated.append((pid, app))
+        except psycopg.errors.InsufficientPrivilege:
+            fenced.refused.append((pid, app, role))
+        except psycopg.errors.QueryCanceled:
+            # A statement_timeout shorter than the wait: the signal went before the wait began.
+            fenced.terminated.append((pid, app))
+    if fenced.terminated:
+        logger.warning(
+            "lease generation %d expired %.1fs ago: terminated its holder's sessions %s",
+            generation,
+            overdue,
+            ", ".join(f"{pid} ({app})" for pid, app in fenced.terminated),
+        )
+    if fenced.refused:
+        logger.error(
+            "lease generation %d expired %.1fs ago, but this role may not terminate its holder's sessions %s; "
+            "hint: run every scheduler as the same role, or GRANT pg_signal_backend TO the scheduler role "
+            "(a superuser's sessions can be ended only by a superuser); waiting",
+            generation,
+            overdue,
+            ", ".join(f"{pid} ({app}, role {role})" for pid, app, role in fenced.refused),
+        )
+    return fenced
+
+
+def deadline_in(conn: psycopg.Connection) -> float | None:
+    """Seconds until the lease's deadline by the database's clock (None: no deadline kept)."""
+    row = conn.execute(EXPIRED_SQL).fetchone()
+    return None if row is None or row[2] is None else -float(row[2])
+
+
+def take_lease(conn: psycopg.Connection, holder: str | None = None, *, ttl: float | None = None) -> int:
     """Bump the lease generation, after every in-flight proc write has committed; returns it.
 
     The exclusive accounting-keys lock is polled, never queued for: a queued exclusive request
-    would hold every later proc write of the farm behind it.
+    would hold every later proc write of the farm behind it. A previous holder that is stopped
+    with a proc write open (its lock session may be gone already) would keep it busy forever, so
+    while waiting, once the previous lease's deadline has passed, its sessions are terminated
+    (on a second connection: this transaction must not end). Then this connection is tagged
+    with the new generation, like every connection the process opens from now on.
     """
+    ttl = conf.lease_ttl() if ttl is None else ttl
     with conn.transaction(), conn.cursor() as cur:
         cur.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
-        db.take_keys_lock(cur, what="lease")
-        row = cur.execute(TAKE_LEASE_SQL, {"holder": (holder or holder_name())[:255]}).fetchone()
+        waited = 0
+        while True:
+            try:
+                db.take_keys_lock(cur, timeout=0.5, what="the lease takeover")
+                break
+            except db.KeysLockTimeout:
+                waited += 1
+                if waited % 10 == 0:
+                    logger.warning(
+                        "lease takeover: a proc write has kept the accounting-keys lock for %ds; the previous "
+                        "holder's sessions are terminated once its lease deadline has passed, any other "
+                        "session's only when it ends",
+                        waited // 2,
+                    )
+                _fence_on_the_side()
+        cur.execute(LOCK_LEASE_ROW_SQL)
+        row = cur.execute(TAKE_LEASE_SQL, {"holder": (holder or holder_name())[:255], "ttl": ttl}).fetchone()
     assert row is not None
-    return int(row[0])
+    generation = int(row[0])
+    db.set_lease_tag(generation)
+    conn.execute("SELECT set_config('application_name', %s, false)", (db.tagged("cuesched-scheduler-lock"),))
+    return generation
+
+
+def _fence_on_the_side() -> None:
+    try:
+        with db.connect(application_name="cuesched-standby-fence") as side:
+            fence_expired_holder(side)
+    except psycopg.Error as exc:
+        logger.warning("lease takeover: could not check the previous holder's deadline: %s", exc)
+
+
+def renew(conn: psycopg.Connection, generation: int, ttl: float | None = None) -> bool:
+    """Move the lease's deadline to now + ttl; False when the lease is no longer `generation`."""
+    ttl = conf.lease_ttl() if ttl is None else ttl
+    return conn.execute(RENEW_SQL, {"generation": generation, "ttl": ttl}).fetchone() is not None
 
 
 def wait_for_lock(stop: threading.Event, poll: float) -> psycopg.Connection | None:
-    """A standby: retry the lock until it is free (returns its connection) or `stop` is set."""
-    while not stop.is_set():
-        try:
-            return acquire()
-        except SchedulerAlreadyRunning:
-            pass
-        except psycopg.Error:
-            pass  # the database is away: keep waiting
-        stop.wait(poll)
-    return None
+    """A standby: retry the lock until it is free (returns its connection) or `stop` is set.
+
+    Between attempts it checks the lease's deadline, and once that has passed terminates the
+    holder's sessions (`fence_expired_holder`) and tries again at once: a stopped holder's lock
+    session would otherwise keep the lock for as long as it stays stopped.
+    """
+    side: psycopg.Connection | None = None
+    try:
+        while not stop.is_set():
+            try:
+                return acquire()
+            except SchedulerAlreadyRunning:
+                try:
+                    if side is None or side.closed or side.broken:
+                        side = db.connect(application_name="cuesched-standby-fence")
+                    fenced = fence_expired_holder(side)
+                    if fenced is not None and fenced.terminated:
+                        continue  # the lock went with the holder's lock session: take it now
+                    if fenced is None:
+                        # Look again right after the deadline rather than up to a poll later.
+                        left = deadline_in(side)
+                        if left is not None and left < poll:
+                            stop.wait(max(left, 0.0) + 0.05)
+                            continue
+                except psycopg.Error as exc:
+                    logger.debug("standby: deadline check failed: %s", exc)
+            except psycopg.Error:
+                pass  # the database is away: keep waiting
+            stop.wait(poll)
+        return None
+    finally:
+        if side is not None:
+            side.close()
 
 
 def acquire() -> psycopg.Connection:

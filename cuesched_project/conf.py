@@ -177,3 +177,13 @@ def flip_lock_wait() -> float:
     accounting-keys lock, seconds, before it fails naming the sessions inside a transaction that
     hold it (every open transaction that wrote a proc does)."""
     return env_float("CUESCHED_FLIP_LOCK_WAIT", 10.0)
+def lease_ttl() -> float:
+    """The scheduler lease's deadline is renewed to now + this, seconds. Once it has passed, a
+    standby terminates the holder's sessions and takes over: a stopped holder is replaced this
+    long after its last renewal (plus a standby poll). Keep it above lease_renew_interval x 2."""
+    return env_float("CUESCHED_LEASE_TTL", 6.0)
+
+
+def lease_renew_interval() -> float:
+    """How often the scheduler renews its lease deadline on its lock session, seconds."""
+    return env_float("CUESCHED_LEASE_RENEW_INTERVAL", 1.5)

@@ -91,8 +91,12 @@ _RETRY_SQLSTATES = {"40P01", "40001"}  # deadlock, serialization failure
 _MAX_GROUP_ATTEMPTS = 6
 
 # The lease check (and the transaction id an unknown COMMIT is settled by), right after the lock.
+# FOR KEY SHARE: the takeover's FOR UPDATE of the row waits for this transaction and this one for
+# a takeover in progress, so the generation read is the one in force until COMMIT (the keys lock
+# taken just before orders them too); the holder's deadline renewals do not conflict with it.
 LEASE_SQL = (
-    "SELECT (SELECT int_generation FROM cuesched_scheduler_lease WHERE id = 1), pg_current_xact_id()::text::bigint"
+    "SELECT (SELECT int_generation FROM cuesched_scheduler_lease WHERE id = 1 FOR KEY SHARE),"
+    " pg_current_xact_id()::text::bigint"
 )
 
 BOOK_SQL = f"""
@@ -350,6 +354,8 @@ def write_batch(
         except BaseException:
             _rollback_quietly(conn)
             raise
+        # Before sending it: a log read after a stop then names every COMMIT sent after it.
+        logger.debug("booking: COMMIT xid %s under lease %s, %d bookings", xid, lease, len(result.written))
         try:
             cur.execute("COMMIT")
         except psycopg.OperationalError as exc:

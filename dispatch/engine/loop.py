@@ -1114,6 +1114,15 @@ class DispatchLoop:
 
     def _flush(self, conn: psycopg.Connection, bookings: list[Booking], stats: CycleStats) -> list[tuple[Booking, str]]:
         """Write `bookings`, launch and confirm what committed; returns the cap refusals of the database."""
+        if self.service.lease_expired():
+            # Not renewed in time (a stop, a slow lock session): a standby may own the Store by
+            # now. Nothing is written; the generation check would refuse it after a takeover anyway.
+            for b in bookings:
+                self.service.rollback_booking(b.result)
+                self.view.give(b.host.pk, b.cores, b.mem, b.gpus, b.gpu_mem)
+            stats.rejected["lease_expired"] += len(bookings)
+            logger.warning("dispatch: the scheduler lease was not renewed in time; %d bookings dropped", len(bookings))
+            return []
         stats.batches += 1
         if self.first_booking_cycle_at is None:
             self.first_booking_cycle_at = self._cycle_started_at
@@ -1165,11 +1174,21 @@ class DispatchLoop:
     def _launch(self, conn: psycopg.Connection, written: list[Booking], stats: CycleStats) -> None:
         if not written:
             return
-        try:
-            failures = self.launcher.launch(written)
-        except Exception as exc:
-            logger.exception("dispatch: launcher %s failed on a batch of %d", self.launcher.name, len(written))
-            failures = [(b, f"launcher error: {exc}") for b in written]
+        if self.service.lease_expired():
+            # Committed under the lease, but this process may have been stopped since: a standby
+            # may have taken over and decided otherwise about these frames (a release, a sweep).
+            # Launching them now would run work nobody counts; give them back instead.
+            logger.error(
+                "dispatch: the scheduler lease expired before %d committed bookings were launched; compensating them",
+                len(written),
+            )
+            failures = [(b, "lease expired before the launch") for b in written]
+        else:
+            try:
+                failures = self.launcher.launch(written)
+            except Exception as exc:
+                logger.exception("dispatch: launcher %s failed on a batch of %d", self.launcher.name, len(written))
+                failures = [(b, f"launcher error: {exc}") for b in written]
         failed = {id(b) for b, _reason in failures}
         confirm = self.service.confirm_booking
         for b in written:

@@ -136,7 +136,7 @@ def test_the_loop_survives_its_connection_being_killed_mid_drain() -> None:
                     n = scalar(
                         c,
                         "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
-                        " WHERE application_name = 'cuesched-dispatch' AND datname = current_database()",
+                        " WHERE application_name LIKE 'cuesched-dispatch%%' AND datname = current_database()",
                     )
                     if n:
                         kills.append(n)

@@ -267,7 +267,7 @@ def test_a_scheduler_whose_lock_session_died_books_nothing_once_another_took_the
         wait_for(lambda: len(launcher_a.procs) >= 3 * burst, 30, "scheduler A booking in steady state")
         pid = scalar(
             conn,
-            "SELECT pid FROM pg_stat_activity WHERE application_name = 'cuesched-scheduler-lock'"
+            "SELECT pid FROM pg_stat_activity WHERE application_name LIKE 'cuesched-scheduler-lock%%'"
             " AND datname = current_database()",
         )
         assert pid == a.process._lock_conn.info.backend_pid

@@ -34,6 +34,7 @@ REGISTRY: tuple[Phase, ...] = (
     Phase("flip_roundtrip", "fr"),
     Phase("fairshare", "fs"),
     Phase("stall", "sl"),
+    Phase("stopped_holder", "sh"),
 )
 
 PHASES: tuple[str, ...] = tuple(p.name for p in REGISTRY)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +29,23 @@ def _database_url() -> str:
     return url_from_settings(connection.settings_dict)
 
 
-def _start_scheduler(cfg: StressConfig, log: Path) -> subprocess.Popen[bytes]:
+def start_scheduler(
+    cfg: StressConfig,
+    log: Path,
+    *,
+    args: Sequence[str] = (),
+    extra_env: dict[str, str] | None = None,
+    runtime: tuple[float, float] | None = None,
+) -> subprocess.Popen[bytes]:
+    """A real `run_scheduler --launcher simulated` on the phase's database, its output in `log`."""
+    low, high = runtime or (cfg.runtime_min, cfg.runtime_max)
     manage = Path(__file__).resolve().parents[3] / "manage.py"
     environ = {
         **os.environ,
         **QUIET_LOOPS,
         "DATABASE_URL": _database_url(),
         "CUESCHED_SIM_SEED": str(cfg.seed),
+        **(extra_env or {}),
     }
     with log.open("ab") as out:
         return subprocess.Popen(
@@ -45,9 +56,10 @@ def _start_scheduler(cfg: StressConfig, log: Path) -> subprocess.Popen[bytes]:
                 "--launcher",
                 "simulated",
                 "--runtime",
-                f"{cfg.runtime_min}-{cfg.runtime_max}",
+                f"{low}-{high}",
                 "--metrics-port",
                 "0",
+                *args,
             ],
             env=environ,
             stdout=out,
@@ -87,7 +99,7 @@ def phase_sigkill(cfg: StressConfig, log_dir: Path | None = None) -> PhaseReport
 
     started = time.perf_counter()
     try:
-        procs.append(_start_scheduler(cfg, log))
+        procs.append(start_scheduler(cfg, log))
         deadline = time.monotonic() + cfg.phase_timeout
         half = report.frames // 3
         while count(STARTED_SQL) < half and time.monotonic() < deadline and procs[-1].poll() is None:
@@ -101,7 +113,7 @@ def phase_sigkill(cfg: StressConfig, log_dir: Path | None = None) -> PhaseReport
         report.notes.append(
             f"scheduler SIGKILLed with {count(STARTED_SQL)} frames started, {len(orphans)} procs running"
         )
-        procs.append(_start_scheduler(cfg, log))
+        procs.append(start_scheduler(cfg, log))
         # The killed launcher's frames have no process to report them: the harness plays the
         # agent and kills them the completion way (release triggers -> NOTIFY -> the new
         # Store), frames back to WAITING for the restarted scheduler to book again.

@@ -149,7 +149,7 @@ def phase_split_brain(cfg: StressConfig) -> PhaseReport:
                 report.failed.append("the standby took over while the first scheduler held the lock")
                 return
             holder = conn.execute(singleton.HOLDER_SQL, {"key": singleton.SCHEDULER_LOCK_KEY}).fetchone()
-            if holder is None or holder[1] != "cuesched-scheduler-lock":
+            if holder is None or not holder[1].startswith("cuesched-scheduler-lock"):
                 report.failed.append(f"no scheduler lock session to kill ({holder})")
                 return
             conn.execute("SELECT pg_terminate_backend(%s)", (holder[0],))

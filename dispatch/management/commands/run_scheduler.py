@@ -11,7 +11,7 @@ from django.db import connection
 
 from accounting.cuebot import CuebotModeError
 from accounting.metrics import MetricsPortError
-from accounting.scheduler import SchedulerOptions, SchedulerProcess
+from accounting.scheduler import LeaseSettingsError, SchedulerOptions, SchedulerProcess
 from accounting.singleton import SchedulerAlreadyRunning
 from accounting.trigger_health import describe, trigger_problems
 from cuesched_project import conf
@@ -94,6 +94,9 @@ class Command(BaseCommand):
         problems = trigger_problems(connection)
         if problems:
             raise CommandError(f"{describe(problems)}; the scheduler did not start")
+        # Every session this process keeps is opened by accounting.db.connect, tagged with its
+        # lease: a standby fencing it finds them all (accounting/singleton.py).
+        connection.close()
         stop = threading.Event()
 
         def _stop(signum: int, _frame: object) -> None:
@@ -119,12 +122,17 @@ class Command(BaseCommand):
                 workers=options["workers"],
                 **launcher_options,
             )
-        process = SchedulerProcess(
-            SchedulerOptions(metrics_port=options["metrics_port"], standby=options["standby"]), stop=stop
-        )
+        try:
+            process = SchedulerProcess(
+                SchedulerOptions(metrics_port=options["metrics_port"], standby=options["standby"]), stop=stop
+            )
+        except LeaseSettingsError as exc:
+            raise CommandError(str(exc)) from None
         try:
             process.run(main)
         except (SchedulerAlreadyRunning, MetricsPortError, CuebotModeError) as exc:
             raise CommandError(str(exc)) from None
-        if process.lock_lost:
+        if process.lock_lost or process.service.lease_lost.is_set():
+            # Non-zero, so a supervisor sees it: whatever noticed first (the lock guard, a
+            # booking transaction's generation check, a failed renewal), the lease is gone.
             raise CommandError("this scheduler lost its lease to another scheduler and stopped booking")
