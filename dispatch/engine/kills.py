@@ -39,17 +39,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import psycopg
 
 from accounting import db as acct_db
 from dispatch import conf
+from dispatch.engine.launcher import Launcher, RunKill
 from dispatch.engine.placement import in_shard, shard_params
-
-if TYPE_CHECKING:
-    from dispatch.engine.launcher import Launcher
 
 logger = logging.getLogger(__name__)
 
@@ -86,17 +82,6 @@ LIMIT %(limit)s
 PENDING_LIMIT = 5000
 
 
-@dataclass(frozen=True, slots=True)
-class RunKill:
-    """One run to stop on its host: what every launcher needs to reach it."""
-
-    pk_proc: str
-    pk_frame: str
-    pk_host: str
-    host: str
-    rqd_address: str | None
-    kind: str
-    age: float  # seconds since the kill was asked for
 
 
 def pending_kills(conn: psycopg.Connection, shard: tuple[int, int] = (0, 1)) -> list[RunKill]:

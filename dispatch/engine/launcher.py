@@ -18,6 +18,7 @@ live on the host side (`dispatch.hosts.launchers`) and register when the app is 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -25,7 +26,19 @@ if TYPE_CHECKING:
 
     from dispatch.engine.booking import Booking
     from dispatch.engine.completion import Completion
-    from dispatch.engine.kills import RunKill
+
+
+@dataclass(frozen=True, slots=True)
+class RunKill:
+    """One run to stop on its host: what every launcher needs to reach it."""
+
+    pk_proc: str
+    pk_frame: str
+    pk_host: str
+    host: str
+    rqd_address: str | None
+    kind: str
+    age: float  # seconds since the kill was asked for
 
 
 class Launcher(Protocol):

@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from dispatch.engine.booking import Booking
-    from dispatch.engine.kills import RunKill
+    from dispatch.engine.launcher import RunKill
 
 
 class RemoteLauncher:

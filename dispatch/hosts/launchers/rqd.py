@@ -57,7 +57,7 @@ from dispatch.jobs.frameset import substitute_tokens
 
 if TYPE_CHECKING:
     from dispatch.engine.booking import Booking
-    from dispatch.engine.kills import RunKill
+    from dispatch.engine.launcher import RunKill
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from dispatch.engine.launcher import register
 
 if TYPE_CHECKING:
     from dispatch.engine.booking import Booking
-    from dispatch.engine.kills import RunKill
+    from dispatch.engine.launcher import RunKill
 
 EXIT_KILLED_BY_SIGNAL = 137  # what a real agent reports for a SIGKILLed run (128 + 9)
 
