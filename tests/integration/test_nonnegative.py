@@ -72,9 +72,7 @@ def test_a_proc_resized_to_negative_gpus_is_refused_and_the_gpu_total_stays_true
         conn.execute("UPDATE proc SET int_gpus_reserved = -4 WHERE pk_proc = %s", (uid("neg-gpus-update-b"),))
     with pytest.raises(pg_errors.CheckViolation, match="c_proc_gpus_reserved_nonneg"):
         _insert_proc(conn, farm, "neg-gpus-update-c", int_gpus_reserved=-4)
-    assert conn.execute(
-        "SELECT SUM(int_gpus_reserved) FROM proc WHERE pk_show = %s", (farm.show,)
-    ).fetchone() == (8,)
+    assert conn.execute("SELECT SUM(int_gpus_reserved) FROM proc WHERE pk_show = %s", (farm.show,)).fetchone() == (8,)
     assert conn.execute("SELECT int_gpus FROM folder_resource WHERE pk_folder = %s", (farm.folder,)).fetchone() == (8,)
 
 
@@ -86,7 +84,9 @@ def test_a_negative_subscription_size_is_refused_and_the_unlimited_caps_still_ta
     with pytest.raises(pg_errors.CheckViolation, match="c_subscription_size_nonneg"):
         conn.execute("UPDATE subscription SET int_size = -100 WHERE pk_show = %s", (farm.show,))
     # -1 means unlimited for folder and job caps; a negative burst books nothing: both kept.
-    conn.execute("UPDATE folder_resource SET int_max_cores = -1, int_max_gpus = -1 WHERE pk_folder = %s", (farm.folder,))
+    conn.execute(
+        "UPDATE folder_resource SET int_max_cores = -1, int_max_gpus = -1 WHERE pk_folder = %s", (farm.folder,)
+    )
     conn.execute("UPDATE job_resource SET int_max_cores = -1, int_max_gpus = -1 WHERE pk_job = %s", (farm.jobs[0],))
     conn.execute("UPDATE subscription SET int_burst = -100 WHERE pk_show = %s", (farm.show,))
 
