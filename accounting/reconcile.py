@@ -37,6 +37,10 @@ class ReconcileResult:
     shows: int = 0
     # Cores corrected per table (sum over rows of |new - old|, rounded up).
     drift_cores: dict[str, int] = field(default_factory=dict)
+    # show -> table -> (centicores, GPUs) by which its counters read BELOW SUM(proc): never a
+    # legitimate state here (every trigger-kept write moves them in its own statement, and this
+    # pass holds the show's lock), so the service raises the integrity alarm on any of it.
+    low: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
 
 
 def reconcile_unmanaged(conn: psycopg.Connection) -> ReconcileResult:
@@ -55,9 +59,18 @@ def reconcile_unmanaged(conn: psycopg.Connection) -> ReconcileResult:
             conn.execute(LOCK_DB_SHOWS_SQL, {"shows": [show]})
             conn.execute(COUNTER_REBUILD_SQL)
             # A fresh statement: its snapshot starts after every writer the locks waited for.
-            drift = conn.execute(RECONCILE_SQL, {"shows": [show]}).fetchone() or (0,) * len(REBUILD_TABLES)
+            row = conn.execute(RECONCILE_SQL, {"shows": [show]}).fetchone() or (0,) * (3 * len(REBUILD_TABLES))
         result.shows += 1
-        for table, cc in zip(REBUILD_TABLES, drift, strict=True):
+        n = len(REBUILD_TABLES)
+        for table, cc in zip(REBUILD_TABLES, row[:n], strict=True):
             totals[table] += int(cc)
+        lows = row[n:]
+        low = {
+            table: (int(lows[2 * i]), int(lows[2 * i + 1]))
+            for i, table in enumerate(REBUILD_TABLES)
+            if lows[2 * i] or lows[2 * i + 1]
+        }
+        if low:
+            result.low[show] = low
     result.drift_cores = {table: usage_to_cores(cc) for table, cc in totals.items()}
     return result

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import psycopg
 
-from accounting import db, metrics
+from accounting import db, integrity, metrics
 from accounting.cuebot import CuebotMode
 from accounting.history import HistorySampler
 from accounting.limits import fill_caps, reseed_licences, reseed_limits
@@ -36,6 +36,7 @@ from accounting.managed_shows import Managed, read_managed, refresh_managed
 from accounting.recompute import Recomputer, RecomputeResult
 from accounting.reconcile import reconcile_unmanaged
 from accounting.store import Applied, BookingDelta, LimitExceeded, Store
+from accounting.trigger_watch import TriggerWatch
 from cuesched_project import conf
 
 PAUSED = "accounting_paused"
@@ -92,6 +93,9 @@ class AccountingService:
         self._managed_lock = threading.Lock()
         self.recomputer = Recomputer(self.store)
         self.recomputer.on_managed = self._unpublish_stale
+        self.recomputer.settle = self._notifications_caught_up
+        # The continuous trigger check (accounting/trigger_watch.py): any problem stops booking.
+        self.triggers = TriggerWatch()
         self.state = ServiceState()
         self.bootstrapped = threading.Event()
         self.heartbeat = HeartbeatSender(conf.heartbeat_interval())
@@ -164,9 +168,21 @@ class AccountingService:
 
     # -- whether the Store may enforce ---------------------------------------------------
     def can_enforce(self) -> bool:
-        return self.listener.fresh() and not self.lease_lost.is_set() and self.bootstrapped.is_set()
+        return (
+            self.listener.fresh()
+            and not self.lease_lost.is_set()
+            and self.bootstrapped.is_set()
+            and not self.triggers.blocked()
+        )
+
+    def booking_stopped(self) -> str | None:
+        """Why the scheduler books no show at all right now (managed or not), or None."""
+        return self.triggers.reason()
 
     def pause_reason(self) -> str | None:
+        stopped = self.booking_stopped()
+        if stopped:
+            return stopped
         if self.lease_lost.is_set():
             return "this scheduler lost its lease to another one"
         if not self.listener.fresh():
@@ -183,6 +199,11 @@ class AccountingService:
 
     # -- hot path ----------------------------------------------------------------------
     def apply_booking(self, delta: BookingDelta) -> BookingResult:
+        if self.triggers.blocked():
+            # The triggers that enforce unmanaged shows' caps (and feed the Store) are not all
+            # firing: no booking of any show until they are and the counters were rebuilt.
+            metrics.REJECTIONS.labels(PAUSED).inc()
+            return LimitExceeded(PAUSED, 0, 0)
         if delta.show not in self._managed:
             return NotManaged(delta)
         if not self.can_enforce():
@@ -337,11 +358,31 @@ class AccountingService:
             self.state.recent_drift[vertex] = kept
 
     # -- loops -------------------------------------------------------------------------
+    def _notifications_caught_up(self, since: float) -> bool:
+        """Block until a heartbeat sent after `since` (monotonic) came back through the listener.
+
+        Notifications arrive in commit order, so every one committed before `since` has then
+        been applied. Bounded by the heartbeat deadline: past it the listener is wedged anyway.
+        """
+        deadline = time.monotonic() + self.listener.deadline + self.heartbeat.interval
+        while time.monotonic() < deadline:
+            fresh_as_of = self.listener.stats.fresh_as_of
+            if self.listener.stats.state == "listening" and fresh_as_of is not None and fresh_as_of >= since:
+                return True
+            time.sleep(0.01)
+        return False
+
     def _recompute_tick(self, conn: psycopg.Connection) -> str:
         # Licence counts are the database's own (recounted by every writer): one small read
         # bounds how long a lost acct_licence message or an unknown-xid confirm can read high.
         reseed_licences(self.store, conn)
+        published = dict(self._managed)
         result = self.recomputer.run_once(conn)
+        # Judged only for shows published, at one generation, through the whole pass.
+        stable = {s for s, g in published.items() if self._managed.get(s) == g}
+        findings = integrity.managed_findings(conn, result.low, stable)
+        if findings:
+            integrity.raise_alarm(conn, integrity.STORE_LOW, findings)
         self._observe_recompute(result)
         return (
             f"recompute: {result.keys} keys from {result.rows} usage rows, store {result.store_seconds:.3f}s, "
@@ -370,11 +411,25 @@ class AccountingService:
     def _reconcile_tick(self, conn: psycopg.Connection) -> str:
         result = reconcile_unmanaged(conn)
         self.state.last_reconcile_drift = result.drift_cores
+        if result.low:
+            integrity.raise_alarm(conn, integrity.DB_LOW, result.low)
         for table, cores in result.drift_cores.items():
             metrics.DB_RECONCILE_DRIFT.labels(table).set(cores)
         if any(result.drift_cores.values()):
             logger.warning("reconcile: unmanaged shows' counters had drifted from SUM(proc): %s", result.drift_cores)
         return f"reconcile: {result.shows} unmanaged show(s), drift {result.drift_cores}"
+
+    def _triggers_tick(self, conn: psycopg.Connection) -> str:
+        return self.triggers.tick(conn, self._rebuild_after_trigger_problems)
+
+    def _rebuild_after_trigger_problems(self, conn: psycopg.Connection) -> None:
+        """Everything a trigger that did not fire could have left wrong, rebuilt before booking resumes:
+        caps (a cap change not sent), the Store from SUM(proc) and the unmanaged counters (procs
+        not counted); the last two raise the integrity alarm on a counter they find low."""
+        self._limits_tick(conn)
+        self._recompute_tick(conn)
+        if self.cuebot is None or not self.cuebot.enabled:
+            self._reconcile_tick(conn)
 
     def _history_tick(self, conn: psycopg.Connection) -> str:
         return self.history.sample(conn, self)
@@ -466,6 +521,9 @@ class AccountingService:
                 "reconcile", self._run_loop, "reconcile", conf.db_reconcile_interval(), self._reconcile_tick, stop
             )
         self._spawn("history", self._run_loop, "history", conf.history_interval(), self._history_tick, stop)
+        self._spawn(
+            "triggers", self._run_loop, "triggers", conf.trigger_check_interval(), self._triggers_tick, stop
+        )
 
     def join(self, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout

@@ -706,6 +706,8 @@ class DispatchLoop:
     ) -> None:
         full_folders: set[str] = set()
         paused = None if self.service.can_enforce() else self.service.pause_reason()
+        # Trigger problems stop every show, managed or not (accounting/trigger_watch.py).
+        stopped = self.service.booking_stopped()
         eligible: list[tuple[JobWork, bool]] = []
         for job in jobs:
             managed = self.service.is_managed(job.show)
@@ -716,9 +718,9 @@ class DispatchLoop:
                 if job.managed_in_db and not managed:
                     self.service.request_managed_refresh()  # seed it now, not at the next tick
                 continue
-            if managed and paused:
+            if (managed and paused) or stopped:
                 stats.rejected[PAUSED] += 1
-                self._record_why(job.pk, PAUSED, f"accounting paused: {paused}", _CAP_WHY[PAUSED][3])
+                self._record_why(job.pk, PAUSED, f"accounting paused: {stopped or paused}", _CAP_WHY[PAUSED][3])
                 continue
             if managed:
                 self._managed_seen.add(job.show)
