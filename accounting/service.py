@@ -15,6 +15,11 @@ heartbeat is fresh (everything committed up to a bounded time ago has arrived), 
 process holds the scheduler lease, and the last reseed ran against the server the dispatch
 loops talk to. Otherwise `apply_booking` refuses managed bookings with the table
 `accounting_paused`; database-enforced shows are unaffected.
+
+One condition stops every booking, managed or not: a cuesched trigger that is not installed and
+firing once (the `triggers` loop, accounting/trigger_watch.py), since the database-enforced path
+is those triggers. And a pass that finds a counter below SUM(proc) raises the latched integrity
+alarm (accounting/integrity.py).
 """
 
 from __future__ import annotations

@@ -130,7 +130,8 @@ _CAP_WHY = {
         PAUSED,
         "accounting paused",
         "ms",
-        "wait: the scheduler books managed shows again once its listener is fresh and it holds the lease",
+        "wait: the scheduler books managed shows again once its listener is fresh and it holds the lease "
+        "(every show, once cuesched's triggers all fire again: store_status names the fix)",
     ),
     FOLDER_UNSEEDED: ("caps_loading", "folder caps not loaded yet", "cores", "wait one cycle"),
     JOB_UNSEEDED: ("caps_loading", "job caps not loaded yet", "cores", "wait one cycle"),

@@ -21,11 +21,14 @@ import psycopg
 import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
+from django.test import Client
 
 from accounting import db, live, metrics
 from accounting.service import PAUSED, AccountingService, NotManaged
 from accounting.store import Applied, BookingDelta, LimitExceeded
 from accounting.trigger_health import expected_triggers
+from ops import permissions
+from tests.integration.ops_support import make_user
 from tests.integration.runtime_support import MiniFarm, autocommit_conn, make_farm, running_scheduler, uid, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -123,6 +126,8 @@ def test_a_trigger_disabled_while_the_scheduler_runs_stops_booking_and_resumes_a
             assert time.monotonic() - disabled_at < BOUND
             assert code == 1, out
             assert f"BOOKING STOPPED (every show) over a trigger problem: proc.{trig} disabled" in out, out
+            page = _console_page("tw-olga")
+            assert 'id="ops-trigger-problems"' in page and f"proc.{trig} disabled" in page
             # Meanwhile an outside writer starts 4 cores of the managed show: no trigger counts them.
             _outside_proc(conn, managed, "tw-uncounted")
             assert service.store.sub_counters(managed.show, managed.alloc)[0] == 0
@@ -139,12 +144,23 @@ def test_a_trigger_disabled_while_the_scheduler_runs_stops_booking_and_resumes_a
         wait_for(lambda: (_view().get("trigger_health") or {}).get("ok") is True, BOUND, "the view healthy")
         code, out = _status()
         assert code == 1 and "INTEGRITY ALARM #" in out and "1 integrity alarm(s) open" in out, out
+        page = _console_page("tw-oscar")
+        assert 'id="ops-trigger-problems"' not in page and 'id="ops-integrity-alarms"' in page
         with pytest.raises(CommandError, match="needs a note"):
             call_command("store_status", "--acknowledge-alarms", " ", stdout=io.StringIO())
         code, out = _status_acknowledging("trigger re-enabled; the uncounted proc is the test's")
         assert code == 0 and "acknowledged 1 integrity alarm(s)" in out, out
     row = conn.execute("SELECT str_acknowledged_by, str_ack_note FROM cuesched_integrity_alarm").fetchone()
     assert row[0] and row[1] == "trigger re-enabled; the uncounted proc is the test's"
+
+
+def _console_page(operator: str) -> str:
+    """The console's front page as an operator sees it (every admin page carries the banners)."""
+    client = Client()
+    client.force_login(make_user(operator, permissions.OPERATORS))
+    response = client.get("/admin/")
+    assert response.status_code == 200
+    return response.content.decode()
 
 
 def _status_acknowledging(note: str) -> tuple[int, str]:
