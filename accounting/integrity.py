@@ -102,21 +102,38 @@ def raise_alarm(conn: psycopg.Connection, kind: str, findings: dict[str, Any]) -
     logger.error(message)
     metrics.INTEGRITY_ALARMS.labels(kind).inc()
     details = {v: {k: list(a) for k, a in keys.items()} for v, keys in findings.items()}
-    with conn.transaction():
-        conn.execute(
-            f"INSERT INTO {TABLE} (str_kind, str_summary, details, str_acknowledged_by, str_ack_note)"
-            " VALUES (%s, %s, %s::jsonb, '', '')",
-            (kind, summary, json.dumps(details)),
-        )
+    try:
+        with conn.transaction():
+            conn.execute(
+                f"INSERT INTO {TABLE} (str_kind, str_summary, details, str_acknowledged_by, str_ack_note)"
+                " VALUES (%s, %s, %s::jsonb, '', '')",
+                (kind, summary, json.dumps(details)),
+            )
+    except psycopg.errors.UndefinedTable:
+        # An adopted database not adopted again after an upgrade: the log line and the metric
+        # above still carry it; adoption (`adopt_cuebot_db --apply`) creates the table.
+        logger.error("integrity alarm not recorded: %s is missing (run adopt_cuebot_db --apply)", TABLE)
     return message
 
 
 def open_alarms(cursor: Any) -> list[tuple[int, Any, str, str]]:
-    """(id, raised at, kind, summary) of every alarm not yet acknowledged, oldest first."""
+    """(id, raised at, kind, summary) of every alarm not yet acknowledged, oldest first.
+
+    Empty where the table does not exist (an adopted database not adopted again after an
+    upgrade); `to_regclass` keeps that a plain answer, not an error inside a caller's transaction.
+    """
+    cursor.execute(f"SELECT to_regclass('public.{TABLE}') IS NOT NULL")
+    if not cursor.fetchone()[0]:
+        return []
     cursor.execute(OPEN_SQL)
     return list(cursor.fetchall())
 
 
 def count_open(conn: psycopg.Connection) -> int:
-    row = conn.execute(COUNT_OPEN_SQL).fetchone()
+    """Open alarms (0 where the table is missing: an adopted database not adopted again yet)."""
+    try:
+        with conn.transaction():
+            row = conn.execute(COUNT_OPEN_SQL).fetchone()
+    except psycopg.errors.UndefinedTable:
+        return 0
     return int(row[0]) if row else 0

@@ -371,8 +371,10 @@ class AccountingService:
         """
         deadline = time.monotonic() + self.listener.deadline + self.heartbeat.interval
         while time.monotonic() < deadline:
+            if self.listener.stats.state != "listening":
+                return False  # reconnecting: its reseed waits for this pass, so do not hold it up
             fresh_as_of = self.listener.stats.fresh_as_of
-            if self.listener.stats.state == "listening" and fresh_as_of is not None and fresh_as_of >= since:
+            if fresh_as_of is not None and fresh_as_of >= since:
                 return True
             time.sleep(0.01)
         return False
@@ -383,12 +385,12 @@ class AccountingService:
         reseed_licences(self.store, conn)
         published = dict(self._managed)
         result = self.recomputer.run_once(conn)
+        self._observe_recompute(result)
         # Judged only for shows published, at one generation, through the whole pass.
         stable = {s for s, g in published.items() if self._managed.get(s) == g}
         findings = integrity.managed_findings(conn, result.low, stable)
         if findings:
             integrity.raise_alarm(conn, integrity.STORE_LOW, findings)
-        self._observe_recompute(result)
         return (
             f"recompute: {result.keys} keys from {result.rows} usage rows, store {result.store_seconds:.3f}s, "
             f"pg {result.pg_seconds:.3f}s ({sum(result.pg_rows_updated.values())} rows), "

@@ -80,8 +80,6 @@ class TriggerWatch:
         """One check; `recover` runs (and must succeed) before a cleared problem lets booking resume."""
         found = tuple(trigger_problems(conn))
         self.checked_at = time.time()
-        self.open_alarms = integrity.count_open(conn)
-        metrics.INTEGRITY_ALARMS_OPEN.set(self.open_alarms)
         if found:
             with self._lock:
                 new = found != self.problems
@@ -92,6 +90,7 @@ class TriggerWatch:
             metrics.TRIGGER_PROBLEMS.set(len(found))
             if new:
                 logger.error("trigger check: booking stopped for every show: %s", describe(list(found)))
+            self._count_alarms(conn)
             return f"trigger check: {len(found)} problem(s), booking stopped"
         if self.problems:
             self.recovering = True
@@ -103,7 +102,13 @@ class TriggerWatch:
                 self.since = None
                 self.recovering = False
             metrics.TRIGGER_PROBLEMS.set(0)
+            self._count_alarms(conn)
             logger.warning("trigger check: reseeded after %.1fs of trigger problems; booking resumes", lasted)
             return "trigger check: healthy again, booking resumes"
         metrics.TRIGGER_PROBLEMS.set(0)
+        self._count_alarms(conn)
         return "trigger check: ok"
+
+    def _count_alarms(self, conn: psycopg.Connection) -> None:
+        self.open_alarms = integrity.count_open(conn)
+        metrics.INTEGRITY_ALARMS_OPEN.set(self.open_alarms)

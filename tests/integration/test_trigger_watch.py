@@ -119,7 +119,10 @@ def test_a_trigger_disabled_while_the_scheduler_runs_stops_booking_and_resumes_a
         disabled_at = time.monotonic()
         conn.execute(f"ALTER TABLE proc DISABLE TRIGGER {trig}")
         try:
-            wait_for(lambda: _refused(service, managed) and _refused(service, unmanaged), BOUND, "booking stopped")
+            stopped_after = wait_for(
+                lambda: _refused(service, managed) and _refused(service, unmanaged), BOUND, "booking stopped"
+            )
+            print(f"trigger disabled -> every booking refused: {stopped_after:.2f} s")
             assert metrics.REGISTRY.get_sample_value("cuesched_trigger_problems") == 1
             wait_for(lambda: bool((_view().get("trigger_health") or {}).get("problems")), BOUND, "the view says so")
             code, out = _status()
@@ -133,7 +136,8 @@ def test_a_trigger_disabled_while_the_scheduler_runs_stops_booking_and_resumes_a
             assert service.store.sub_counters(managed.show, managed.alloc)[0] == 0
         finally:
             conn.execute(f"ALTER TABLE proc ENABLE TRIGGER {trig}")
-        wait_for(lambda: not service.triggers.blocked(), BOUND, "booking to resume")
+        resumed_after = wait_for(lambda: not service.triggers.blocked(), BOUND, "booking to resume")
+        print(f"trigger enabled -> rebuilt and booking again: {resumed_after:.2f} s")
         # Before resuming, the Store was rebuilt from SUM(proc), and the finding is latched.
         assert service.store.sub_counters(managed.show, managed.alloc)[0] == 4
         assert not _refused(service, managed) and not _refused(service, unmanaged)
@@ -198,7 +202,8 @@ def test_replica_mode_inserts_raise_the_integrity_alarm_within_one_pass(
             _outside_proc(conn, unmanaged, "rr-unmanaged-proc", cores=5)
         recompute_runs = service.state.loops["recompute"].runs
         reconcile_runs = service.state.loops["reconcile"].runs
-        wait_for(lambda: len(_open_alarms(conn)) == 2, BOUND, "both integrity alarms")
+        alarmed_after = wait_for(lambda: len(_open_alarms(conn)) == 2, BOUND, "both integrity alarms")
+        print(f"replica-mode insert -> both integrity alarms: {alarmed_after:.2f} s")
         # Within one pass: the one that started after the commit (the one running then may not see it).
         assert service.state.loops["recompute"].runs <= recompute_runs + 2
         assert service.state.loops["reconcile"].runs <= reconcile_runs + 2
