@@ -219,3 +219,34 @@ def test_replica_mode_inserts_raise_the_integrity_alarm_within_one_pass(
         assert len(_open_alarms(conn)) == 2
         code, out = _status()
         assert code == 1 and out.count("INTEGRITY ALARM #") == 2, out
+
+
+def test_the_dispatch_loop_books_no_show_while_a_trigger_is_disabled_then_drains(conn: psycopg.Connection) -> None:
+    """The real dispatch loop over a managed and an unmanaged show: no booking of either while the
+    proc insert trigger is off (the unmanaged show's caps are that trigger), all of it after."""
+    from tests.integration.dispatch_support import drain, fast_launcher, make_loop, seed
+
+    farm = seed("twloop", shows=2, managed_shows=1)
+    trig = _proc_insert()
+    with running_scheduler() as proc:
+        service = proc.service
+        loop = make_loop(service, fast_launcher(), max_jobs=100, frames_per_layer=2, batch_size=7)
+        conn.execute(f"ALTER TABLE proc DISABLE TRIGGER {trig}")
+        try:
+            wait_for(service.triggers.blocked, BOUND, "booking stopped")
+            for _ in range(3):
+                stats = loop.run_once()
+                assert stats.booked == 0 and stats.rejected[PAUSED] > 0, stats
+            assert conn.execute("SELECT count(*) FROM proc").fetchone() == (0,)
+            reasons = {w["reason"] for w in loop.why.values()}
+            assert reasons == {PAUSED}, loop.why
+            assert any(f"proc.{trig} disabled" in w["message"] for w in loop.why.values())
+            refused = conn.execute("SELECT DISTINCT pk_show FROM job WHERE pk_job = ANY(%s)", (list(loop.why),))
+            assert {s for (s,) in refused} == set(farm.show_ids)  # the managed and the unmanaged show
+            assert set(farm.managed_show_ids) < set(farm.show_ids)
+        finally:
+            conn.execute(f"ALTER TABLE proc ENABLE TRIGGER {trig}")
+        wait_for(lambda: not service.triggers.blocked(), BOUND, "booking to resume")
+        totals = drain(loop)
+        assert totals.booked == totals.completed > 0
+    assert conn.execute("SELECT count(*) FROM cuesched_integrity_alarm").fetchone() == (0,)
