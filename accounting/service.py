@@ -509,6 +509,13 @@ class AccountingService:
                 return
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"bootstrap did not complete: {self.listener.stats.last_error}")
+        # The trigger check's first tick now, not one interval later: a standby that checked at its
+        # start may take over long after, and must not book a moment on a trigger gone since.
+        try:
+            with db.connect(application_name="cuesched-triggers") as conn:
+                self._triggers_tick(conn)
+        except Exception as exc:
+            logger.warning("trigger check at start failed (the loop retries): %s", exc)
         self._spawn("recompute", self._run_loop, "recompute", conf.recompute_interval(), self._recompute_tick, stop)
         self._spawn("limits", self._run_loop, "limits", conf.limit_reseed_interval(), self._limits_tick, stop)
         self._spawn(
