@@ -517,3 +517,23 @@ def limit_use() -> list[dict[str, Any]]:
         }
         for pk, name, mx, host, running, counted, frames, max_read in rows
     ]
+
+
+def acknowledge_integrity_alarms(actor: Any, note: str) -> int:
+    """Close every open integrity alarm (accounting/integrity.py): the operator has looked.
+
+    The note is required: an alarm means procs ran uncounted, so closing one says what was found
+    (the trigger re-enabled, the replica-mode session, the restore). Who and when are written on
+    the alarm rows themselves, which are the audit trail of the alarm. Returns how many closed.
+    """
+    from accounting.models import IntegrityAlarm
+
+    note = (note or "").strip()
+    if not note:
+        raise ValidationError(
+            "an acknowledgement needs a note saying what was found and done (see the runbook's integrity alarm)"
+        )
+    who = actor if isinstance(actor, str) else actor.get_username()
+    with transaction.atomic(durable=True), audit_context(actor, "acknowledge_integrity_alarms"):
+        rows = IntegrityAlarm.objects.select_for_update().filter(ts_acknowledged__isnull=True)
+        return rows.update(ts_acknowledged=timezone.now(), str_acknowledged_by=who[:150], str_ack_note=note)

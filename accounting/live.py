@@ -119,6 +119,8 @@ def build_view(service: AccountingService) -> dict[str, Any]:
         # Whether the Store books managed shows now, and if not, why (listener stale, lease lost).
         "enforcing": service.can_enforce(),
         "paused_reason": service.pause_reason(),
+        # The continuous trigger check: any problem here stops every booking (trigger_watch.py).
+        "trigger_health": service.triggers.view(),
         "lease_generation": service.lease_generation,
         "server_changes": st.server_changes,
         "reconcile_drift_cores": st.last_reconcile_drift,

@@ -98,6 +98,24 @@ FORGOTTEN = Counter(
     "Times the scheduler found another server (or transaction ids gone back) and dropped its snapshots.",
     registry=REGISTRY,
 )
+TRIGGER_PROBLEMS = Gauge(
+    "cuesched_trigger_problems",
+    "cuesched triggers missing, disabled or doubled at the scheduler's last catalog check (every "
+    "CUESCHED_TRIGGER_CHECK_INTERVAL); while above 0 the scheduler books nothing.",
+    registry=REGISTRY,
+)
+INTEGRITY_ALARMS = Counter(
+    "cuesched_integrity_alarms_total",
+    "Counters found BELOW SUM(proc), by kind (store_low: a managed show's Store counter at a recompute; "
+    "db_low: an unmanaged show's counter tables at a reconcile).",
+    ["kind"],
+    registry=REGISTRY,
+)
+INTEGRITY_ALARMS_OPEN = Gauge(
+    "cuesched_integrity_alarms_open",
+    "Integrity alarms not yet acknowledged (cuesched_integrity_alarm), at the last catalog check.",
+    registry=REGISTRY,
+)
 
 
 class MetricsPortError(RuntimeError):

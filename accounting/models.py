@@ -165,3 +165,35 @@ class OutsideLedger(models.Model):
 
     def __str__(self) -> str:
         return f"xid {self.xid} owes {self.cc} centicores to {self.tbl}:{self.k1}:{self.k2}"
+
+
+class IntegrityAlarm(models.Model):
+    """A counter found BELOW SUM(proc): something wrote procs that no trigger counted.
+
+    Raised by the scheduler (accounting/integrity.py) when a recompute finds a managed show's
+    Store counter, or the reconcile an unmanaged show's database counter, under the truth. The
+    pass has corrected the counter by then, so the alarm is the only trace: it stays open until
+    an operator acknowledges it (`store_status --acknowledge-alarms NOTE`, audited here by who and
+    when), and a scheduler restart does not clear it. A row per finding, with the keys and amounts.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    ts_raised = models.DateTimeField(db_default=models.functions.Now())
+    # store_low: a managed show's Store counter; db_low: an unmanaged show's counter tables.
+    str_kind = models.CharField(max_length=32)
+    str_summary = models.TextField()
+    details = models.JSONField(default=dict)
+    ts_acknowledged = models.DateTimeField(null=True, blank=True)
+    str_acknowledged_by = models.CharField(max_length=150, blank=True, default="")
+    str_ack_note = models.TextField(blank=True, default="")
+
+    class Meta:
+        db_table = "cuesched_integrity_alarm"
+        indexes = [
+            models.Index(
+                fields=["ts_raised"], name="i_integrity_alarm_open", condition=models.Q(ts_acknowledged__isnull=True)
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"integrity alarm {self.id} ({self.str_kind}): {self.str_summary}"

@@ -283,6 +283,12 @@ class RecomputeResult:
     drift_keys: dict[str, dict[str, int]] = field(default_factory=dict)
     # xmax of the pass's snapshot: the service notices a server whose xids went backwards.
     pg_xmax: int = 0
+    # Whether the pass could judge the Store against SUM(proc) (`Recomputer.settle` said every
+    # notification older than the read had arrived), and the keys it found BELOW the truth:
+    # vertex -> key ("show:alloc" for subscriptions) -> (store cores, SUM cores, store GPUs,
+    # SUM GPUs). The service raises the integrity alarm from these (accounting/integrity.py).
+    judged: bool = False
+    low: dict[str, dict[str, tuple[int, int, int, int]]] = field(default_factory=dict)
 
 
 def build_snapshot(
@@ -352,11 +358,21 @@ class Recomputer:
         # Test hook (the stress suite's recompute straddle): called between begin_recompute
         # and the snapshot read, so bookings can land inside the window on purpose.
         self.before_snapshot: Callable[[], None] | None = None
+        # Set by the service: blocks until every notification committed before the given
+        # monotonic time has been applied (a heartbeat sent after it came back), False if that
+        # could not be told in time. Only then can a Store counter below SUM(proc) be told from
+        # a notification still on its way, so without it a pass judges nothing.
+        self.settle: Callable[[float], bool] | None = None
 
     def store_pass(
-        self, conn: psycopg.Connection, result: RecomputeResult | None = None
+        self, conn: psycopg.Connection, result: RecomputeResult | None = None, *, judge: bool = False
     ) -> tuple[RecomputeResult, Usage]:
-        """Overwrite the Store's counters; the usage read is returned for the PostgreSQL side."""
+        """Overwrite the Store's counters; the usage read is returned for the PostgreSQL side.
+
+        With `judge` (the periodic pass, never the listener's own reseed, which cannot wait for
+        the listener), the Store is first compared with the read once `settle` says every older
+        notification arrived: keys below SUM(proc) go to `result.low`.
+        """
         result = result or RecomputeResult()
         store = self.store
         started = time.monotonic()
@@ -379,9 +395,12 @@ class Recomputer:
                 # No overwrite: the stale bucket is carried once more (a safe over-count).
                 abort_snapshot(conn)
                 raise
+            read_done = time.monotonic()
             if self.on_managed is not None:
                 self.on_managed(managed)
             usage = read_usage(rows, shows)
+            if judge and self.settle is not None:
+                result.judged = self.settle(read_done)
             before = store.audit_snapshot()
             db_jobs = set(job_keys)
             # Keys the Store knows but the database universe lacks (finished or deleted jobs,
@@ -393,6 +412,11 @@ class Recomputer:
                 [*folder_keys, *before.folder.keys()],
                 [*job_keys, *before.job.keys()],
             )
+            if result.judged:
+                result.low = {
+                    vertex: {(":".join(k) if isinstance(k, tuple) else k): v for k, v in keys.items()}
+                    for vertex, keys in store.below(snapshot, snap).items()
+                }
             store.overwrite_counters(snapshot, epoch, pg_snapshot=snap, incarnation=incarnation)
             result.pg_xmax = snap.xmax
         after = store.audit_snapshot()
@@ -430,7 +454,7 @@ class Recomputer:
         return result
 
     def run_once(self, conn: psycopg.Connection) -> RecomputeResult:
-        result, usage = self.store_pass(conn)
+        result, usage = self.store_pass(conn, judge=True)
         self.pg_pass(conn, usage, result)
         return result
 

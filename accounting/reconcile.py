@@ -53,6 +53,10 @@ class ReconcileResult:
     drift_cores: dict[str, int] = field(default_factory=dict)
     # Shows left out of this pass because another session held their lock: show -> who held it.
     skipped: dict[str, str] = field(default_factory=dict)
+    # show -> table -> (centicores, GPUs) by which its counters read BELOW SUM(proc): never a
+    # legitimate state here (every trigger-kept write moves them in its own statement, and this
+    # pass holds the show's lock), so the service raises the integrity alarm on any of it.
+    low: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
 
 
 def reconcile_unmanaged(conn: psycopg.Connection) -> ReconcileResult:
@@ -65,15 +69,24 @@ def reconcile_unmanaged(conn: psycopg.Connection) -> ReconcileResult:
         held: dict[str, str] = {}
         for show in todo:
             try:
-                drift = _reconcile_show(conn, show, wait_ms)
+                row = _reconcile_show(conn, show, wait_ms)
             except pg_errors.LockNotAvailable as exc:
                 held[show] = blockers.describe(blockers.for_lock_error(conn, exc, [show]).get(show, []))
                 continue
-            if drift is None:
+            if row is None:
                 continue
             result.shows += 1
-            for table, cc in zip(REBUILD_TABLES, drift, strict=True):
+            n = len(REBUILD_TABLES)
+            for table, cc in zip(REBUILD_TABLES, row[:n], strict=True):
                 totals[table] += int(cc)
+            lows = row[n:]
+            low = {
+                table: (int(lows[2 * i]), int(lows[2 * i + 1]))
+                for i, table in enumerate(REBUILD_TABLES)
+                if lows[2 * i] or lows[2 * i + 1]
+            }
+            if low:
+                result.low[show] = low
         todo = list(held)
         result.skipped = held
         if not todo:
@@ -91,7 +104,8 @@ def reconcile_unmanaged(conn: psycopg.Connection) -> ReconcileResult:
 
 
 def _reconcile_show(conn: psycopg.Connection, show: str, wait_ms: int) -> tuple[int, ...] | None:
-    """Rebuild one show; None if it is managed now. Raises LockNotAvailable past the lock wait."""
+    """Rebuild one show: per table the drift corrected, then (centicores, GPUs) found below
+    SUM(proc); None if it is managed now. Raises LockNotAvailable past the lock wait."""
     with conn.transaction():
         conn.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
         conn.execute(LOCK_KEYS_SHARED_SQL)
@@ -104,4 +118,4 @@ def _reconcile_show(conn: psycopg.Connection, show: str, wait_ms: int) -> tuple[
         conn.execute(LOCK_DB_SHOWS_SQL, {"shows": [show]})
         conn.execute(COUNTER_REBUILD_SQL)
         # A fresh statement: its snapshot starts after every writer the locks waited for.
-        return tuple(conn.execute(RECONCILE_SQL, {"shows": [show]}).fetchone() or (0,) * len(REBUILD_TABLES))
+        return tuple(conn.execute(RECONCILE_SQL, {"shows": [show]}).fetchone() or (0,) * (3 * len(REBUILD_TABLES)))

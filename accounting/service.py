@@ -15,6 +15,11 @@ heartbeat is fresh (everything committed up to a bounded time ago has arrived), 
 process holds the scheduler lease, and the last reseed ran against the server the dispatch
 loops talk to. Otherwise `apply_booking` refuses managed bookings with the table
 `accounting_paused`; database-enforced shows are unaffected.
+
+One condition stops every booking, managed or not: a cuesched trigger that is not installed and
+firing once (the `triggers` loop, accounting/trigger_watch.py), since the database-enforced path
+is those triggers. And a pass that finds a counter below SUM(proc) raises the latched integrity
+alarm (accounting/integrity.py).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from dataclasses import dataclass, field
 
 import psycopg
 
-from accounting import db, metrics
+from accounting import db, integrity, metrics
 from accounting.cuebot import CuebotMode
 from accounting.history import HistorySampler
 from accounting.limits import fill_caps, reseed_licences, reseed_limits
@@ -37,6 +42,7 @@ from accounting.managed_shows import Managed, read_managed, refresh_managed
 from accounting.recompute import Recomputer, RecomputeResult
 from accounting.reconcile import reconcile_unmanaged
 from accounting.store import Applied, BookingDelta, LimitExceeded, Store
+from accounting.trigger_watch import TriggerWatch
 from cuesched_project import conf
 
 PAUSED = "accounting_paused"
@@ -112,6 +118,9 @@ class AccountingService:
         self._managed_lock = threading.Lock()
         self.recomputer = Recomputer(self.store)
         self.recomputer.on_managed = self._unpublish_stale
+        self.recomputer.settle = self._notifications_caught_up
+        # The continuous trigger check (accounting/trigger_watch.py): any problem stops booking.
+        self.triggers = TriggerWatch()
         self.state = ServiceState()
         self.bootstrapped = threading.Event()
         self.heartbeat = HeartbeatSender(conf.heartbeat_interval())
@@ -198,9 +207,17 @@ class AccountingService:
             and not self.lease_lost.is_set()
             and not self.lease_expired()
             and self.bootstrapped.is_set()
+            and not self.triggers.blocked()
         )
 
+    def booking_stopped(self) -> str | None:
+        """Why the scheduler books no show at all right now (managed or not), or None."""
+        return self.triggers.reason()
+
     def pause_reason(self) -> str | None:
+        stopped = self.booking_stopped()
+        if stopped:
+            return stopped
         if self.lease_lost.is_set():
             return "this scheduler lost its lease to another one"
         if self.lease_expired():
@@ -219,6 +236,11 @@ class AccountingService:
 
     # -- hot path ----------------------------------------------------------------------
     def apply_booking(self, delta: BookingDelta) -> BookingResult:
+        if self.triggers.blocked():
+            # The triggers that enforce unmanaged shows' caps (and feed the Store) are not all
+            # firing: no booking of any show until they are and the counters were rebuilt.
+            metrics.REJECTIONS.labels(PAUSED).inc()
+            return LimitExceeded(PAUSED, 0, 0)
         if delta.show not in self._managed:
             return NotManaged(delta)
         if not self.can_enforce():
@@ -373,12 +395,34 @@ class AccountingService:
             self.state.recent_drift[vertex] = kept
 
     # -- loops -------------------------------------------------------------------------
+    def _notifications_caught_up(self, since: float) -> bool:
+        """Block until a heartbeat sent after `since` (monotonic) came back through the listener.
+
+        Notifications arrive in commit order, so every one committed before `since` has then
+        been applied. Bounded by the heartbeat deadline: past it the listener is wedged anyway.
+        """
+        deadline = time.monotonic() + self.listener.deadline + self.heartbeat.interval
+        while time.monotonic() < deadline:
+            if self.listener.stats.state != "listening":
+                return False  # reconnecting: its reseed waits for this pass, so do not hold it up
+            fresh_as_of = self.listener.stats.fresh_as_of
+            if fresh_as_of is not None and fresh_as_of >= since:
+                return True
+            time.sleep(0.01)
+        return False
+
     def _recompute_tick(self, conn: psycopg.Connection) -> str:
         # Licence counts are the database's own (recounted by every writer): one small read
         # bounds how long a lost acct_licence message or an unknown-xid confirm can read high.
         reseed_licences(self.store, conn)
+        published = dict(self._managed)
         result = self.recomputer.run_once(conn)
         self._observe_recompute(result)
+        # Judged only for shows published, at one generation, through the whole pass.
+        stable = {s for s, g in published.items() if self._managed.get(s) == g}
+        findings = integrity.managed_findings(conn, result.low, stable)
+        if findings:
+            integrity.raise_alarm(conn, integrity.STORE_LOW, findings)
         return (
             f"recompute: {result.keys} keys from {result.rows} usage rows, store {result.store_seconds:.3f}s, "
             f"pg {result.pg_seconds:.3f}s ({sum(result.pg_rows_updated.values())} rows), "
@@ -407,12 +451,26 @@ class AccountingService:
         result = reconcile_unmanaged(conn)
         self.state.last_reconcile_drift = result.drift_cores
         self.state.last_reconcile_skipped = result.skipped
+        if result.low:
+            integrity.raise_alarm(conn, integrity.DB_LOW, result.low)
         for table, cores in result.drift_cores.items():
             metrics.DB_RECONCILE_DRIFT.labels(table).set(cores)
         if any(result.drift_cores.values()):
             logger.warning("reconcile: unmanaged shows' counters had drifted from SUM(proc): %s", result.drift_cores)
         skipped = f", {len(result.skipped)} skipped (lock held)" if result.skipped else ""
         return f"reconcile: {result.shows} unmanaged show(s), drift {result.drift_cores}{skipped}"
+
+    def _triggers_tick(self, conn: psycopg.Connection) -> str:
+        return self.triggers.tick(conn, self._rebuild_after_trigger_problems)
+
+    def _rebuild_after_trigger_problems(self, conn: psycopg.Connection) -> None:
+        """Everything a trigger that did not fire could have left wrong, rebuilt before booking resumes:
+        caps (a cap change not sent), the Store from SUM(proc) and the unmanaged counters (procs
+        not counted); the last two raise the integrity alarm on a counter they find low."""
+        self._limits_tick(conn)
+        self._recompute_tick(conn)
+        if self.cuebot is None or not self.cuebot.enabled:
+            self._reconcile_tick(conn)
 
     def _history_tick(self, conn: psycopg.Connection) -> str:
         return self.history.sample(conn, self.state.measured_drift())
@@ -485,6 +543,13 @@ class AccountingService:
                 return
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"bootstrap did not complete: {self.listener.stats.last_error}")
+        # The trigger check's first tick now, not one interval later: a standby that checked at its
+        # start may take over long after, and must not book a moment on a trigger gone since.
+        try:
+            with db.connect(application_name="cuesched-triggers") as conn:
+                self._triggers_tick(conn)
+        except Exception as exc:
+            logger.warning("trigger check at start failed (the loop retries): %s", exc)
         self._spawn("recompute", self._run_loop, "recompute", conf.recompute_interval(), self._recompute_tick, stop)
         self._spawn("limits", self._run_loop, "limits", conf.limit_reseed_interval(), self._limits_tick, stop)
         self._spawn(
@@ -504,6 +569,9 @@ class AccountingService:
                 "reconcile", self._run_loop, "reconcile", conf.db_reconcile_interval(), self._reconcile_tick, stop
             )
         self._spawn("history", self._run_loop, "history", conf.history_interval(), self._history_tick, stop)
+        self._spawn(
+            "triggers", self._run_loop, "triggers", conf.trigger_check_interval(), self._triggers_tick, stop
+        )
 
     def join(self, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout

@@ -306,6 +306,7 @@ class Store:
         "_lic_reads",
         "_lic_seen",
         "_lock",
+        "_rolled",
         "_sub",
         "_window",
     )
@@ -326,6 +327,10 @@ class Store:
         self._incarnation = 0
         # Releases applied while a snapshot read is open (see open_release_window).
         self._window: list[tuple[BookingDelta, int]] | None = None
+        # Bookings rolled back while a pass is open (since its begin_recompute): a compensated
+        # booking's proc may still be in that pass's snapshot, so `below` counts them back in
+        # (judging high, never low).
+        self._rolled: list[BookingDelta] = []
         # Licence limits, by limit_record id: [max, host limit, base (the database's count as
         # last notified or read), in flight, source of base (xid, PgSnapshot or None),
         # confirmed-but-not-yet-seen]. See book and apply_licence.
@@ -492,6 +497,8 @@ class Store:
         fkey = delta.folder
         jkey = delta.job
         with self._lock:
+            if self._window is not None:
+                self._rolled.append(delta)
             c = self._sub.get(skey)
             if c is None:
                 c = self._sub[skey] = _new_counter()
@@ -580,6 +587,7 @@ class Store:
             epoch = self._epoch
             self._epoch = epoch + 1
             self._window = []
+            self._rolled = []
         return epoch
 
     def open_release_window(self) -> None:
@@ -1040,6 +1048,45 @@ class Store:
                 folder={k: (c[0], c[1]) for k, c in self._folder.items()},
                 job={k: (c[0], c[1]) for k, c in self._job.items()},
             )
+
+    def below(
+        self, snapshot: CounterSnapshot, pg_snapshot: PgSnapshot | None
+    ) -> dict[str, dict[tuple[str, str] | str, tuple[int, int, int, int]]]:
+        """Keys whose live counter reads BELOW `snapshot` (a SUM(proc) read under `pg_snapshot`).
+
+        Call between the read and its `overwrite_counters`, once every notification committed
+        before the read has been applied (the recompute waits for a heartbeat sent after it).
+        Then the live counter holds everything the snapshot saw (the scheduler's own bookings
+        from `book` on, every outside delta once) plus the deltas of later transactions, which
+        the open window lists: those are taken back out before comparing. What remains below
+        the snapshot is a proc no event counted (a disabled trigger, `session_replication_role =
+        replica`): an integrity alarm, not drift. Returns vertex -> key -> (live less later
+        deltas, snapshot) for cores then GPUs, as (live_c, snap_c, live_g, snap_g).
+        """
+        out: dict[str, dict[tuple[str, str] | str, tuple[int, int, int, int]]] = {}
+        if pg_snapshot is None:
+            return out
+        with self._lock:
+            later: dict[str, dict[object, list[int]]] = {"sub": {}, "folder": {}, "job": {}}
+            deltas = [(d, 1) for d, xid in self._window or () if not pg_snapshot.visible(xid)]
+            deltas += [(d, -1) for d in self._rolled]  # counted back in: the snapshot may hold them
+            for delta, sign in deltas:
+                for name, key in (("sub", (delta.show, delta.alloc)), ("folder", delta.folder), ("job", delta.job)):
+                    adj = later[name].setdefault(key, [0, 0])
+                    adj[0] += sign * delta.cores
+                    adj[1] += sign * delta.gpus
+            for name, table, values in (
+                ("sub", self._sub, snapshot.sub),
+                ("folder", self._folder, snapshot.folder),
+                ("job", self._job, snapshot.job),
+            ):
+                for key, (cores, gpus) in values.items():
+                    counter = table.get(key)
+                    live_c, live_g = (0, 0) if counter is None else (counter[0], counter[1])
+                    adj_c, adj_g = later[name].get(key, (0, 0))
+                    if live_c - adj_c < cores or live_g - adj_g < gpus:
+                        out.setdefault(name, {})[key] = (live_c - adj_c, cores, live_g - adj_g, gpus)
+        return out
 
     def inflight_snapshot(self) -> CounterSnapshot:
         """In-flight (cores, gpus) of every key: bookings whose dispatch has not finished."""

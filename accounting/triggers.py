@@ -675,12 +675,18 @@ _REBUILT = {
 REBUILD_TABLES = tuple(spec[0] for spec in _REBUILT.values())
 
 
-def _rebuild_ctes(name: str) -> str:
-    """The sum per row (`<name>_x`) and the write of the rows that differ (`<name>_u`, their drift)."""
+def _rebuild_ctes(name: str, *, low: bool = False) -> str:
+    """The sum per row (`<name>_x`) and the write of the rows that differ (`<name>_u`, their drift).
+
+    With `low`, each written row also returns how far its counter was BELOW the truth (cores
+    and GPUs): the reconcile's integrity alarm. Off for the trigger bodies, which only need drift.
+    """
     table, a, pk, source, live_on, where = _REBUILT[name]
+    old_g = f", {a}.int_gpus AS old_g" if low else ""
+    low_cols = ", GREATEST(x.cc - x.old_c, 0) AS low_cc, GREATEST(x.g - x.old_g, 0) AS low_g" if low else ""
     return f"""
     {name}_x AS (
-        SELECT {a}.{pk} AS pk, {a}.int_cores AS old_c, COALESCE(SUM(l.cc), 0) AS cc, COALESCE(SUM(l.g), 0) AS g
+        SELECT {a}.{pk} AS pk, {a}.int_cores AS old_c{old_g}, COALESCE(SUM(l.cc), 0) AS cc, COALESCE(SUM(l.g), 0) AS g
         FROM {source} LEFT JOIN live l ON {live_on}
         WHERE {where}
         GROUP BY {a}.{pk}
@@ -688,13 +694,32 @@ def _rebuild_ctes(name: str) -> str:
     {name}_u AS (
         UPDATE {table} t SET int_cores = x.cc, int_gpus = x.g FROM {name}_x x
         WHERE t.{pk} = x.pk AND (t.int_cores, t.int_gpus) IS DISTINCT FROM (x.cc, x.g)
-        RETURNING abs(x.cc - x.old_c) AS drift
+        RETURNING abs(x.cc - x.old_c) AS drift{low_cols}
     ),"""
 
 
-def rebuild_sql(shows: str, *, into: str = "") -> str:
-    """Rebuild the five tables of `shows`; the last SELECT returns the centicores corrected per table."""
+def rebuild_sql(shows: str, *, into: str = "", low: bool = False) -> str:
+    """Rebuild the five tables of `shows`; the last SELECT returns the centicores corrected per table.
+
+    With `low` (the reconcile), then for each of the five tables the centicores and the GPUs by
+    which its rows had read below SUM(proc) (a point row inserted now read 0).
+    """
     drift = ", ".join(f"(SELECT COALESCE(SUM(drift), 0) FROM {n}_u)::bigint" for n in _REBUILT if n != "point")
+    point_drift = "((SELECT COALESCE(SUM(drift), 0) FROM point_u) + (SELECT COALESCE(SUM(drift), 0) FROM point_new))"
+    point_drift += "::bigint"
+    lows = ""
+    if low:
+        lows = "".join(
+            f", (SELECT COALESCE(SUM(low_cc), 0) FROM {n}_u)::bigint"
+            f", (SELECT COALESCE(SUM(low_g), 0) FROM {n}_u)::bigint"
+            for n in _REBUILT
+            if n != "point"
+        )
+        lows += (
+            ", ((SELECT COALESCE(SUM(low_cc), 0) FROM point_u)"
+            " + (SELECT COALESCE(SUM(drift), 0) FROM point_new))::bigint"
+            ", ((SELECT COALESCE(SUM(low_g), 0) FROM point_u) + (SELECT COALESCE(SUM(g), 0) FROM point_new))::bigint"
+        )
     return f"""
     WITH target AS MATERIALIZED ({shows}),
     live AS (
@@ -704,7 +729,7 @@ def rebuild_sql(shows: str, *, into: str = "") -> str:
         JOIN host h ON h.pk_host = p.pk_host
         JOIN job j ON j.pk_job = p.pk_job
         WHERE NOT p.b_local AND p.pk_show {_IN_TARGET}
-    ),{"".join(_rebuild_ctes(n) for n in _REBUILT)}
+    ),{"".join(_rebuild_ctes(n, low=low) for n in _REBUILT)}
     point_new AS (
         INSERT INTO point (pk_point, pk_show, pk_dept, int_cores, int_gpus)
         SELECT gen_random_uuid()::text, l.pk_show, l.pk_dept, SUM(l.cc)::int, SUM(l.g)::int
@@ -712,10 +737,10 @@ def rebuild_sql(shows: str, *, into: str = "") -> str:
         WHERE NOT EXISTS (SELECT 1 FROM point pt WHERE pt.pk_show = l.pk_show AND pt.pk_dept = l.pk_dept)
         GROUP BY l.pk_show, l.pk_dept
         ON CONFLICT (pk_show, pk_dept) DO NOTHING
-        RETURNING int_cores AS drift
+        RETURNING int_cores AS drift{", int_gpus AS g" if low else ""}
     )
     SELECT {drift},
-           ((SELECT COALESCE(SUM(drift), 0) FROM point_u) + (SELECT COALESCE(SUM(drift), 0) FROM point_new))::bigint
+           {point_drift}{lows}
     {into}
 """
 
@@ -725,7 +750,7 @@ def rebuild_sql(shows: str, *, into: str = "") -> str:
 # between its read of proc and its write), in one READ COMMITTED transaction. Returns the
 # centicores corrected per table.
 UNMANAGED_SHOWS_SQL = "SELECT pk_show FROM show WHERE NOT b_scheduler_managed ORDER BY pk_show"
-RECONCILE_SQL = rebuild_sql("SELECT unnest(%(shows)s::text[]) AS pk_show")
+RECONCILE_SQL = rebuild_sql("SELECT unnest(%(shows)s::text[]) AS pk_show", low=True)
 
 
 # --- proc triggers ---------------------------------------------------------------------------

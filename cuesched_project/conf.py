@@ -78,6 +78,12 @@ def managed_shows_ttl() -> float:
     return env_float("CUESCHED_MANAGED_SHOWS_TTL", 30.0)
 
 
+def trigger_check_interval() -> float:
+    """How often the scheduler checks that cuesched's triggers are installed and firing, seconds
+    (a problem stops every booking within this plus one dispatch cycle)."""
+    return env_float("CUESCHED_TRIGGER_CHECK_INTERVAL", 2.0)
+
+
 def db_reconcile_interval() -> float:
     """Five counter tables of unmanaged shows <- SUM(proc): the database-enforced path's backstop."""
     return env_float("CUESCHED_DB_RECONCILE_INTERVAL", 60.0)

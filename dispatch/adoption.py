@@ -19,7 +19,10 @@ functions, triggers, views). The difference is the plan, with these rules:
   otherwise adoption refuses (Cuebot's own INSERTs would fail);
 - on Cuebot's tables nothing existing is dropped, retyped or re-indexed; cuesched's index is
   added only where Cuebot has no index on the same columns; constraints (unique, check, foreign
-  keys) are never added to Cuebot's tables (they would refuse Cuebot's own writes);
+  keys) are never added to Cuebot's tables (they would refuse Cuebot's own writes), except the
+  non-negative amounts of dispatch/nonnegative.py (a negative reserved amount cancels other
+  procs' use; Cuebot never writes one): `--check` names the rows that break them and `--apply`
+  refuses until they are fixed;
 - cuesched's functions are added when missing; one whose name exists with another body is
   replaced only if it is certainly cuesched's (below), otherwise reported and left alone;
 - cuesched's triggers are added, except where Cuebot keeps a trigger that does the same work
@@ -77,7 +80,7 @@ from accounting.licences import COUNT_LATERAL, limit_max_problem, limit_max_sql
 from accounting.trigger_health import CUEBOT_OWNS, ENABLED, PGTRIGGER_NAME, trigger_base
 from accounting.triggers import CUEBOT_ACCOUNTS, NORMALIZE_CUEBOT_JOB_CAPS_SQL
 from cuesched_project.dburl import url_from_settings
-from dispatch import conf
+from dispatch import conf, nonnegative
 
 MIN_FLYWAY_VERSION = 45
 # A Cuebot database built by applying its migrations with psql (a test farm, a restored dump
@@ -470,8 +473,22 @@ def make_plan(ref: Catalog, live: Catalog, applied: set[tuple[str, str]], record
             continue
         if table in cuebot:
             same = any(t == table and d == definition for (t, _n), (_ty, d) in live.constraints.items())
-            if (table, name) not in live.constraints and not same:
-                plan.skipped.append(f"constraint {name} on Cuebot's {table}: {definition} (would refuse its writes)")
+            if (table, name) in live.constraints or same:
+                continue
+            if typ == "c" and name in nonnegative.ADOPTED_NAMES:
+                # A negative amount has no meaning to Cuebot either (its own writes never make
+                # one), and on these columns it cancels other rows' use: the one exception.
+                (amount,) = [a for a in nonnegative.AMOUNTS if a.name == name]
+                plan.steps.append(
+                    Step(
+                        "constraint",
+                        f"{table}.{name}",
+                        nonnegative.add_sql(amount),
+                        note=f"{amount.condition}, the rows checked first",
+                    )
+                )
+                continue
+            plan.skipped.append(f"constraint {name} on Cuebot's {table}: {definition} (would refuse its writes)")
             continue
         if typ == "f" and _fk_target(definition) in cuebot:
             plan.skipped.append(
@@ -968,6 +985,11 @@ def adopt(*, apply: bool, using: str = "default") -> Result:
         if plan.errors:
             raise AdoptionError("; ".join(plan.errors))
         plan.warnings = limit_warnings(live) + job_cap_warnings(live)
+        negative = negative_amounts(live, plan)
+        if negative:
+            if apply:
+                raise AdoptionError(f"{negative}; nothing was written")
+            plan.warnings.append(f"{negative}; --apply refuses until they are fixed")
         result = Result(plan, applied=False, reference_seconds=reference_seconds)
         if not apply:
             return result
@@ -1045,6 +1067,17 @@ def job_cap_warnings(conn: BaseDatabaseWrapper) -> list[str]:
         f"{shown}; cuesched reads a negative job cap as unlimited and stores it as 2147483647, which Cuebot "
         "reads as unlimited too: set a max of 0 on any of them that must stay stopped before --apply"
     ]
+
+
+def negative_amounts(conn: BaseDatabaseWrapper, plan: Plan) -> str | None:
+    """The rows that the non-negative constraints this plan adds would refuse, named, or None."""
+    adding = {s.name.split(".", 1)[1] for s in plan.steps if s.kind == "constraint"}
+    amounts = tuple(a for a in nonnegative.AMOUNTS if a.name in adding)
+    if not amounts:
+        return None
+    with conn.cursor() as cur:
+        found = nonnegative.violations(cur, amounts)
+    return nonnegative.describe(found) if found else None
 
 
 def limit_warnings(conn: BaseDatabaseWrapper) -> list[str]:

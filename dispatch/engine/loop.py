@@ -137,7 +137,8 @@ _CAP_WHY = {
         PAUSED,
         "accounting paused",
         "ms",
-        "wait: the scheduler books managed shows again once its listener is fresh and it holds the lease",
+        "wait: the scheduler books managed shows again once its listener is fresh and it holds the lease "
+        "(every show, once cuesched's triggers all fire again: store_status names the fix)",
     ),
     FOLDER_UNSEEDED: ("caps_loading", "folder caps not loaded yet", "cores", "wait one cycle"),
     JOB_UNSEEDED: ("caps_loading", "job caps not loaded yet", "cores", "wait one cycle"),
@@ -797,6 +798,8 @@ class DispatchLoop:
     ) -> None:
         full_folders: set[str] = set()
         paused = None if self.service.can_enforce() else self.service.pause_reason()
+        # Trigger problems stop every show, managed or not (accounting/trigger_watch.py).
+        stopped = self.service.booking_stopped()
         eligible: list[tuple[JobWork, bool]] = []
         for job in jobs:
             managed = self.service.is_managed(job.show)
@@ -807,9 +810,9 @@ class DispatchLoop:
                 if job.managed_in_db and not managed:
                     self.service.request_managed_refresh()  # seed it now, not at the next tick
                 continue
-            if managed and paused:
+            if (managed and paused) or stopped:
                 stats.rejected[PAUSED] += 1
-                self._record_why(job.pk, PAUSED, f"accounting paused: {paused}", _CAP_WHY[PAUSED][3])
+                self._record_why(job.pk, PAUSED, f"accounting paused: {stopped or paused}", _CAP_WHY[PAUSED][3])
                 continue
             if managed:
                 self._managed_seen.add(job.show)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import getpass
 import json
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 from django.db import connection
 
-from accounting import blockers, live
+from accounting import blockers, integrity, live
 from accounting.trigger_health import describe, trigger_problems
 
 # The exit status of a view that is printed but stale: a script or a monitoring check that
@@ -17,23 +18,46 @@ EXIT_STALE = 1
 # The exit status while one of cuesched's triggers is missing, disabled or doubled (the view may
 # look right and still be built on counters going wrong).
 EXIT_TRIGGERS = 1
+# The exit status while an integrity alarm (a counter found below SUM(proc)) is not acknowledged.
+EXIT_ALARM = 1
 
 
 class Command(BaseCommand):
     help = (
         "Print the live Store view the running scheduler publishes (with its age). Exits 1 when the "
         "view is STALE (the scheduler stopped publishing), when no scheduler ever published one, or "
-        "when one of cuesched's triggers is missing, disabled or installed twice (each is printed)."
+        "when one of cuesched's triggers is missing, disabled or installed twice (each is printed), when the "
+        "running scheduler stopped booking over such a problem, or while an integrity alarm (a counter found "
+        "below SUM(proc)) is open."
     )
 
     def add_arguments(self, parser: Any) -> None:
         parser.add_argument("--json", action="store_true", help="Print the whole view as JSON.")
+        parser.add_argument(
+            "--acknowledge-alarms",
+            metavar="NOTE",
+            help="Close every open integrity alarm, recording NOTE (what was found and done) and your user name.",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
+        if options["acknowledge_alarms"] is not None:
+            from django.core.exceptions import ValidationError
+
+            from accounting.actions import acknowledge_integrity_alarms
+
+            try:
+                closed = acknowledge_integrity_alarms(getpass.getuser(), options["acknowledge_alarms"])
+            except ValidationError as exc:
+                raise CommandError("; ".join(exc.messages)) from None
+            self.stdout.write(f"acknowledged {closed} integrity alarm(s)")
         # A view can read healthy while a trigger that stopped counting makes it wrong: said first.
         problems = trigger_problems(connection)
         for problem in problems:
             self.stdout.write(f"TRIGGER PROBLEM: {problem.line()}")
+        with connection.cursor() as cursor:
+            alarms = integrity.open_alarms(cursor)
+        for alarm_id, raised, kind, summary in alarms:
+            self.stdout.write(f"INTEGRITY ALARM #{alarm_id} raised {raised:%Y-%m-%d %H:%M:%S%z} ({kind}): {summary}")
         with connection.cursor() as cursor:
             view = live.read_view(cursor)
         if view is None:
@@ -51,6 +75,21 @@ class Command(BaseCommand):
             )
         if problems:
             raise CommandError(describe(problems), returncode=EXIT_TRIGGERS)
+        seen = view.get("trigger_health") or {}
+        if seen.get("problems"):
+            raise CommandError(
+                f"the scheduler stopped booking every show over {len(seen['problems'])} trigger problem(s) it "
+                f"saw: {' | '.join(seen['problems'])}"
+                + ("; they are fixed and it is reseeding" if seen.get("recovering") else ""),
+                returncode=EXIT_TRIGGERS,
+            )
+        if alarms:
+            raise CommandError(
+                f"{len(alarms)} integrity alarm(s) open: a counter read below SUM(proc), so procs ran that no "
+                "trigger counted; find the writer (docs/runbook.md, 'Integrity alarm'), then "
+                "`store_status --acknowledge-alarms NOTE`",
+                returncode=EXIT_ALARM,
+            )
 
     def _print(self, view: dict[str, Any]) -> None:
         state = "STALE: the scheduler is not publishing" if view["stale"] else "live"
@@ -74,6 +113,8 @@ class Command(BaseCommand):
                     f"WARNING: {cuebot['notifier_releases_dropped']} release(s) from Cuebot's AccountingNotifier "
                     "dropped (cuesched's trigger already sent each): set accounting.notify.enabled=false in Cuebot"
                 )
+        for line in (view.get("trigger_health") or {}).get("problems") or []:
+            self.stdout.write(f"BOOKING STOPPED (every show) over a trigger problem: {line}")
         if view.get("enforcing") is False:
             self.stdout.write(f"ACCOUNTING PAUSED: managed shows book nothing: {view.get('paused_reason')}")
         self.stdout.write(
