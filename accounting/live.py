@@ -30,9 +30,14 @@ logger = logging.getLogger(__name__)
 
 TABLE = "cuesched_scheduler_state"
 
+# Fenced by the lease like a booking: a holder stopped between its lease-clock check and this
+# statement, and woken after a standby took over, writes nothing over the new holder's view
+# (the generation is read in the statement itself; None, a process with no lease, publishes).
 PUBLISH_SQL = f"""
 INSERT INTO {TABLE} (id, pid, hostname, heartbeat, payload)
-VALUES (1, %(pid)s, %(hostname)s, now(), %(payload)s::jsonb)
+SELECT 1, %(pid)s, %(hostname)s, now(), %(payload)s::jsonb
+WHERE %(generation)s::bigint IS NULL
+   OR (SELECT int_generation FROM cuesched_scheduler_lease WHERE id = 1) = %(generation)s::bigint
 ON CONFLICT (id) DO UPDATE
 SET pid = EXCLUDED.pid, hostname = EXCLUDED.hostname, heartbeat = EXCLUDED.heartbeat, payload = EXCLUDED.payload
 """
@@ -171,7 +176,15 @@ def build_view(service: AccountingService) -> dict[str, Any]:
 
 def publish(service: AccountingService, conn: psycopg.Connection) -> int:
     payload = json.dumps(build_view(service), separators=(",", ":"), default=str)
-    conn.execute(PUBLISH_SQL, {"pid": os.getpid(), "hostname": socket.gethostname(), "payload": payload})
+    conn.execute(
+        PUBLISH_SQL,
+        {
+            "pid": os.getpid(),
+            "hostname": socket.gethostname(),
+            "payload": payload,
+            "generation": service.lease_generation,
+        },
+    )
     return len(payload)
 
 
