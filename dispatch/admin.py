@@ -16,7 +16,7 @@ from typing import Any
 from django.contrib import admin
 from django.db.models import Model, QuerySet
 from django.forms import ModelForm
-from django.http import HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.urls import reverse
 from django.utils.html import format_html, format_html_join
 
@@ -46,6 +46,7 @@ from dispatch.models import (
 from ops import admin_views as ops_views
 from ops import permissions as ops_permissions
 from ops.caps_admin import CapsAdminMixin
+from ops.readonly_admin import ReadOnlyAdmin
 
 STAT_COUNTS = (
     "int_waiting_count",
@@ -299,7 +300,7 @@ class JobResourceAdmin(CapsAdminMixin, FarmAdmin):
 
 
 @admin.register(JobStat)
-class JobStatAdmin(FarmAdmin):
+class JobStatAdmin(ReadOnlyAdmin, FarmAdmin):
     list_display = ("job", *STAT_COUNTS[:3], "int_succeeded_count", "int_total_count")
     list_filter = ("job__str_state",)
     search_fields = ("job__str_name", "pk_job_stat")
@@ -309,7 +310,17 @@ class JobStatAdmin(FarmAdmin):
 
 
 @admin.register(Layer)
-class LayerAdmin(FarmAdmin):
+class LayerAdmin(ReadOnlyAdmin, FarmAdmin):
+    """Layers are seen on their job's page (progress, frames, controls); no raw form."""
+
+    def change_view(
+        self, request: HttpRequest, object_id: str, form_url: str = "", extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        layer = Layer.objects.filter(pk=object_id).only("job_id").first()
+        if layer is None:
+            return super().change_view(request, object_id, form_url, extra_context)
+        return HttpResponseRedirect(reverse("admin:ops_job", args=[layer.job_id]) + f"?layer={layer.pk}#frames")
+
     list_display = (
         "str_name",
         "job",
@@ -327,7 +338,7 @@ class LayerAdmin(FarmAdmin):
 
 
 @admin.register(LayerResource)
-class LayerResourceAdmin(FarmAdmin):
+class LayerResourceAdmin(ReadOnlyAdmin, FarmAdmin):
     list_display = ("layer", "job", "int_cores", "int_gpus")
     search_fields = ("layer__str_name", "job__str_name", "pk_layer_resource")
     raw_id_fields = ("layer", "job")
@@ -336,7 +347,7 @@ class LayerResourceAdmin(FarmAdmin):
 
 
 @admin.register(LayerStat)
-class LayerStatAdmin(FarmAdmin):
+class LayerStatAdmin(ReadOnlyAdmin, FarmAdmin):
     list_display = ("layer", "job", *STAT_COUNTS[:3], "int_total_count", "ts_started", "ts_stopped")
     search_fields = ("layer__str_name", "job__str_name", "pk_layer_stat")
     raw_id_fields = ("layer", "job")
@@ -399,7 +410,7 @@ class HostAdmin(FarmAdmin):
 
 
 @admin.register(HostStat)
-class HostStatAdmin(FarmAdmin):
+class HostStatAdmin(ReadOnlyAdmin, FarmAdmin):
     list_display = ("host", "str_state", "str_os", "int_mem_total", "int_mem_free", "int_load", "ts_ping")
     list_filter = ("str_state", "str_os")
     search_fields = ("host__str_name", "pk_host_stat")
@@ -408,7 +419,7 @@ class HostStatAdmin(FarmAdmin):
 
 
 @admin.register(HostTag)
-class HostTagAdmin(FarmAdmin):
+class HostTagAdmin(ReadOnlyAdmin, FarmAdmin):
     list_display = ("str_tag", "str_tag_type", "host", "b_constant")
     list_filter = ("str_tag_type", "b_constant")
     search_fields = ("str_tag", "host__str_name", "pk_host_tag")

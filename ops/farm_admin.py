@@ -30,9 +30,9 @@ from django.contrib import admin, messages
 from django.contrib.admin.helpers import ActionForm
 from django.core.exceptions import ValidationError
 from django.db import connection
-from django.db.models import Count, IntegerField, OuterRef, QuerySet, Subquery, Sum, Value
+from django.db.models import Case, Count, IntegerField, OuterRef, QuerySet, Subquery, Sum, Value, When
 from django.db.models.functions import Coalesce
-from django.http import HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.shortcuts import render
 from django.urls import reverse
 from django.utils import timezone
@@ -85,9 +85,37 @@ class PriorityForm(ActionForm):
 
 
 class FarmListMixin:
-    """Refreshing results, and the console's own permission checks for the actions."""
+    """Refreshing results, the console's own permission checks for the actions, and no raw forms.
+
+    Farm rows (jobs, frames, hosts, procs) change only through `dispatch.jobs.actions`, with
+    their audit row, for every role, the superuser included: a raw form could set a job
+    FINISHED under running frames (booked cores left under a finished job, no audit), and a
+    raw delete of a job fails on its job_resource row (500). So there is no add, change or
+    delete form here; a row's page is the console's own (`console_url`), else read-only.
+    """
 
     change_list_template = "ops/farm_change_list.html"
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def console_url(self, object_id: str) -> str | None:
+        """The console page of a row, which its change URL leads to (None: the read-only view)."""
+        return None
+
+    def change_view(
+        self, request: HttpRequest, object_id: str, form_url: str = "", extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        url = self.console_url(object_id)
+        if url is not None:
+            return HttpResponseRedirect(url)
+        return super().change_view(request, object_id, form_url, extra_context)  # type: ignore[misc]
 
     def has_control_jobs_permission(self, request: HttpRequest) -> bool:
         return permissions.can_control_jobs(request.user)
@@ -271,7 +299,12 @@ class JobListAdmin(FarmListMixin, dispatch_admin.JobAdmin):
     )
     list_display_links = ("str_name",)
     list_select_related = ("show", "folder", "stat", "resource")
-    ordering = ("str_state", "-resource__int_priority", "str_name")
+    # Active (PENDING) jobs first, then by priority: ordering by the state string put FINISHED first.
+    ordering = (
+        Case(When(str_state="PENDING", then=Value(0)), default=Value(1)).asc(),
+        "-resource__int_priority",
+        "str_name",
+    )
     action_form = PriorityForm
     actions = (
         "pause_job_selected",
@@ -281,6 +314,9 @@ class JobListAdmin(FarmListMixin, dispatch_admin.JobAdmin):
         "kill_job_selected",
         "set_priority_selected",
     )
+
+    def console_url(self, object_id: str) -> str | None:
+        return reverse("admin:ops_job", args=[object_id])
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Job]:
         booked = (
@@ -292,7 +328,9 @@ class JobListAdmin(FarmListMixin, dispatch_admin.JobAdmin):
         return (
             super()
             .get_queryset(request)
-            .annotate(booked_cc=Coalesce(Subquery(booked, output_field=IntegerField()), Value(0)))
+            .annotate(
+                booked_cc=Coalesce(Subquery(booked, output_field=IntegerField()), Value(0)),
+            )
         )
 
     def get_changelist_instance(self, request: HttpRequest) -> Any:
@@ -432,6 +470,9 @@ class FrameListAdmin(FarmListMixin, dispatch_admin.FrameAdmin):
     list_select_related = ("job",)
     ordering = ("-ts_updated", "pk_frame")
     actions = ("retry_selected", "eat_selected", "kill_selected")
+
+    def console_url(self, object_id: str) -> str | None:
+        return reverse("admin:ops_frame", args=[object_id])
 
     @admin.display(description="job", ordering="job__str_name")
     def job_name(self, obj: Frame) -> str:

@@ -428,9 +428,10 @@ def test_job_and_waiting_frame_forms_say_why_they_are_not_booking(operator: Clie
     farm = tiny_farm(managed=False)
     Job.objects.filter(pk=farm.job.pk).update(b_paused=True)
     su = client_for(make_user("root", None, superuser=True))
-    page = su.get(reverse("admin:dispatch_job_change", args=[farm.job.pk])).content.decode()
+    # Issue 31: the change URLs lead to the console's job and frame pages, which say it too.
+    page = su.get(reverse("admin:dispatch_job_change", args=[farm.job.pk]), follow=True).content.decode()
     assert "The job is paused." in page and reverse("admin:ops_job_why", args=[farm.job.pk]) in page
-    page = su.get(reverse("admin:dispatch_frame_change", args=[farm.frames[0].pk])).content.decode()
+    page = su.get(reverse("admin:dispatch_frame_change", args=[farm.frames[0].pk]), follow=True).content.decode()
     assert "The job is paused." in page and reverse("admin:ops_frame_why", args=[farm.frames[0].pk]) in page
 
 
