@@ -81,8 +81,14 @@ def measured_drift(service: AccountingService) -> tuple[int, dict[str, int]]:
     farm = sum(abs(v) for v in (rc.drift_cores.values() if rc else ()))
     farm += sum(abs(v) for v in service.state.last_reconcile_drift.values())
     per_show: dict[str, int] = {}
-    for key, (cores, _at) in (service.state.recent_drift.get("sub") or {}).items():
+    published = service.managed_shows()
+    for key, (cores, at) in (service.state.recent_drift.get("sub") or {}).items():
         show = key.split(":", 1)[0]
+        # A pass before the show's seed measured an unseeded Store (a flip just committed):
+        # minus the whole booking, no counter's fault. Only passes after the seed count.
+        seeded = service.state.managed_published_at.get(show)
+        if show not in published or (seeded is not None and at < seeded):
+            continue
         per_show[show] = per_show.get(show, 0) + cores
     return farm, per_show
 

@@ -174,8 +174,9 @@ def test_a_flip_before_its_seed_shows_no_false_drift_and_a_real_one_goes_red(
     expect(row.locator("span.drift-bad")).to_have_count(0)
     expect(row).not_to_contain_text("-21")
     page.goto(f"{live_server.url}/admin/ops/console/show/{farm.show.pk}/")
-    expect(page.locator("span.drift-bad")).to_have_count(0)
-    expect(page.locator("#subs-table")).to_contain_text("seeding")
+    for table in ("#subs-table", "#folders-table", "#jobs-table"):
+        expect(page.locator(f"{table} span.drift-bad")).to_have_count(0)
+        expect(page.locator(table)).to_contain_text("seeding")
     # Seeded at `now`; a recompute after the seed measures a real -21: red at once.
     _publish(_view(farm.show.pk, farm.alloc.pk, farm.job.pk, farm.folder.pk, now, now + 1))
     page.goto(f"{live_server.url}/admin/ops/console/")
