@@ -193,6 +193,7 @@ RAW = re.compile(r"\b(str|int|b|ts|pk) [a-z]", re.I)
 def test_cores_in_cores_and_labels_in_words(page: Page, live_server: Any, role: str) -> None:
     farm = tiny_farm(managed=False, frames=2)
     Show.objects.filter(pk=farm.show.pk).update(int_default_max_cores=10000)
+    create_proc(farm.host, farm.frames[0], cores=150)
     log_in(page, live_server, role)
     for path in ("show", "job", "frame", "layer", "host", "proc", "subscription", "folderresource", "jobresource"):
         page.goto(f"{live_server.url}/admin/dispatch/{path}/")
