@@ -242,8 +242,10 @@ def why_frame(request: HttpRequest, pk: str) -> HttpResponse:
 
 @require_http_methods(["GET", "POST"])
 def kill_switch(request: HttpRequest) -> HttpResponse:
-    permissions.require(permissions.can_set_kill_switch(request.user))
+    """The kill switch: anyone who views the console reads it; only operators change it (POST)."""
+    permissions.require(permissions.can_view(request.user))
     if request.method == "POST":
+        permissions.require(permissions.can_set_kill_switch(request.user))
         form = KillSwitchForm(request.POST)
         if form.is_valid():
             result = actions.set_notifications(form.cleaned_data["enabled"], actor=request.user)
@@ -260,6 +262,7 @@ def kill_switch(request: HttpRequest) -> HttpResponse:
         "Notifications kill switch",
         target=target,
         off_means=OFF_MEANS,
+        notify_on=status.notifications_on(),
         form=KillSwitchForm(initial={"enabled": "true" if target else "false", "confirm": True}),
     )
     return render(request, "ops/kill_switch_confirm.html", context)

@@ -28,7 +28,7 @@ from typing import Any
 from django import forms
 from django.contrib import admin, messages
 from django.contrib.admin.helpers import ActionForm
-from django.core.exceptions import ValidationError
+from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import connection
 from django.db.models import Case, Count, IntegerField, OuterRef, QuerySet, Subquery, Sum, Value, When
 from django.db.models.functions import Coalesce
@@ -127,6 +127,11 @@ class FarmListMixin:
         return permissions.can_control_hosts(request.user)
 
     def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
+        # An action the user may not run is refused (403, nothing changed), not answered 200 with
+        # "no action selected" (the admin's answer to an action it does not offer this user).
+        action = request.POST.get("action") if request.method == "POST" else None
+        if action and action not in self.get_actions(request):  # type: ignore[attr-defined]
+            raise PermissionDenied(f"the action {action!r} needs a role you do not have")
         extra = {**(extra_context or {}), "farm_refresh_ms": int(refresh_seconds() * 1000)}
         return super().changelist_view(request, extra)  # type: ignore[misc]
 
@@ -172,7 +177,8 @@ def _each_job(
             total += run(job)
         except (ValidationError, job_actions.JobNotFound) as exc:
             errors.append(f"{job.str_name}: {'; '.join(getattr(exc, 'messages', [str(exc)]))}")
-    _report(modeladmin, request, f"{done}: {total} (over {count} selected jobs)", errors)
+    jobs_word = "job" if count == 1 else "jobs"
+    _report(modeladmin, request, f"{done}: {total} (over {count} selected {jobs_word})", errors)
 
 
 # --- jobs ------------------------------------------------------------------------------------
@@ -431,8 +437,25 @@ class JobListAdmin(FarmListMixin, dispatch_admin.JobAdmin):
         )  # fmt: skip
         if page is not None:
             return page
-        run = lambda job: job_actions.kill_job(job, actor=request.user).changed  # noqa: E731
-        _each_job(self, request, jobs, run, "Frames moved")
+        # Said in jobs and frames, each counted for what it is (the action's `changed` adds the
+        # finished job, the eaten frames and the released procs together: "Frames moved: 6").
+        killed, stopped, eaten, errors = 0, 0, 0, []
+        for job in jobs:
+            try:
+                detail = job_actions.kill_job(job, actor=request.user).detail
+            except (ValidationError, job_actions.JobNotFound) as exc:
+                errors.append(f"{job.str_name}: {'; '.join(getattr(exc, 'messages', [str(exc)]))}")
+                continue
+            killed += int(bool(detail.get("finished")))
+            stopped += int(detail.get("released", 0))
+            eaten += int(detail.get("eaten", 0))
+        already = len(jobs) - killed - len(errors)
+        text = (
+            f"Jobs killed: {killed} of {len(jobs)} selected"
+            + (f" ({already} finished already)" if already > 0 else "")
+            + f"; running frames stopped: {stopped}; frames that had not started, eaten: {eaten}"
+        )
+        _report(self, request, text, errors)
         return None
 
     @admin.action(description="Set the priority of the selected jobs (the value beside)", permissions=["control_jobs"])
