@@ -200,7 +200,7 @@ WITH page AS (
   SELECT p.pk_show, h.pk_alloc, SUM(p.int_cores_reserved) AS c FROM proc p JOIN host h ON h.pk_host = p.pk_host
   WHERE p.pk_show IN (SELECT pk_show FROM page) AND NOT p.b_local GROUP BY p.pk_show, h.pk_alloc
 ), sb AS (
-  SELECT s.pk_show, bool_or(s.int_burst - COALESCE(su.c, 0) >= 100) AS room, COUNT(*) AS subs
+  SELECT s.pk_show, MAX(s.int_burst - COALESCE(su.c, 0)) AS room, COUNT(*) AS subs
   FROM subscription s LEFT JOIN su ON su.pk_show = s.pk_show AND su.pk_alloc = s.pk_alloc
   WHERE s.pk_show IN (SELECT pk_show FROM page) GROUP BY s.pk_show
 ), wl AS (
@@ -249,7 +249,7 @@ SELECT pg.pk_job,
     WHEN jr.int_max_cores >= 0 AND COALESCE(jb.c, 0) + fit.need > jr.int_max_cores THEN 'at job cap'
     WHEN fr.int_max_cores >= 0 AND COALESCE(fb.c, 0) + fit.need > fr.int_max_cores THEN 'folder full'
     WHEN sb.pk_show IS NULL THEN 'no subscription'
-    WHEN NOT sb.room THEN 'show at burst'
+    WHEN sb.room < fit.need THEN 'show at burst'
     WHEN NOT fit.now THEN 'no host fits now'
     ELSE 'ready'
   END,

@@ -349,7 +349,9 @@ def act(request: HttpRequest, pk: str) -> HttpResponse:
     try:
         result = run()
     except ValidationError as exc:
-        messages.error(request, "; ".join(exc.messages) + ". Nothing was changed.")
+        confirm = getattr(exc, "code", None) == "confirm_stop"
+        hint = " Tick 'confirm' beside the value to stop it booking." if confirm else ""
+        messages.error(request, "; ".join(exc.messages) + ". Nothing was changed." + hint)
         return HttpResponseRedirect(back)
     messages.success(request, _result_text(done, result))
     for warning in (result.detail or {}).get("warnings", []) or []:

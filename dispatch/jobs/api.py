@@ -536,7 +536,10 @@ def job_action(request: HttpRequest, user: AbstractBaseUser, ref: str, action: s
     try:
         result = run(job, body, user)
     except ValidationError as exc:
-        raise ApiError(400, *exc.messages) from None
+        # Say how to confirm, in this interface's words (the action's message is the CLI's too).
+        confirm = getattr(exc, "code", None) == "confirm_stop"
+        hint = ['send {"max_cores": 0, "confirm": true} to confirm'] if confirm else []
+        raise ApiError(400, *exc.messages, *hint) from None
     return JsonResponse({"job": result.job_id, "action": action, "changed": result.changed, **result.detail})
 
 

@@ -289,3 +289,44 @@ def test_login_lands_on_the_farm_overview(page: Page, live_server: Any) -> None:
     page.fill("#id_password", password)
     page.click("input[type=submit]")
     expect(page).to_have_url(re.compile(r"/admin/ops/console/$"))
+
+
+def test_a_wrangler_retries_dead_frames_lowers_max_cores_and_sees_the_audit(page: Page, live_server: Any) -> None:
+    farm = tiny_farm(managed=False, frames=2)
+    comp = create_layer(farm.job, name="comp")
+    dead = create_frames(comp, 3, state="DEAD")
+    log_in(page, live_server, "operator")
+    page.goto(f"{live_server.url}/admin/ops/console/job/{farm.job.pk}/")
+    page.on("dialog", lambda dialog: dialog.accept())
+    page.locator(f'#layers-table tr[data-layer="{comp.pk}"] button', has_text="Retry dead").click()
+    expect(page.locator(".messagelist")).to_contain_text("Dead frames back to waiting: 3 frames")
+    assert Frame.objects.filter(pk__in=[f.pk for f in dead], str_state="WAITING").count() == 3
+    page.fill("#max-cores-form input[name=max_cores]", "5")
+    page.locator("#max-cores-form button").click()
+    expect(page.locator(".messagelist")).to_contain_text("Max cores set to 5 cores")
+    expect(page.locator("#job-max-cores")).to_have_text("5 cores")
+    assert JobResource.objects.get(job=farm.job).int_max_cores == 500
+    page.goto(f"{live_server.url}/admin/ops/console/audit/")
+    audit = page.locator("#content")
+    expect(audit).to_contain_text(farm.job.str_name)
+    expect(audit).to_contain_text(re.compile("retry", re.I))
+    expect(audit).to_contain_text(re.compile("max cores", re.I))
+
+
+def test_a_viewer_sees_no_controls_and_a_posted_one_is_refused(page: Page, live_server: Any) -> None:
+    farm = tiny_farm(managed=False, frames=2)
+    Frame.objects.filter(pk=farm.frames[0].pk).update(str_state="DEAD")
+    log_in(page, live_server, "viewer")
+    page.goto(f"{live_server.url}/admin/ops/console/job/{farm.job.pk}/")
+    expect(page.locator("#layers-table")).to_be_visible()
+    expect(page.locator("#job-controls")).to_have_count(0)
+    expect(page.locator("#frames-table button")).to_have_count(0)
+    token = page.context.cookies()
+    csrf = next(c["value"] for c in token if c["name"] == "csrftoken")
+    answer = page.request.post(
+        f"{live_server.url}/admin/ops/console/job/{farm.job.pk}/act/",
+        form={"action": "retry", "csrfmiddlewaretoken": csrf},
+        headers={"Referer": live_server.url + "/admin/", "X-CSRFToken": csrf},
+    )
+    assert answer.status == 403
+    assert Frame.objects.get(pk=farm.frames[0].pk).str_state == "DEAD"
