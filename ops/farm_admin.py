@@ -30,7 +30,7 @@ from django.contrib import admin, messages
 from django.contrib.admin.helpers import ActionForm
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import connection
-from django.db.models import Case, Count, IntegerField, OuterRef, QuerySet, Subquery, Sum, Value, When
+from django.db.models import Case, Count, IntegerField, OuterRef, Prefetch, QuerySet, Subquery, Sum, Value, When
 from django.db.models.functions import Coalesce
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.shortcuts import render
@@ -490,9 +490,15 @@ class FrameListAdmin(FarmListMixin, dispatch_admin.FrameAdmin):
         "updated",
         "why",
     )
-    list_select_related = ("job",)
+    # The page's jobs come in one more query (prefetch), not a join: joining 500,000 frames to
+    # their jobs before the top-100 sort took 0.8 s where the frame scan alone takes 0.16 s.
+    list_select_related = False
     ordering = ("-ts_updated", "pk_frame")
     actions = ("retry_selected", "eat_selected", "kill_selected")
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Frame]:
+        jobs = Job.objects.only("pk_job", "str_name")
+        return super().get_queryset(request).prefetch_related(Prefetch("job", queryset=jobs))
 
     def console_url(self, object_id: str) -> str | None:
         return reverse("admin:ops_frame", args=[object_id])
