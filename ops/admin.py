@@ -165,3 +165,6 @@ class KillSwitchEventAdmin(EventAdmin):
 
 # The farm lists (hosts, jobs, frames, procs) replace dispatch.admin's plain ones.
 farm_admin.register(admin.site)
+# No sidebar of raw tables beside every page: the console's own navigation is the top bar, and
+# the sidebar took 260 px that pushed the lists' last columns off a 1400 px screen.
+admin.site.enable_nav_sidebar = False

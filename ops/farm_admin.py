@@ -132,7 +132,9 @@ class FarmListMixin:
         action = request.POST.get("action") if request.method == "POST" else None
         if action and action not in self.get_actions(request):  # type: ignore[attr-defined]
             raise PermissionDenied(f"the action {action!r} needs a role you do not have")
-        extra = {**(extra_context or {}), "farm_refresh_ms": int(refresh_seconds() * 1000)}
+        # Titled by what the list is ("Jobs"), not "Select job to view" (no row has a raw form).
+        title = str(self.model._meta.verbose_name_plural).capitalize()  # type: ignore[attr-defined]
+        extra = {"title": title, **(extra_context or {}), "farm_refresh_ms": int(refresh_seconds() * 1000)}
         return super().changelist_view(request, extra)  # type: ignore[misc]
 
 

@@ -330,3 +330,27 @@ def test_a_viewer_sees_no_controls_and_a_posted_one_is_refused(page: Page, live_
     )
     assert answer.status == 403
     assert Frame.objects.get(pk=farm.frames[0].pk).str_state == "DEAD"
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_the_farm_lists_and_the_job_page_fit_1400_px(
+    page: Page, live_server: Any, role: str, screenshot_dir: Path
+) -> None:
+    farm = tiny_farm(managed=False, frames=3)
+    Frame.objects.filter(pk=farm.frames[0].pk).update(str_state="RUNNING", str_host=farm.host.str_name)
+    create_proc(farm.host, farm.frames[0], cores=100)
+    log_in(page, live_server, role)
+    pages = {
+        "job": "/admin/dispatch/job/",
+        "frame": "/admin/dispatch/frame/",
+        "host": "/admin/dispatch/host/",
+        "proc": "/admin/dispatch/proc/",
+        "job-page": f"/admin/ops/console/job/{farm.job.pk}/",
+    }
+    for name, path in pages.items():
+        page.goto(live_server.url + path)
+        table = "#frames-table" if name == "job-page" else "#result_list"
+        right = _right_edge(page, f"{table} thead th:last-child")
+        width = page.evaluate("document.documentElement.scrollWidth")
+        page.screenshot(path=str(screenshot_dir / f"31-{name}-{role}.png"), full_page=True)
+        assert right <= WIDTH and width <= WIDTH, f"{name}: last column ends at {right:.0f} px, page {width} px wide"
