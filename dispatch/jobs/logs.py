@@ -59,12 +59,17 @@ class FrameLog:
             return 0
 
 
+def _plain(*names: str) -> bool:
+    """Names that stay one path component: RQD's path uses them raw, so one with a separator or
+    a leading dot could point the web process outside the log directory; such a log is not read."""
+    return all(name and "/" not in name and "\\" not in name and not name.startswith(".") for name in names)
+
+
 def find_log(show: str, job: str, layer: str, number: int, frame_name: str) -> FrameLog:
     """The agent's log if it exists, else RQD's; the most recently written when both do."""
-    candidates = (
-        agent_log_path(Path(conf.agent_log_root()), show, job, layer, number),
-        rqd_log_path(show, job, frame_name),
-    )
+    candidates: tuple[Path, ...] = (agent_log_path(Path(conf.agent_log_root()), show, job, layer, number),)
+    if _plain(show, job, frame_name):
+        candidates += (rqd_log_path(show, job, frame_name),)
     found = []
     for path in candidates:
         try:
