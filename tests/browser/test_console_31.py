@@ -330,6 +330,11 @@ def test_a_viewer_sees_no_controls_and_a_posted_one_is_refused(page: Page, live_
     )
     assert answer.status == 403
     assert Frame.objects.get(pk=farm.frames[0].pk).str_state == "DEAD"
+    # The kill switch reads for a viewer (it was a 403), with no form to change it.
+    switch = page.goto(f"{live_server.url}/admin/ops/console/notifications/")
+    assert switch is not None and switch.status == 200
+    expect(page.locator("#kill-switch-read-only")).to_contain_text("Notifications are on")
+    expect(page.locator("#confirm-kill-switch")).to_have_count(0)
 
 
 @pytest.mark.parametrize("role", ROLES)
