@@ -212,7 +212,11 @@ def test_burst_decrease_below_booked_warns_with_the_consequence(farm: Farm, oper
         create_proc(farm.host, frame, cores=500)
     url, data = _sub_form(operator, farm)
     data["int_burst"] = 12
-    text = operator.post(url, data, follow=True).content.decode()
+    # Issue 31: said before the save too (it came only after it): a confirmation, nothing saved yet.
+    first = operator.post(url, data).content.decode()
+    assert "20 cores are booked now, above the new 12" in first and "12 cores" in first
+    assert Subscription.objects.get(pk=farm.subscription.pk).int_burst == 10_000
+    text = operator.post(url, {**data, "_ops_confirmed": "1"}, follow=True).content.decode()
     assert Subscription.objects.get(pk=farm.subscription.pk).int_burst == 1200
     assert "books 20 cores on this allocation now, above the new burst of 12" in text
 
