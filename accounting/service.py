@@ -101,8 +101,14 @@ class ServiceState:
         farm = sum(abs(v) for v in (rc.drift_cores.values() if rc else ()))
         farm += sum(abs(v) for v in self.last_reconcile_drift.values())
         per_show: dict[str, int] = {}
-        for key, (cores, _at) in (self.recent_drift.get("sub") or {}).items():
+        for key, (cores, at) in (self.recent_drift.get("sub") or {}).items():
             show = key.split(":", 1)[0]
+            # A pass before the show's seed measured an unseeded Store (a flip just committed):
+            # minus the whole booking, no counter's fault. Only passes after the seed count, and
+            # only for shows published as managed (the seed time is set when it is published).
+            seeded = self.managed_published_at.get(show)
+            if seeded is None or at < seeded:
+                continue
             per_show[show] = per_show.get(show, 0) + cores
         return farm, per_show
 

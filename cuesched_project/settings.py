@@ -49,6 +49,7 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "ops.timezone_middleware.ViewerTimezoneMiddleware",
 ]
 
 ROOT_URLCONF = "cuesched_project.urls"
@@ -135,6 +136,8 @@ LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"
 USE_I18N = True
 USE_TZ = True
+# One time format everywhere in the console (24 h, ISO date, zone named): cuesched_project/formats.
+FORMAT_MODULE_PATH = ["cuesched_project.formats"]
 
 STATIC_URL = "static/"
 STATIC_ROOT = BASE_DIR / "static"

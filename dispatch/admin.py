@@ -16,7 +16,7 @@ from typing import Any
 from django.contrib import admin
 from django.db.models import Model, QuerySet
 from django.forms import ModelForm
-from django.http import HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.urls import reverse
 from django.utils.html import format_html, format_html_join
 
@@ -46,6 +46,10 @@ from dispatch.models import (
 from ops import admin_views as ops_views
 from ops import permissions as ops_permissions
 from ops.caps_admin import CapsAdminMixin
+from ops.readonly_admin import ReadOnlyAdmin
+from ops.templatetags.ops_console import ops_words
+from ops.units import cores as shown_cores
+from ops.units import memory_kb
 
 STAT_COUNTS = (
     "int_waiting_count",
@@ -61,11 +65,30 @@ BOOKED = ("int_cores", "int_gpus")
 HOST_IDLE = ("int_cores_idle", "int_mem_idle", "int_gpus_idle", "int_gpu_mem_idle")
 
 
+def field_label(name: str) -> str:
+    """A form label in words with the column's unit: "Default max cores (centicores)".
+
+    The tables keep Cuebot's names and units; a bare "Int default max cores: 10000" reads as
+    10,000 cores where it means 100.
+    """
+    words = ops_words(name.replace("_", " "))
+    if name.startswith("int_") and "cores" in name:
+        return f"{words} (centicores)"
+    if name.startswith("int_") and ("mem" in name or name.endswith(("_rss", "_vss"))):
+        return f"{words} (KB)"
+    return words
+
+
 class FarmAdmin(admin.ModelAdmin):
     """Shows the text primary key read-only; `live_fields` are read-only once the row exists."""
 
     list_per_page = 100
     live_fields: tuple[str, ...] = ()
+
+    def get_form(self, request: HttpRequest, obj: Any = None, change: bool = False, **kwargs: Any) -> Any:
+        labels = {f.name: field_label(f.name) for f in self.model._meta.concrete_fields}
+        kwargs["labels"] = {**labels, **(kwargs.get("labels") or {})}
+        return super().get_form(request, obj, change, **kwargs)
 
     def get_readonly_fields(self, request: HttpRequest, obj: Model | None = None) -> list[str]:
         fields = [self.model._meta.pk.name, *super().get_readonly_fields(request, obj)]
@@ -112,7 +135,7 @@ class ShowAdmin(FarmAdmin):
         "b_paused",
         "b_booking_enabled",
         "b_dispatch_enabled",
-        "int_default_max_cores",
+        "default_max_cores",
         "console",
     )
     list_filter = ("b_scheduler_managed", "b_active", "b_paused")
@@ -130,6 +153,11 @@ class ShowAdmin(FarmAdmin):
         live = reverse("admin:ops_show_live", args=[obj.pk])
         flip = reverse("admin:ops_show_flip", args=[obj.pk])
         return format_html('<a href="{}">live counters</a> · <a href="{}">flip…</a>', live, flip)
+
+    @admin.display(description="default max cores of a job", ordering="int_default_max_cores")
+    def default_max_cores(self, obj: Show) -> str:
+        value = obj.int_default_max_cores
+        return "unlimited" if value is not None and value < 0 else shown_cores(value)
 
     def has_flip_permission(self, request: HttpRequest) -> bool:
         return ops_permissions.can_flip(request.user)
@@ -188,12 +216,16 @@ class SubscriptionAdmin(CapsAdminMixin, FarmAdmin):
 
 @admin.register(Point)
 class PointAdmin(FarmAdmin):
-    list_display = ("pk_point", "show", "dept", "int_cores", "int_gpus", "b_managed")
+    list_display = ("pk_point", "show", "dept", "booked_cores", "int_gpus", "b_managed")
     list_filter = ("b_managed", "show__b_scheduler_managed")
     search_fields = ("show__str_name", "dept__str_name", "pk_point")
     raw_id_fields = ("show", "dept")
     list_select_related = ("show", "dept")
     live_fields = BOOKED
+
+    @admin.display(description="booked cores", ordering="int_cores")
+    def booked_cores(self, obj: Point) -> str:
+        return shown_cores(obj.int_cores)
 
 
 @admin.register(Folder)
@@ -299,7 +331,7 @@ class JobResourceAdmin(CapsAdminMixin, FarmAdmin):
 
 
 @admin.register(JobStat)
-class JobStatAdmin(FarmAdmin):
+class JobStatAdmin(ReadOnlyAdmin, FarmAdmin):
     list_display = ("job", *STAT_COUNTS[:3], "int_succeeded_count", "int_total_count")
     list_filter = ("job__str_state",)
     search_fields = ("job__str_name", "pk_job_stat")
@@ -309,13 +341,31 @@ class JobStatAdmin(FarmAdmin):
 
 
 @admin.register(Layer)
-class LayerAdmin(FarmAdmin):
+class LayerAdmin(ReadOnlyAdmin, FarmAdmin):
+    """Layers are seen on their job's page (progress, frames, controls); no raw form."""
+
+    def change_view(
+        self, request: HttpRequest, object_id: str, form_url: str = "", extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        layer = Layer.objects.filter(pk=object_id).only("job_id").first()
+        if layer is None:
+            return super().change_view(request, object_id, form_url, extra_context)
+        return HttpResponseRedirect(reverse("admin:ops_job", args=[layer.job_id]) + f"?layer={layer.pk}#frames")
+
+    @admin.display(description="cores per frame", ordering="int_cores_min")
+    def cores_min(self, obj: Layer) -> str:
+        return shown_cores(obj.int_cores_min)
+
+    @admin.display(description="memory per frame", ordering="int_mem_min")
+    def memory_min(self, obj: Layer) -> str:
+        return memory_kb(obj.int_mem_min)
+
     list_display = (
         "str_name",
         "job",
         "int_dispatch_order",
-        "int_cores_min",
-        "int_mem_min",
+        "cores_min",
+        "memory_min",
         "int_gpus_min",
         "b_threadable",
         "str_tags",
@@ -327,7 +377,7 @@ class LayerAdmin(FarmAdmin):
 
 
 @admin.register(LayerResource)
-class LayerResourceAdmin(FarmAdmin):
+class LayerResourceAdmin(ReadOnlyAdmin, FarmAdmin):
     list_display = ("layer", "job", "int_cores", "int_gpus")
     search_fields = ("layer__str_name", "job__str_name", "pk_layer_resource")
     raw_id_fields = ("layer", "job")
@@ -336,7 +386,7 @@ class LayerResourceAdmin(FarmAdmin):
 
 
 @admin.register(LayerStat)
-class LayerStatAdmin(FarmAdmin):
+class LayerStatAdmin(ReadOnlyAdmin, FarmAdmin):
     list_display = ("layer", "job", *STAT_COUNTS[:3], "int_total_count", "ts_started", "ts_stopped")
     search_fields = ("layer__str_name", "job__str_name", "pk_layer_stat")
     raw_id_fields = ("layer", "job")
@@ -399,7 +449,7 @@ class HostAdmin(FarmAdmin):
 
 
 @admin.register(HostStat)
-class HostStatAdmin(FarmAdmin):
+class HostStatAdmin(ReadOnlyAdmin, FarmAdmin):
     list_display = ("host", "str_state", "str_os", "int_mem_total", "int_mem_free", "int_load", "ts_ping")
     list_filter = ("str_state", "str_os")
     search_fields = ("host__str_name", "pk_host_stat")
@@ -408,7 +458,7 @@ class HostStatAdmin(FarmAdmin):
 
 
 @admin.register(HostTag)
-class HostTagAdmin(FarmAdmin):
+class HostTagAdmin(ReadOnlyAdmin, FarmAdmin):
     list_display = ("str_tag", "str_tag_type", "host", "b_constant")
     list_filter = ("str_tag_type", "b_constant")
     search_fields = ("str_tag", "host__str_name", "pk_host_tag")

@@ -22,6 +22,7 @@ from ops import (
     admin_views,
     farm_admin,
     farm_views,
+    job_pages,
     limits_admin,  # noqa: F401 - registers the licence limit admins
     permissions,
 )
@@ -54,6 +55,10 @@ class ConsoleAdmin(ReadOnlyAdmin):
             path("", g(admin_views.overview), name="ops_console_overview"),
             path("show/<str:pk>/", g(admin_views.show_live), name="ops_show_live"),
             path("show/<str:pk>/flip/", g(admin_views.flip), name="ops_show_flip"),
+            path("job/<str:pk>/", g(job_pages.job_page), name="ops_job"),
+            path("job/<str:pk>/act/", g(job_pages.act), name="ops_job_act"),
+            path("frame/<str:pk>/", g(job_pages.frame_page), name="ops_frame"),
+            path("frame/<str:pk>/log/", g(job_pages.frame_log), name="ops_frame_log"),
             path("job/<str:pk>/why/", g(admin_views.why_job), name="ops_job_why"),
             path("frame/<str:pk>/why/", g(admin_views.why_frame), name="ops_frame_why"),
             path("audit/", g(admin_views.audit), name="ops_audit"),
@@ -160,3 +165,6 @@ class KillSwitchEventAdmin(EventAdmin):
 
 # The farm lists (hosts, jobs, frames, procs) replace dispatch.admin's plain ones.
 farm_admin.register(admin.site)
+# No sidebar of raw tables beside every page: the console's own navigation is the top bar, and
+# the sidebar took 260 px that pushed the lists' last columns off a 1400 px screen.
+admin.site.enable_nav_sidebar = False

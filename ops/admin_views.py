@@ -24,7 +24,7 @@ from django.views.decorators.http import require_http_methods
 from accounting import actions
 from accounting.units import centicores_to_cores, format_cap
 from cuesched_project import conf
-from dispatch.models import FarmAction, Folder, Job, Show, Subscription
+from dispatch.models import Alloc, FarmAction, Folder, Job, Show, Subscription
 from ops import counters, freshness, permissions, status, why
 from ops.forms import AuditFilterForm, FlipForm, KillSwitchForm
 from ops.fullest import RECENT_RUNS_MINUTES, fullest_folders, recent_frame_ends
@@ -80,11 +80,50 @@ def _scheduler_context(view: dict[str, Any] | None) -> dict[str, Any]:
     }
 
 
+_VERTEX_WORDS = {"sub": "subscription", "folder": "folder", "job": "job"}
+_FIELD_WORDS = {"burst": "burst", "max_cores": "max cores", "max_gpus": "max GPUs"}
+
+
+def cap_key_names(keys: list[tuple[str, str]]) -> dict[tuple[str, str], str]:
+    """Names for the Store's cap keys (job and folder ids, "show:alloc"): at most three queries."""
+    wanted: dict[str, set[str]] = {"job": set(), "folder": set(), "show": set(), "alloc": set()}
+    for vertex, key in keys:
+        if vertex == "sub" and ":" in key:
+            show, alloc = key.split(":", 1)
+            wanted["show"].add(show)
+            wanted["alloc"].add(alloc)
+        elif vertex in ("job", "folder"):
+            wanted[vertex].add(key)
+    models = {"job": Job, "folder": Folder, "show": Show, "alloc": Alloc}
+    found: dict[str, dict[str, str]] = {
+        name: dict(model.objects.filter(pk__in=wanted[name]).values_list("pk", "str_name")) if wanted[name] else {}
+        for name, model in models.items()
+    }
+    names = {}
+    for vertex, key in keys:
+        if vertex == "sub" and ":" in key:
+            show, alloc = key.split(":", 1)
+            names[(vertex, key)] = f"{found['show'].get(show, show)} @ {found['alloc'].get(alloc, alloc)}"
+        else:
+            names[(vertex, key)] = found.get(vertex, {}).get(key, key)
+    return names
+
+
 def _recent_caps(view: dict[str, Any] | None, limit: int = 12) -> list[dict[str, Any]]:
-    recs = (view or {}).get("recent_caps") or []
+    """The cap changes the scheduler applied, named (not by id) and in cores (-1: unlimited)."""
+    recs = list(islice(reversed((view or {}).get("recent_caps") or []), limit))
+    names = cap_key_names([(v, k) for v, k, _f, _val, _at in recs])
     return [
-        {"vertex": v, "key": k, "field": f, "value": val, "ago": status.ago(at)}
-        for v, k, f, val, at in islice(reversed(recs), limit)
+        {
+            "vertex": _VERTEX_WORDS.get(v, v),
+            "key": k,
+            "name": names.get((v, k), k),
+            "field": _FIELD_WORDS.get(f, f),
+            "value": "unlimited" if v != "sub" and isinstance(val, int) and val < 0 else val,
+            "unit": "GPUs" if "gpus" in f else "cores",
+            "ago": status.ago(at),
+        }
+        for v, k, f, val, at in recs
     ]
 
 
@@ -242,8 +281,10 @@ def why_frame(request: HttpRequest, pk: str) -> HttpResponse:
 
 @require_http_methods(["GET", "POST"])
 def kill_switch(request: HttpRequest) -> HttpResponse:
-    permissions.require(permissions.can_set_kill_switch(request.user))
+    """The kill switch: anyone who views the console reads it; only operators change it (POST)."""
+    permissions.require(permissions.can_view(request.user))
     if request.method == "POST":
+        permissions.require(permissions.can_set_kill_switch(request.user))
         form = KillSwitchForm(request.POST)
         if form.is_valid():
             result = actions.set_notifications(form.cleaned_data["enabled"], actor=request.user)
@@ -260,6 +301,7 @@ def kill_switch(request: HttpRequest) -> HttpResponse:
         "Notifications kill switch",
         target=target,
         off_means=OFF_MEANS,
+        notify_on=status.notifications_on(),
         form=KillSwitchForm(initial={"enabled": "true" if target else "false", "confirm": True}),
     )
     return render(request, "ops/kill_switch_confirm.html", context)

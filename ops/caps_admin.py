@@ -111,6 +111,13 @@ def _cap_display(model_name: str, column: str) -> Callable[[Any], str]:
     return display
 
 
+def _with_unit(shown: str, column: str) -> str:
+    """'12 cores', '4 GPUs' on the confirmation; 'unlimited (-1)' and '0 (books nothing)' as they are."""
+    if not shown[:1].isdigit() or "(" in shown:
+        return shown
+    return f"{shown} {'GPUs' if 'gpus' in column else 'cores'}"
+
+
 def host_cores(alloc_id: str | None = None) -> int:
     """Whole cores of every host (or of one allocation's): above it a cap can never bind."""
     with connection.cursor() as cur:
@@ -161,6 +168,13 @@ class CapsAdminMixin:
         new = new_db // CENTICORES_PER_CORE
         if new > cores and column != "int_size":
             return [f"{new:,} cores is more than the {cores:,} cores of {where}: is it a typo?"]
+        # Said before the save (it used to come only after): lowering below what runs stops nothing.
+        booked = int(getattr(obj, "int_cores", 0) or 0)
+        if column != "int_size" and booked > new_db:
+            return [
+                f"{actions.cores(booked)} cores are booked now, above the new {new:,}: nothing running stops; "
+                "new frames wait until the booking is below it."
+            ]
         return []
 
     def _changes_of(self, form: ModelForm) -> list[dict[str, Any]]:
@@ -172,8 +186,8 @@ class CapsAdminMixin:
                 {
                     "object": str(obj),
                     "field": _CAP_NAMES.get(column, column),
-                    "old": cap_shown(self.cap_model, column, old),
-                    "new": cap_shown(self.cap_model, column, new),
+                    "old": _with_unit(cap_shown(self.cap_model, column, old), column),
+                    "new": _with_unit(cap_shown(self.cap_model, column, new), column),
                     "risks": self.cap_risks(obj, column, new),
                 }
             )

@@ -94,11 +94,13 @@ class Row:
     # Managed rows: the drift the last recompute measured for this key (None: no recompute yet).
     measured_drift: int | None = None
     managed: bool = False
+    # A managed show the scheduler has not seeded yet (a flip just committed): no drift to show.
+    seeding: bool = False
 
     @property
     def drift(self) -> int | None:
         if self.managed:
-            return self.measured_drift
+            return None if self.seeding else self.measured_drift
         if self.enforced_cores is None:
             return None
         return self.enforced_cores - self.db_cores
@@ -193,7 +195,8 @@ def sub_rows(view: dict[str, Any] | None, show: str | None = None) -> list[Row]:
                 inflight_gpus=(entry or {}).get("inflight_gpus", 0),
                 cap_is_burst=True,
                 managed=managed,
-                measured_drift=None if measured is None else measured.get(f"{pk_show}:{pk_alloc}", 0),
+                seeding=managed and drift.seeded_at(view, pk_show) is None,
+                measured_drift=drift.key_drift(measured, f"{pk_show}:{pk_alloc}", drift.seeded_at(view, pk_show)),
                 extra={
                     "show": pk_show,
                     "show_name": show_name,
@@ -215,7 +218,8 @@ def _vertex_row(
     entry: dict[str, Any] | None,
     sums: tuple[int, int, int],
     caps: tuple[int, ...],
-    measured: dict[str, int] | None = None,
+    measured: dict[str, tuple[int, float | None]] | None = None,
+    seeded: float | None = None,
 ) -> Row:
     max_cc, max_gpus, t_cores, t_gpus = caps
     db_cores, db_gpus, procs = sums
@@ -236,7 +240,8 @@ def _vertex_row(
         inflight_cores=(entry or {}).get("inflight_cores", 0),
         inflight_gpus=(entry or {}).get("inflight_gpus", 0),
         managed=managed,
-        measured_drift=None if measured is None else measured.get(pk, 0),
+        seeding=managed and seeded is None,
+        measured_drift=drift.key_drift(measured, pk, seeded),
     )
 
 
@@ -254,10 +259,18 @@ def _show_counters(view: dict[str, Any] | None, show: str) -> ShowCounters:
     store_folders = (view or {}).get("folder") or {}
     store_jobs = (view or {}).get("job") or {}
     measured_folders, measured_jobs = drift.measured(view, "folder"), drift.measured(view, "job")
+    seeded = drift.seeded_at(view, show)
     zero = (0, 0, 0)
     folders = [
         _vertex_row(
-            pk, fname, managed, store_folders.get(pk), folder_sums.get(pk, zero), (mc, mg, c, g), measured_folders
+            pk,
+            fname,
+            managed,
+            store_folders.get(pk),
+            folder_sums.get(pk, zero),
+            (mc, mg, c, g),
+            measured_folders,
+            seeded,
         )
         for pk, fname, mc, mg, c, g in _fetch(FOLDERS_SQL, params)
     ]
@@ -265,7 +278,7 @@ def _show_counters(view: dict[str, Any] | None, show: str) -> ShowCounters:
     job_rows = _fetch(JOBS_SQL, params)
     for pk, jname, state, paused, prio, mc, mg, c, g, waiting, running, depend in job_rows[:JOB_ROWS_LIMIT]:
         row = _vertex_row(
-            pk, jname, managed, store_jobs.get(pk), job_sums.get(pk, zero), (mc, mg, c, g), measured_jobs
+            pk, jname, managed, store_jobs.get(pk), job_sums.get(pk, zero), (mc, mg, c, g), measured_jobs, seeded
         )
         row.extra = {
             "state": state,
@@ -317,6 +330,10 @@ class ShowSummary:
         if any(d is None for d in drifts):
             return None
         return sum(d for d in drifts if d is not None)
+
+    @property
+    def seeding(self) -> bool:
+        return any(r.seeding for r in self.subs)
 
     @property
     def burst(self) -> int:

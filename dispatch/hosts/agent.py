@@ -63,6 +63,7 @@ from django.conf import settings
 from accounting import db as acct_db
 from dispatch import conf
 from dispatch.engine.completion import EXIT_STATUS_DOWN_HOST, EXIT_STATUS_KILLED, Completion, complete
+from dispatch.jobs import logs as frame_logs
 from dispatch.jobs.frameset import Chunk, FrameRangeError, chunk_frames, parse_frames, substitute_tokens
 
 logger = logging.getLogger(__name__)
@@ -462,7 +463,6 @@ LOCK_PROC_SQL = "SELECT pg_try_advisory_lock(hashtext('cuesched-run:' || %s))"
 
 _PASSED_ENV = frozenset(("PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LC_ALL", "TZ", "TMPDIR", "TERM"))
 _SHELL_CHARS = re.compile(r"[;&|<>()$`*?\[\]{}~!\n\\]")
-_SAFE_PATH = re.compile(r"[^A-Za-z0-9._+=@,-]")
 
 
 @dataclass
@@ -561,10 +561,8 @@ def previous_runs(log: Path) -> int:
 
 
 def log_path(root: Path, ctx: RunContext) -> Path:
-    def part(text: str) -> str:
-        return _SAFE_PATH.sub("_", text).lstrip(".") or "_"
-
-    return root / part(ctx.show) / part(ctx.job) / f"{part(ctx.layer)}.{ctx.number:04d}.log"
+    """The frame's log: the one rule the console and the API read it by (dispatch.jobs.logs)."""
+    return frame_logs.agent_log_path(root, ctx.show, ctx.job, ctx.layer, ctx.number)
 
 
 def frame_env(ctx: RunContext, chunk: Chunk, log: Path) -> dict[str, str]:

@@ -10,6 +10,7 @@ full contract with examples is docs/api.md):
 | GET | /api/jobs/<id or name> | | 200 the job: state, counts, caps, layers |
 | GET | /api/jobs/<id or name>/layers | ?limit, offset | 200 a page of its layers |
 | GET | /api/jobs/<id or name>/frames | ?layer, state, limit, offset | 200 a page of its frames |
+| GET | /api/jobs/<id or name>/frames/<id or name>/log | ?offset (bytes) | 200 text/plain, or a JSON 404 |
 | POST | /api/jobs/<id or name>/pause, resume, kill | none or {} | 200 {"job", "action", "changed", ...} |
 | POST | /api/jobs/<id or name>/retry, eat | none, or {"frames": [names or ids], "layer": name} | 200 |
 | POST | /api/jobs/<id or name>/priority | {"priority": n} | 200 |
@@ -52,12 +53,13 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.core.exceptions import SuspiciousOperation, ValidationError
 from django.db import DataError, OperationalError
 from django.db.models import Count, Exists, OuterRef, Q, QuerySet
-from django.http import HttpRequest, JsonResponse
+from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from accounting import actions as cap_actions
 from accounting.units import centicores_to_cores_cap, gpus_cap
 from dispatch.jobs import actions
+from dispatch.jobs import logs as frame_logs
 from dispatch.jobs.spec import SpecError, load_spec
 from dispatch.jobs.tokens import user_for_token
 from dispatch.models import Frame, Job, JobResource, JobStat, Layer, LayerStat, LimitRecord, Proc
@@ -80,6 +82,7 @@ ROUTES = (
     "GET /api/jobs/<job>",
     "GET /api/jobs/<job>/layers",
     "GET /api/jobs/<job>/frames",
+    "GET /api/jobs/<job>/frames/<frame>/log",
     "POST /api/jobs/<job>/pause",
     "POST /api/jobs/<job>/resume",
     "POST /api/jobs/<job>/kill",
@@ -399,6 +402,58 @@ def job_frames(request: HttpRequest, user: AbstractBaseUser, ref: str) -> JsonRe
     return _page(request, rows, limit, offset, describe_frame)
 
 
+def frame_log_of(job: Job, ref: str) -> tuple[Frame, frame_logs.FrameLog]:
+    """The job's frame by id or name, and where its log is (ValueError: no such frame)."""
+    frame = (
+        Frame.objects.filter(job=job, pk=ref).select_related("layer").first()
+        or Frame.objects.filter(job=job, str_name=ref).select_related("layer").first()
+    )
+    if frame is None:
+        raise ValueError(f"the job has no frame {ref!r}")
+    show = job.show.str_name  # the agent's log tree names the show as the show table does
+    return frame, frame_logs.find_log(show, job.str_name, frame.layer.str_name, frame.int_number, frame.str_name)
+
+
+def log_offset(raw: str | None) -> int:
+    """`?offset=N`: a whole number of bytes, 0 or more (ValueError with the reason)."""
+    if raw in (None, ""):
+        return 0
+    if not raw.isdigit():
+        raise ValueError(f"offset must be a whole number of bytes, 0 or more (got {raw!r})")
+    return int(raw)
+
+
+def log_response(log: frame_logs.FrameLog, offset: int) -> HttpResponse:
+    """The log from `offset` as text/plain; the headers say where the next read starts."""
+    assert log.path is not None
+    chunk = frame_logs.read_from(log.path, offset)
+    response = HttpResponse(chunk.data, content_type="text/plain; charset=utf-8")
+    response["X-Log-Offset"] = str(chunk.offset)
+    response["X-Log-Next-Offset"] = str(chunk.end)
+    response["X-Log-Size"] = str(chunk.size)
+    response["Cache-Control"] = "no-store"
+    return response
+
+
+@_api("GET")
+def frame_log(request: HttpRequest, user: AbstractBaseUser, ref: str, frame_ref: str) -> HttpResponse:
+    """GET /api/jobs/<job>/frames/<frame>/log[?offset=N]: the log as text/plain, from byte N."""
+    job = _job(ref)
+    try:
+        offset = log_offset(request.GET.get("offset"))
+        frame, log = frame_log_of(job, frame_ref)
+    except ValueError as exc:
+        status = 404 if "no frame" in str(exc) else 400
+        raise ApiError(status, str(exc)) from None
+    if log.path is None:
+        places = ", ".join(str(p) for p in log.looked_at)
+        raise ApiError(404, f"no log for frame {frame.str_name} (yet): looked at {places}")
+    try:
+        return log_response(log, offset)
+    except OSError as exc:
+        raise ApiError(404, f"the log of frame {frame.str_name} cannot be read here: {exc.strerror}") from None
+
+
 def describe_frame(frame: Frame) -> dict[str, Any]:
     return {
         "frame": frame.pk_frame,
@@ -504,7 +559,10 @@ def job_action(request: HttpRequest, user: AbstractBaseUser, ref: str, action: s
     try:
         result = run(job, body, user)
     except ValidationError as exc:
-        raise ApiError(400, *exc.messages) from None
+        # Say how to confirm, in this interface's words (the action's message is the CLI's too).
+        confirm = getattr(exc, "code", None) == "confirm_stop"
+        hint = ['send {"max_cores": 0, "confirm": true} to confirm'] if confirm else []
+        raise ApiError(400, *exc.messages, *hint) from None
     return JsonResponse({"job": result.job_id, "action": action, "changed": result.changed, **result.detail})
 
 

@@ -15,6 +15,7 @@ urlpatterns = [
     re_path(r"^jobs/(?P<ref>[^/]+)/?$", api.job_detail, name="job"),
     re_path(r"^jobs/(?P<ref>[^/]+)/layers/?$", api.job_layers, name="job-layers"),
     re_path(r"^jobs/(?P<ref>[^/]+)/frames/?$", api.job_frames, name="job-frames"),
+    re_path(r"^jobs/(?P<ref>[^/]+)/frames/(?P<frame_ref>[^/]+)/log/?$", api.frame_log, name="frame-log"),
     re_path(r"^jobs/(?P<ref>[^/]+)/(?P<action>[^/]+)/?$", api.job_action, name="job-action"),
     re_path(r"^limits/?$", api.limits, name="limits"),
     re_path(r"^limits/(?P<ref>[^/]+)/?$", api.limit_detail, name="limit"),

@@ -7,6 +7,7 @@ from typing import Any
 from django import template
 from django.db import DatabaseError
 from django.utils import timezone
+from django.utils.safestring import SafeData
 
 from accounting import blockers
 from cuesched_project import conf
@@ -61,11 +62,42 @@ CAP_HEADERS = {
 }
 
 
-@register.simple_tag
-def ops_cap_header(text: str) -> str:
-    """Change-list headers of cap columns, which are edited in whole cores (model names are Cuebot's)."""
+# Cuebot's column prefixes (type tags, not words): "str name" reads "name", "b paused" "paused".
+_TYPE_PREFIXES = ("str ", "int ", "b ", "ts ", "float ", "pk ")
+
+
+def in_words(text: Any) -> str:
+    """A column's label as a person reads it: Cuebot's type prefix dropped, first letter capital.
+
+    The model fields keep Cuebot's names (the tables are Cuebot's), so their default labels are
+    "str name", "int retries", "b paused": a prefix is a type tag, not part of the meaning.
+    """
     text = str(text)
-    return CAP_HEADERS.get(text, text[:1].upper() + text[1:])
+    if text in CAP_HEADERS:
+        return CAP_HEADERS[text]
+    for prefix in _TYPE_PREFIXES:
+        if text.lower().startswith(prefix):
+            text = "id" if prefix == "pk " else text[len(prefix) :]
+            break
+    return text[:1].upper() + text[1:]
+
+
+@register.simple_tag
+def ops_cap_header(text: Any) -> str:
+    """Change-list headers in words; cap columns, edited in whole cores, say so.
+
+    A header Django marked safe is markup (the select-all checkbox of the action column): it is
+    returned as it is, never escaped into text.
+    """
+    if isinstance(text, SafeData):
+        return text  # type: ignore[return-value]
+    return in_words(text)
+
+
+@register.filter
+def ops_words(text: Any) -> str:
+    """A filter's title in words ("By state", not "By str state")."""
+    return in_words(text)
 
 
 @register.filter

@@ -15,7 +15,7 @@ from playwright.sync_api import Page, expect
 
 from accounting import actions
 from accounting.models import AccountingSettings
-from dispatch.models import FolderResource, JobResource, Subscription
+from dispatch.models import FolderResource, JobResource, Show, Subscription
 from ops import permissions
 from tests.integration.runtime_support import autocommit_conn, make_farm, running_scheduler
 
@@ -234,9 +234,14 @@ def test_a_finished_jobs_cap_is_not_left_pending(
 def test_the_403_page_is_the_consoles_and_says_which_role_is_needed(
     page: Page, live_server: Any, viewer_login: tuple[str, str]
 ) -> None:
-    """The "Smaller" list: the 403 page was Django's bare "403 Forbidden"."""
+    """The "Smaller" list: the 403 page was Django's bare "403 Forbidden".
+
+    (Issue 31: a viewer now reads the kill-switch page, so the refused page here is a show's
+    flip confirmation, which only operators may open; the kill switch is still unchanged.)
+    """
+    show = Show.objects.create(str_name="forbidden-show")
     log_in(page, live_server, viewer_login)
-    response = page.goto(f"{live_server.url}/admin/ops/console/notifications/")
+    response = page.goto(f"{live_server.url}/admin/ops/console/show/{show.pk}/flip/")
     assert response is not None and response.status == 403
     expect(page.locator("#site-name")).to_contain_text("cuesched ops")
     forbidden = page.locator("#ops-forbidden")

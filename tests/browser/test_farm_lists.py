@@ -129,7 +129,8 @@ def test_jobs_have_a_reason_and_are_controlled_from_the_list(
     run_action(page, "Kill the selected jobs…")
     expect(page.locator("#content")).to_contain_text("Kill 1 job(s)?")
     page.click("#farm-confirm-yes")
-    expect(page.locator(".messagelist")).to_contain_text("Frames moved")
+    # Issue 31: said in jobs and frames ("Frames moved: 6" added the job and its frames together).
+    expect(page.locator(".messagelist")).to_contain_text("Jobs killed: 1 of 1 selected")
     assert Job.objects.get(pk=farm.job.pk).str_state == "FINISHED"
 
 

@@ -47,9 +47,11 @@ def test_changelist_search_and_change_pages_render(farm_admin: Client, model: ty
     obj = model.objects.first()
     if obj is not None:  # proc is empty in a fresh seed
         change = reverse(f"admin:{opts.app_label}_{opts.model_name}_change", args=[obj.pk])
-        response = farm_admin.get(change)
+        response = farm_admin.get(change, follow=True)
         assert response.status_code == 200
-        assert str(obj.pk) in response.content.decode()  # the text key is shown read-only
+        # The text key is shown read-only, or the row's console page (jobs, layers, frames:
+        # issue 31, no raw forms for farm tables) is where the change URL leads, by its id.
+        assert str(obj.pk) in response.content.decode() or str(obj.pk) in response.redirect_chain[-1][0]
     add = farm_admin.get(reverse(f"admin:{opts.app_label}_{opts.model_name}_add")).status_code
     # Tables only the system writes (depend, API tokens) have no add page.
     request = RequestFactory().get("/")

@@ -212,7 +212,11 @@ def test_burst_decrease_below_booked_warns_with_the_consequence(farm: Farm, oper
         create_proc(farm.host, frame, cores=500)
     url, data = _sub_form(operator, farm)
     data["int_burst"] = 12
-    text = operator.post(url, data, follow=True).content.decode()
+    # Issue 31: said before the save too (it came only after it): a confirmation, nothing saved yet.
+    first = operator.post(url, data).content.decode()
+    assert "20 cores are booked now, above the new 12" in first and "12 cores" in first
+    assert Subscription.objects.get(pk=farm.subscription.pk).int_burst == 10_000
+    text = operator.post(url, {**data, "_ops_confirmed": "1"}, follow=True).content.decode()
     assert Subscription.objects.get(pk=farm.subscription.pk).int_burst == 1200
     assert "books 20 cores on this allocation now, above the new burst of 12" in text
 
@@ -428,9 +432,10 @@ def test_job_and_waiting_frame_forms_say_why_they_are_not_booking(operator: Clie
     farm = tiny_farm(managed=False)
     Job.objects.filter(pk=farm.job.pk).update(b_paused=True)
     su = client_for(make_user("root", None, superuser=True))
-    page = su.get(reverse("admin:dispatch_job_change", args=[farm.job.pk])).content.decode()
+    # Issue 31: the change URLs lead to the console's job and frame pages, which say it too.
+    page = su.get(reverse("admin:dispatch_job_change", args=[farm.job.pk]), follow=True).content.decode()
     assert "The job is paused." in page and reverse("admin:ops_job_why", args=[farm.job.pk]) in page
-    page = su.get(reverse("admin:dispatch_frame_change", args=[farm.frames[0].pk])).content.decode()
+    page = su.get(reverse("admin:dispatch_frame_change", args=[farm.frames[0].pk]), follow=True).content.decode()
     assert "The job is paused." in page and reverse("admin:ops_frame_why", args=[farm.frames[0].pk]) in page
 
 

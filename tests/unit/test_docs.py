@@ -239,7 +239,7 @@ CURL = re.compile(r"^curl\b.*$", re.M)
 
 def route_regex(route: str) -> re.Pattern[str]:
     pattern = re.escape(route)
-    for placeholder in ("<job>", "<limit>"):
+    for placeholder in ("<job>", "<limit>", "<frame>"):
         pattern = pattern.replace(re.escape(placeholder), "[^/]+")
     return re.compile("^" + pattern + "/?$")
 
@@ -275,7 +275,9 @@ def test_every_route_the_api_lists_is_served_with_its_method() -> None:
     actions = set()
     for route in api.ROUTES:
         method, path = route.split(" ", 1)
-        match = resolve(path.replace("<job>", "some-job").replace("<limit>", "some-limit"))
+        for placeholder, value in (("<job>", "some-job"), ("<limit>", "some-limit"), ("<frame>", "some-frame")):
+            path = path.replace(placeholder, value)
+        match = resolve(path)
         assert method in getattr(match.func, "methods", ()), route
         if "action" in match.kwargs:
             actions.add(match.kwargs["action"])

@@ -66,7 +66,8 @@ class Command(BaseCommand):
         except actions.JobNotFound as exc:
             raise CommandError(str(exc)) from None
         except ValidationError as exc:
-            raise CommandError("; ".join(exc.messages)) from None
+            hint = ["run it again with --yes to confirm"] if getattr(exc, "code", None) == "confirm_stop" else []
+            raise CommandError("; ".join([*exc.messages, *hint])) from None
         self.stdout.write(_describe(target.str_name, result))
 
 

@@ -70,13 +70,29 @@ class Command(BaseCommand):
             self.stdout.write(f"{url:60} {statistics.median(times):10.1f} {min(times):8.1f} {queries:8d}")
 
     def _default_urls(self) -> list[str]:
+        """The console's pages, the farm lists and one job's, one frame's and its log's pages."""
         with connection.cursor() as cur:
             cur.execute("SELECT pk_show FROM show ORDER BY str_name LIMIT 1")
             row = cur.fetchone()
+            # The job with the most frames, and one of its frames (the heaviest job page).
+            cur.execute("SELECT pk_job FROM job_stat ORDER BY int_total_count DESC, pk_job LIMIT 1")
+            job = cur.fetchone()
+            frame = None
+            if job:
+                cur.execute("SELECT pk_frame FROM frame WHERE pk_job = %s ORDER BY int_number LIMIT 1", [job[0]])
+                frame = cur.fetchone()
         urls = ["/admin/ops/console/", "/admin/ops/console/procs/", "/admin/ops/console/procs/?stuck=1",
-                "/admin/ops/console/allocations/"]  # fmt: skip
+                "/admin/ops/console/allocations/", "/admin/dispatch/job/", "/admin/dispatch/job/?q=big",
+                "/admin/dispatch/frame/", "/admin/dispatch/frame/?str_state__exact=WAITING", "/admin/dispatch/host/",
+                "/admin/dispatch/proc/", "/admin/dispatch/layer/", "/admin/dispatch/subscription/",
+                "/admin/dispatch/folderresource/", "/admin/dispatch/jobresource/",
+                "/admin/ops/console/audit/"]  # fmt: skip
         if row:
             urls.insert(1, f"/admin/ops/console/show/{row[0]}/")
+        if job:
+            urls += [f"/admin/ops/console/job/{job[0]}/", f"/admin/ops/console/job/{job[0]}/?state=WAITING"]
+        if frame:
+            urls += [f"/admin/ops/console/frame/{frame[0]}/"]
         return urls
 
     def _fill_history(self) -> None:
