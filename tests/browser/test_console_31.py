@@ -137,7 +137,7 @@ def test_the_job_list_puts_active_jobs_first_then_by_priority(page: Page, live_s
 
 def _publish(view: dict[str, Any]) -> None:
     with connection.cursor() as cur:
-        cur.execute(live.PUBLISH_SQL, {"pid": 1, "hostname": "test", "payload": json.dumps(view)})
+        cur.execute(live.PUBLISH_SQL, {"pid": 1, "hostname": "test", "payload": json.dumps(view), "generation": None})
 
 
 def _view(show: str, alloc: str, job: str, folder: str, published_at: float | None, drift_at: float) -> dict[str, Any]:

@@ -153,7 +153,10 @@ def test_frames_retry_and_kill_from_the_list_and_viewers_get_no_controls(page: P
     run_action(page, "Kill the selected running frames…")
     page.click("#farm-confirm-yes")
     expect(page.locator(".messagelist")).to_contain_text("Frames killed: 1")
-    assert not Proc.objects.filter(frame_id=running.pk).exists()
+    # A kill is not a release: the run stays booked, marked, until its host reports it ended.
+    assert Proc.objects.filter(frame_id=running.pk, ts_kill__isnull=False).exists()
+    page.goto(f"{live_server.url}/admin/dispatch/frame/?str_state__exact=RUNNING")
+    expect(row_of(page, running.str_name)).to_contain_text("killing")
 
     page.context.clear_cookies()  # log out
     log_in(page, live_server, permissions.VIEWERS, "vic")
