@@ -304,14 +304,14 @@ def test_releases_and_cap_raises_never_bump_the_generation_and_lowerings_and_mov
     unchanged("a release")
     conn.execute("UPDATE proc SET int_cores_reserved = 50 WHERE pk_proc = %s", (procs[1],))
     unchanged("a proc shrunk in place")
-    conn.execute("UPDATE job_resource SET int_max_cores = 8000, int_max_gpus = 50 WHERE pk_job = %s", (job,))
+    conn.execute("UPDATE job_resource SET int_max_cores = 8000, int_max_gpus = 200 WHERE pk_job = %s", (job,))
     unchanged("a job max raised")
     conn.execute("UPDATE job_resource SET int_max_cores = -1 WHERE pk_job = %s", (job,))
     unchanged("a job max made unlimited")
     conn.execute("UPDATE subscription SET int_burst = 20000 WHERE pk_show = %s", (farm.show,))
     unchanged("a burst raised")
-    conn.execute("UPDATE folder_resource SET int_max_cores = 90000 WHERE pk_folder = %s", (farm.folder,))
-    unchanged("a folder max raised")
+    conn.execute("UPDATE folder_resource SET int_max_cores = -5 WHERE pk_folder = %s", (farm.folder,))
+    unchanged("a folder max rewritten, still unlimited")
     conn.execute("UPDATE proc SET int_mem_used = 5 WHERE pk_proc = %s", (procs[2],))
     unchanged("a memory report")
 
@@ -335,7 +335,7 @@ def test_releases_and_cap_raises_never_bump_the_generation_and_lowerings_and_mov
     conn.execute("UPDATE host SET pk_alloc = %s WHERE pk_host = %s", (other, host))
     g4 = generation(conn, farm.show)
     assert g4 > g3, "a host with running procs moved into another allocation must bump"
-    idle = [h for h in farm.hosts if h != host][0]
+    idle = next(h for h in farm.hosts if h != host)
     if not conn.execute("SELECT 1 FROM proc WHERE pk_host = %s", (idle,)).fetchone():
         conn.execute("UPDATE host SET pk_alloc = %s WHERE pk_host = %s", (other, idle))
         assert generation(conn, farm.show) == g4, "a host with nothing running moved: nothing to apply"
