@@ -26,7 +26,7 @@ import psycopg
 
 from accounting.licences import limit_max_problem, limit_max_sql
 from accounting.store import PgSnapshot, Store
-from accounting.triggers import CUEBOT_ACCOUNTS
+from accounting.triggers import CUEBOT_ACCOUNTS, GENERATION_TABLE
 from accounting.units import centicores_to_cores, centicores_to_cores_cap, gpus_cap
 
 logger = logging.getLogger(__name__)
@@ -56,6 +56,19 @@ WHERE s.b_scheduler_managed AND j.str_state <> 'FINISHED'
 
 SNAPSHOT_SQL = "SELECT pg_current_snapshot()::text"
 
+# Each managed show's accounting generation (0 before its first bump), read in the snapshot of
+# the caps or counters it then vouches for (Store.cover_generations).
+GENERATIONS_SQL = f"""
+SELECT s.pk_show, COALESCE(g.int_generation, 0)::bigint FROM show s
+LEFT JOIN {GENERATION_TABLE} g ON g.pk_show = s.pk_show
+WHERE s.b_scheduler_managed
+"""
+SHOW_GENERATION_SQL = f"""
+SELECT s.pk_show, COALESCE(g.int_generation, 0)::bigint FROM show s
+LEFT JOIN {GENERATION_TABLE} g ON g.pk_show = s.pk_show
+WHERE s.pk_show = %(show)s
+"""
+
 # The caps of the folders and jobs the dispatch loop is about to book, whatever the show's flag
 # (the loop only books shows the Store enforces). Finished jobs are left out, as by the reseed.
 FILL_FOLDERS_SQL = """
@@ -75,6 +88,8 @@ class LimitRows:
     folders: dict[str, tuple[int, int]]
     jobs: dict[str, tuple[int, int]]
     pg_snapshot: PgSnapshot
+    # The managed shows' accounting generations in the same snapshot (a complete read only).
+    generations: dict[str, int] | None = None
 
 
 def begin_snapshot(conn: psycopg.Connection) -> PgSnapshot:
@@ -96,11 +111,12 @@ def read_limits(conn: psycopg.Connection) -> LimitRows:
         subs = {(show, alloc): centicores_to_cores(burst) for show, alloc, burst in conn.execute(SUB_LIMITS_SQL)}
         folders = {fid: (centicores_to_cores_cap(mc), gpus_cap(mg)) for fid, mc, mg in conn.execute(FOLDER_LIMITS_SQL)}
         jobs = {jid: (centicores_to_cores_cap(mc), gpus_cap(mg)) for jid, mc, mg in conn.execute(JOB_LIMITS_SQL)}
+        generations = {show: int(g) for show, g in conn.execute(GENERATIONS_SQL)}
         conn.execute("COMMIT")
     except BaseException:
         abort_snapshot(conn)
         raise
-    return LimitRows(subs=subs, folders=folders, jobs=jobs, pg_snapshot=snap)
+    return LimitRows(subs=subs, folders=folders, jobs=jobs, pg_snapshot=snap, generations=generations)
 
 
 LICENCES_SQL = f"""
@@ -156,6 +172,8 @@ def reseed_limits(store: Store, conn: psycopg.Connection) -> LimitRows:
     removed = store.set_caps(
         rows.subs, rows.folders, rows.jobs, pg_snapshot=rows.pg_snapshot, complete=True, incarnation=incarnation
     )
+    if rows.generations is not None:
+        store.cover_generations("caps", rows.generations, incarnation)
     logger.info(
         "limit reseed: %d subscriptions, %d folders, %d jobs in %.3fs (%d caps removed)",
         len(rows.subs),

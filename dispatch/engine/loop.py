@@ -65,6 +65,7 @@ from accounting.store import (
 from dispatch import conf
 from dispatch.engine.booking import (
     CAP_REFUSALS,
+    REJECT_GENERATION,
     REJECT_MANAGED_FLIP,
     AmbiguousCommitError,
     AmbiguousCompensationError,
@@ -97,7 +98,7 @@ _UNLIMITED_ROOM = 1 << 40
 _JOB_FOLDER_MAX = 100_000
 _MIN_FEED_FRAMES = 64
 # Bookings the batch writer refused: they were placed (so they count as what a cycle could book).
-_WRITE_REJECTIONS = ("frame", "proc", "host", "managed_flip", "keys", "database")
+_WRITE_REJECTIONS = ("frame", "proc", "host", "managed_flip", "keys", "generation", "database")
 SYSTEM_ID_SQL = "SELECT (SELECT system_identifier::text FROM pg_control_system())"
 _ALLOC_ATTEMPTS = 3  # a subscription rejection retries the frame on another allocation
 _NO_HOST = "no_host"
@@ -141,6 +142,12 @@ _CAP_WHY = {
         "raise the limit's max value, or wait for frames holding it to finish",
     ),
     LICENCE_UNSEEDED: ("caps_loading", "licence limit not loaded yet", "licences", "wait one cycle"),
+    REJECT_GENERATION: (
+        "accounting_behind",
+        "a cap or key change the scheduler has not applied yet",
+        "generation",
+        "wait: the show books again as soon as the scheduler's listener (or a reseed) applied it",
+    ),
 }
 
 
@@ -183,6 +190,8 @@ class CycleStats:
     batches: int = 0
     no_host: int = 0
     skipped_flip: int = 0
+    # Managed jobs left alone because the Store is behind their show's accounting generation.
+    skipped_behind: int = 0
     db_errors: int = 0
     # Wall seconds by phase (feed, write, complete; the rest of a cycle is placement and Store).
     seconds: Counter[str] = field(default_factory=Counter)
@@ -203,6 +212,7 @@ class CycleStats:
             "batches",
             "no_host",
             "skipped_flip",
+            "skipped_behind",
             "db_errors",
         ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
@@ -277,6 +287,10 @@ class DispatchLoop:
         self._sleeping: dict[Cluster, float] = {}
         self._cluster_layers: dict[Cluster, set[str]] = {}
         self._blocked_jobs: dict[str, tuple[int, float]] = {}  # managed job -> (least whole cores, since)
+        # Managed shows whose bookings met a newer accounting generation in the database, with the
+        # one the Store had then: skipped until the Store's moves (the listener or a reseed applied
+        # the change), so a show the Store is behind on costs no transaction per cycle.
+        self._behind: dict[str, tuple[int, float]] = {}
         self._blocked_folders: dict[str, float] = {}  # managed folder -> since
         self._job_folder: dict[str, str] = {}  # job -> folder, for the jobs the feed returned
         self._managed_seen: set[str] = set()
@@ -720,6 +734,11 @@ class DispatchLoop:
                 stats.rejected[PAUSED] += 1
                 self._record_why(job.pk, PAUSED, f"accounting paused: {paused}", _CAP_WHY[PAUSED][3])
                 continue
+            if managed and self._is_behind(job.show):
+                stats.skipped_behind += 1
+                reason, what, _unit, unblock = _CAP_WHY[REJECT_GENERATION]
+                self._record_why(job.pk, reason, f"waiting for {what}", unblock)
+                continue
             if managed:
                 self._managed_seen.add(job.show)
             eligible.append((job, managed))
@@ -739,6 +758,16 @@ class DispatchLoop:
                     conn, job, managed, room, full_folders, batch, stats, placed, no_host,
                     share=share, share_only=share_only, booked_frames=booked_frames,
                 )  # fmt: skip
+
+    def _is_behind(self, show: str) -> bool:
+        """Whether the show's bookings last met a generation the Store has not reached yet."""
+        behind = self._behind.get(show)
+        if behind is None:
+            return False
+        if self.store.generation(show) != behind[0]:
+            del self._behind[show]  # the Store applied something since: try again
+            return False
+        return True
 
     def _fill_caps(self, conn: psycopg.Connection, jobs: list[JobWork]) -> None:
         """Load the caps the Store lacks for managed jobs and folders of this cycle (it refuses them)."""
@@ -944,6 +973,7 @@ class DispatchLoop:
                         managed=isinstance(result, Applied),
                         decided_at=decided_at,
                         generation=self._generation(generation, result),
+                        acct_generation=result.generation if isinstance(result, Applied) else -1,
                     )
                     view.take(host, centi, demand.mem, demand.gpus, demand.gpu_mem)
                     if tightest:
@@ -987,6 +1017,8 @@ class DispatchLoop:
                     batch.clear()  # the batch writer owns them now, and settles them whatever happens
                     refused = self._flush(conn, bookings, stats)
                     if refused and self._absorb_refusals(refused, room, full_folders, job):
+                        return
+                    if managed and show in self._behind:
                         return
         if managed and least_skipped and not booked_any:
             self._blocked_jobs[job.pk] = (least_skipped, time.monotonic())
@@ -1061,6 +1093,11 @@ class DispatchLoop:
             stats.rejected[table] += 1
             if table == REJECT_MANAGED_FLIP and b.managed:
                 self.service.request_managed_refresh()
+            if table == REJECT_GENERATION and b.managed and isinstance(b.result, Applied):
+                show = b.layer.job.show
+                if show not in self._behind:
+                    self._behind[show] = (b.result.generation, time.monotonic())
+                    self.service.report_behind(show, b.result.generation)
             if table in ("job", "job_gpus") and b.managed:
                 self._blocked_jobs[b.layer.job.pk] = (b.cores // CENTI, time.monotonic())
         view.set_ledger(result.host_rows)
