@@ -63,6 +63,19 @@ SELECT s.pk_show, COALESCE(g.int_generation, 0)::bigint FROM show s
 LEFT JOIN {GENERATION_TABLE} g ON g.pk_show = s.pk_show
 WHERE s.b_scheduler_managed
 """
+# Every managed show gets its generation row before it is read (and so before it is published):
+# a bump is then an UPDATE of an existing row, which the booking's FOR SHARE check sees held
+# while it is in progress (a first bump's INSERT would be invisible to it until its commit).
+ENSURE_GENERATION_ROWS_SQL = f"""
+INSERT INTO {GENERATION_TABLE} (pk_show)
+SELECT s.pk_show FROM show s
+WHERE s.b_scheduler_managed AND NOT EXISTS (SELECT 1 FROM {GENERATION_TABLE} g WHERE g.pk_show = s.pk_show)
+ORDER BY 1
+ON CONFLICT (pk_show) DO NOTHING
+"""
+# A writer's first bump of the same show still open holds the key: give up on it after this, so
+# one idle transaction cannot hold up the reseed (the row is made by that bump, or the next read).
+ENSURE_LOCK_TIMEOUT = "1s"
 SHOW_GENERATION_SQL = f"""
 SELECT s.pk_show, COALESCE(g.int_generation, 0)::bigint FROM show s
 LEFT JOIN {GENERATION_TABLE} g ON g.pk_show = s.pk_show
@@ -164,9 +177,21 @@ def reseed_licences(store: Store, conn: psycopg.Connection) -> dict[str, tuple[i
     return rows
 
 
+def ensure_generation_rows(conn: psycopg.Connection) -> int:
+    """Create the missing generation rows of managed shows; returns how many (0 if it had to give up)."""
+    try:
+        with conn.transaction():
+            conn.execute(f"SET LOCAL lock_timeout = '{ENSURE_LOCK_TIMEOUT}'")
+            return conn.execute(ENSURE_GENERATION_ROWS_SQL).rowcount
+    except psycopg.errors.LockNotAvailable:
+        logger.warning("limit reseed: a writer holds a new show's generation row; it is created by its bump")
+        return 0
+
+
 def reseed_limits(store: Store, conn: psycopg.Connection) -> LimitRows:
     started = time.monotonic()
     incarnation = store.incarnation
+    ensure_generation_rows(conn)
     reseed_licences(store, conn)
     rows = read_limits(conn)
     removed = store.set_caps(

@@ -26,10 +26,12 @@ from contextlib import ExitStack, contextmanager
 import psycopg
 import pytest
 
+from accounting.limits import ensure_generation_rows
 from accounting.service import AccountingService
+from dispatch.engine.booking import write_batch
 from dispatch.engine.loop import DispatchLoop
 from dispatch.lab.netfreeze import FreezableProxy
-from tests.integration.dispatch_support import fast_launcher, make_loop, seed
+from tests.integration.dispatch_support import fast_launcher, make_loop, plan, seed
 from tests.integration.runtime_support import autocommit_conn, make_farm, uid, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -341,3 +343,40 @@ def test_releases_and_cap_raises_never_bump_the_generation_and_lowerings_and_mov
         assert generation(conn, farm.show) == g4, "a host with nothing running moved: nothing to apply"
     conn.execute("UPDATE show SET b_scheduler_managed = false WHERE pk_show = %s", (farm.show,))
     assert generation(conn, farm.show) > g4, "a flip must bump"
+
+
+# --------------------------------------------------------------------------- a bump in progress
+
+
+def test_a_bump_in_progress_fails_its_shows_bookings_at_once_and_the_other_shows_book(conn) -> None:
+    """A writer has lowered a job's max (its bump holds the show's generation row) and not
+    committed. The booking transaction must neither wait for it (a writer left open would stall
+    the farm, and a wait could close a deadlock) nor commit that show's bookings past a bump it
+    cannot see yet: they are refused (`generation`), the other show's go through."""
+    seed("genheld", shows=2, jobs=4, managed=True, **{**ONE_JOB, "allocs": 1})
+    assert ensure_generation_rows(conn) == 2  # what every reseed does before a show is published
+    jobs, bookings = plan(conn, dict.fromkeys(range(4), 1), managed=True)
+    shows = sorted({j.show for j in jobs})
+    assert len(shows) == 2
+    held = shows[0]
+    held_job = next(j.pk for j in jobs if j.show == held)
+    writer = autocommit_conn()
+    try:
+        writer.execute("BEGIN")
+        writer.execute("UPDATE job_resource SET int_max_cores = 100 WHERE pk_job = %s", (held_job,))
+        started = time.monotonic()
+        result = write_batch(conn, bookings, mem_used=256_000)
+        took = time.monotonic() - started
+    finally:
+        writer.execute("ROLLBACK")
+        writer.close()
+    rejected = {b.pk_proc: table for b, table in result.rejected}
+    for b in bookings:
+        if b.layer.job.show == held:
+            assert rejected.get(b.pk_proc) == "generation", (b.layer.job.show, rejected)
+        else:
+            assert b.pk_proc not in rejected, rejected
+    assert {b.layer.job.show for b in result.written} == {shows[1]}
+    assert took < 5.0, f"the booking waited {took:.1f}s for the writer"
+    procs = {r[0] for r in conn.execute("SELECT pk_proc FROM proc").fetchall()}
+    assert procs == {b.pk_proc for b in result.written}
