@@ -26,7 +26,7 @@ import psycopg
 
 from accounting.licences import limit_max_problem, limit_max_sql
 from accounting.store import PgSnapshot, Store
-from accounting.triggers import CUEBOT_ACCOUNTS, GENERATION_TABLE
+from accounting.triggers import CUEBOT_ACCOUNTS, GENERATION_SEQUENCE, GENERATION_TABLE
 from accounting.units import centicores_to_cores, centicores_to_cores_cap, gpus_cap
 
 logger = logging.getLogger(__name__)
@@ -66,9 +66,10 @@ WHERE s.b_scheduler_managed
 # Every managed show gets its generation row before it is read (and so before it is published):
 # a bump is then an UPDATE of an existing row, which the booking's FOR SHARE check sees held
 # while it is in progress (a first bump's INSERT would be invisible to it until its commit).
+# A row made again (after a TRUNCATE) starts from the sequence, above anything a Store may hold.
 ENSURE_GENERATION_ROWS_SQL = f"""
-INSERT INTO {GENERATION_TABLE} (pk_show)
-SELECT s.pk_show FROM show s
+INSERT INTO {GENERATION_TABLE} (pk_show, int_generation)
+SELECT s.pk_show, nextval('{GENERATION_SEQUENCE}') FROM show s
 WHERE s.b_scheduler_managed AND NOT EXISTS (SELECT 1 FROM {GENERATION_TABLE} g WHERE g.pk_show = s.pk_show)
 ORDER BY 1
 ON CONFLICT (pk_show) DO NOTHING
