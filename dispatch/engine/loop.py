@@ -57,6 +57,7 @@ from accounting.store import (
     JOB_UNSEEDED,
     LICENCE,
     LICENCE_UNSEEDED,
+    UNKNOWN_GENERATION,
     Applied,
     BookingDelta,
     LimitExceeded,
@@ -764,7 +765,8 @@ class DispatchLoop:
         behind = self._behind.get(show)
         if behind is None:
             return False
-        if self.store.generation(show) != behind[0]:
+        current = self.store.generation(show)
+        if (UNKNOWN_GENERATION if current is None else current) != behind[0]:
             del self._behind[show]  # the Store applied something since: try again
             return False
         return True
