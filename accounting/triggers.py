@@ -413,16 +413,27 @@ _RELEASE_ROWS = (
 )
 _BUMP_OUTSIDE = bump_generation(f"SELECT g.pk_show FROM ({_MANAGED_GROUPED}) g WHERE g.cc > 0 OR g.g > 0", "outside")
 _RELEASE_MESSAGES = with_generation(_RELEASE_ROWS, _RELEASE_ORDER, add_show=False)
+_RELEASE_MESSAGES_PLAIN = _RELEASE_ROWS + " ORDER BY " + ", ".join("g." + c for c in _RELEASE_ORDER)
+# Only a statement with a positive managed delta can bump: the releases of the completion path
+# (all negative) skip the bump and send their messages as before.
+_ANY_POSITIVE = (
+    "EXISTS (SELECT 1 FROM unnest(v_cc, v_g, v_managed) AS p(cc, g, managed) WHERE p.managed AND (p.cc > 0 OR p.g > 0))"
+)
 NOTIFY_MANAGED = f"""
     IF true = ANY(v_managed) AND NOT {STORE_ACCOUNTED} THEN
         v_enabled := {NOTIFY_ENABLED};
         v_xid := {CURRENT_XID};
         v_seq := {NEXT_SEQ};
-        -- A positive delta on any key (a proc written or grown outside the scheduler, the new
-        -- side of a move) is one the Store has not checked: its show's generation moves.
-        {_BUMP_OUTSIDE}
-        PERFORM pg_notify('{RELEASE_CHANNEL}', m.payload) FROM ({_RELEASE_MESSAGES}
-        ) m;
+        IF {_ANY_POSITIVE} THEN
+            -- A positive delta on any key (a proc written or grown outside the scheduler, the new
+            -- side of a move) is one the Store has not checked: its show's generation moves.
+            {_BUMP_OUTSIDE}
+            PERFORM pg_notify('{RELEASE_CHANNEL}', m.payload) FROM ({_RELEASE_MESSAGES}
+            ) m;
+        ELSE
+            PERFORM pg_notify('{RELEASE_CHANNEL}', m.payload) FROM ({_RELEASE_MESSAGES_PLAIN}
+            ) m;
+        END IF;
     END IF;"""
 
 # --- unmanaged shows: the five tables, caps enforced -------------------------------------------
