@@ -19,16 +19,19 @@ Validation lives in this module only; forms call `validate_*` to show the same m
 
 from __future__ import annotations
 
+import functools
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import pghistory
 from django.core.exceptions import ValidationError
-from django.db import connection, transaction
+from django.db import DatabaseError, connection, transaction
 from django.utils import timezone
 
-from accounting import db
+from accounting import blockers, db
 from accounting.models import SETTINGS_ROW_ID, AccountingSettings
 from accounting.units import (
     CENTICORES_PER_CORE,
@@ -37,7 +40,10 @@ from accounting.units import (
     centicores_to_cores,
     is_unlimited_cap,
 )
+from cuesched_project import conf
 from dispatch.models import FolderResource, JobResource, LimitRecord, Show, Subscription
+
+logger = logging.getLogger(__name__)
 
 # What is booked right now, from the record of truth (non-local procs), in centicores / GPUs.
 SUB_BOOKED_SQL = """
@@ -177,6 +183,59 @@ def _finish(result: ActionResult) -> ActionResult:
     return result
 
 
+# --- an operator's cap write waits for bookings, bounded, and never fails with a deadlock -----
+# The proc writers take their rows in one order (limit rows first, in key order, then frames and
+# hosts, then a show's accounting lock and its counters), so a cap write, which locks one row,
+# only ever waits behind them. The wait is bounded by CUESCHED_CAP_WRITE_WAIT and ends in a
+# message that names the session holding the row; a deadlock or serialization failure some
+# other writer's order caused rolls the whole action back and runs it again (nothing of it had
+# committed), three times at most.
+_RETRIED_SQLSTATES = frozenset({"40P01", "40001"})
+CAP_WRITE_ATTEMPTS = 3
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _sqlstate(exc: BaseException) -> str | None:
+    return getattr(exc.__cause__, "sqlstate", None) or getattr(exc, "sqlstate", None)
+
+
+def _bound_lock_wait() -> None:
+    """In the action's transaction: no lock wait longer than CUESCHED_CAP_WRITE_WAIT."""
+    with connection.cursor() as cur:
+        cur.execute("SELECT set_config('lock_timeout', %s, true)", [f"{max(1, int(conf.cap_write_wait() * 1000))}ms"])
+
+
+def cap_write(table: str) -> Callable[[_F], _F]:
+    """Run a cap action again on a deadlock or serialization failure; a lock wait that gave up is
+    a ValidationError naming who holds `table`'s row, with nothing changed."""
+
+    def wrap(fn: _F) -> _F:
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            for attempt in range(1, CAP_WRITE_ATTEMPTS + 1):
+                try:
+                    return fn(*args, **kwargs)
+                except DatabaseError as exc:
+                    state = _sqlstate(exc)
+                    if state in _RETRIED_SQLSTATES and attempt < CAP_WRITE_ATTEMPTS:
+                        logger.info("%s: %s (another writer's lock order); running it again", fn.__name__, state)
+                        continue
+                    if state == "55P03":
+                        with connection.cursor() as cur:
+                            held = blockers.describe(blockers.row_lock_holders(cur, (table,)))
+                        raise ValidationError(
+                            f"the {table} row stayed locked for {conf.cap_write_wait():.0f} s, so nothing was "
+                            f"changed: {held}. Retry, or end that session.",
+                            code="busy",
+                        ) from exc
+                    raise
+            raise AssertionError("unreachable")  # pragma: no cover
+
+        return run  # type: ignore[return-value]
+
+    return wrap
+
+
 # --- the actions --------------------------------------------------------------------------
 
 
@@ -197,7 +256,7 @@ def flip_show(show_id: str, managed: bool, *, actor: Any) -> ActionResult:
         # FOR KEY SHARE on that row at its COMMIT, which a row lock taken first would block,
         # while the flip's trigger waited for that booking (a 10 s stall, then a failed flip).
         with connection.cursor() as cursor:
-            db.take_keys_lock(cursor, timeout=10.0, what="the accounting-keys lock for the flip")
+            db.take_keys_lock(cursor, timeout=conf.flip_lock_wait(), what="the accounting-keys lock for the flip")
         show = Show.objects.select_for_update().only("b_scheduler_managed").get(pk=show_id)
         result.changes = _write(
             Show, show_id, {"b_scheduler_managed": show.b_scheduler_managed}, {"b_scheduler_managed": managed}
@@ -210,6 +269,7 @@ def flip_show(show_id: str, managed: bool, *, actor: Any) -> ActionResult:
     return _finish(result)
 
 
+@cap_write("subscription")
 def set_subscription(
     sub_id: str, *, burst_cores: int | None = None, size_cores: int | None = None, actor: Any
 ) -> ActionResult:
@@ -221,6 +281,7 @@ def set_subscription(
         wanted["int_size"] = validate_burst(size_cores, "size")
     result = ActionResult(target=sub_id)
     with transaction.atomic(durable=True), audit_context(actor, "set_subscription"):
+        _bound_lock_wait()
         sub = Subscription.objects.select_for_update().only("int_burst", "int_size", "show", "alloc").get(pk=sub_id)
         current = {"int_burst": sub.int_burst, "int_size": sub.int_size}
         result.changes = _write(Subscription, sub_id, current, wanted)
@@ -286,6 +347,7 @@ def _current_caps(row: FolderResource | JobResource) -> dict[str, int]:
     }
 
 
+@cap_write("folder_resource")
 def set_folder_caps(
     folder_id: str, *, max_cores: int | None = None, max_gpus: int | None = None, actor: Any
 ) -> ActionResult:
@@ -293,6 +355,7 @@ def set_folder_caps(
     wanted = _max_wanted(max_cores, max_gpus)
     result = ActionResult(target=folder_id)
     with transaction.atomic(durable=True), audit_context(actor, "set_folder_caps"):
+        _bound_lock_wait()
         row = FolderResource.objects.select_for_update().only("int_max_cores", "int_max_gpus").get(folder_id=folder_id)
         current = _current_caps(row)
         result.changes = _write(FolderResource, row.pk, current, wanted)
@@ -301,11 +364,13 @@ def set_folder_caps(
     return _finish(result)
 
 
+@cap_write("job_resource")
 def set_job_caps(job_id: str, *, max_cores: int | None = None, max_gpus: int | None = None, actor: Any) -> ActionResult:
     """Set a job's max cores (whole cores, -1 unlimited) and/or max GPUs."""
     wanted = _max_wanted(max_cores, max_gpus)
     result = ActionResult(target=job_id)
     with transaction.atomic(durable=True), audit_context(actor, "set_job_caps"):
+        _bound_lock_wait()
         row = JobResource.objects.select_for_update().only("int_max_cores", "int_max_gpus").get(job_id=job_id)
         current = _current_caps(row)
         result.changes = _write(JobResource, row.pk, current, wanted)
@@ -407,6 +472,7 @@ def create_limit(name: Any, max_value: Any = UNLIMITED, *, host_limit: bool = Fa
     return _finish(result)
 
 
+@cap_write("limit_record")
 def set_limit(limit_id: str, *, max_value: Any = None, host_limit: Any = None, actor: Any) -> ActionResult:
     """Change a limit's max and/or host flag. Lowering the max below use refuses new frames only."""
     wanted: dict[str, Any] = {}
@@ -418,6 +484,7 @@ def set_limit(limit_id: str, *, max_value: Any = None, host_limit: Any = None, a
         wanted["b_host_limit"] = host_limit
     result = ActionResult(target=limit_id)
     with transaction.atomic(durable=True), audit_context(actor, "set_limit"):
+        _bound_lock_wait()
         row = LimitRecord.objects.select_for_update().get(pk=limit_id)
         current = {"int_max_value": row.int_max_value, "b_host_limit": row.b_host_limit}
         result.changes = _write(LimitRecord, limit_id, current, wanted)

@@ -15,6 +15,7 @@ from typing import Any
 import psycopg
 from django.db import DatabaseError, connections
 
+from accounting import blockers
 from accounting.notify import conninfo_from_settings
 from accounting.triggers import LOCK_KEYS_TRY_EXCLUSIVE_SQL, WRITER_OPTION
 from cuesched_project import conf
@@ -43,8 +44,27 @@ def connect(*, autocommit: bool = True, application_name: str = "cuesched", **ex
     }
     params.update(extra)
     info = conninfo()
-    params["options"] = with_writer_option(psycopg.conninfo.conninfo_to_dict(info).get("options"))
+    options = with_writer_option(psycopg.conninfo.conninfo_to_dict(info).get("options"))
+    params["options"] = f"{options} {timeout_options()}".strip()
     return psycopg.connect(info, autocommit=autocommit, application_name=application_name, connect_timeout=10, **params)
+
+
+def timeout_options() -> str:
+    """libpq `options` with the scheduler's lock, statement and idle-in-transaction timeouts.
+
+    Every scheduler connection carries them from its start: no wait for a lock another session
+    holds (a psql session left open inside a transaction) lasts longer than the lock timeout,
+    and the loops skip that show or retry instead of stalling the farm; a session of ours that
+    is wedged inside a transaction is ended by PostgreSQL and its locks go with it. 0 disables one.
+    """
+    parts = []
+    for name, seconds in (
+        ("lock_timeout", conf.db_lock_timeout()),
+        ("statement_timeout", conf.db_statement_timeout()),
+        ("idle_in_transaction_session_timeout", conf.db_idle_in_transaction_timeout()),
+    ):
+        parts.append(f"-c {name}={max(0, int(seconds * 1000))}")
+    return " ".join(parts)
 
 
 def with_writer_option(options: str | None) -> str:
@@ -77,7 +97,11 @@ def take_keys_lock(cursor: Any, *, timeout: float | None = None, what: str = "th
             return
         now = time.monotonic()
         if timeout is not None and now - started > timeout:
-            raise KeysLockTimeout(f"could not take {what} within {timeout:.0f} s: proc writes kept it busy; retry")
+            held = blockers.describe(blockers.keys_lock_holders(cursor))
+            raise KeysLockTimeout(
+                f"could not take {what} within {timeout:.0f} s: proc writes kept it busy; retry. "
+                f"Sessions inside a transaction that hold it: {held}"
+            )
         if now - logged > 5:
             logged = now
             logger.warning("%s: still waiting for in-flight proc writes to commit (%.0fs)", what, now - started)

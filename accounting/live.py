@@ -122,6 +122,7 @@ def build_view(service: AccountingService) -> dict[str, Any]:
         "lease_generation": service.lease_generation,
         "server_changes": st.server_changes,
         "reconcile_drift_cores": st.last_reconcile_drift,
+        "reconcile_skipped": st.last_reconcile_skipped,
         "cuebot_mode": None
         if service.cuebot is None
         else {

@@ -97,7 +97,10 @@ RECOMPUTE_WORK_MEM = "64MB"
 
 # The PostgreSQL side: the usage read by the Store side arrives as arrays, and five
 # data-modifying CTEs rewrite only the rows of still-managed shows whose totals differ (a
-# key with no procs left is 0). Run after LOCK_SHOWS_SQL in the same transaction.
+# key with no procs left is 0). Run after LOCK_SHOWS_SQL in the same transaction. A row another
+# session holds (an operator's UPDATE left open) is skipped (SKIP LOCKED) and written by the
+# next pass: the display write waits for nobody, so it can neither stall nor close a deadlock
+# cycle with an operator's multi-row cap write.
 PG_REFRESH_SQL = """
 WITH managed AS MATERIALIZED (
   SELECT pk_show FROM show WHERE b_scheduler_managed AND pk_show = ANY(%(shows)s::text[])
@@ -111,7 +114,9 @@ sub_upd AS (
   FROM (SELECT sub.pk_subscription AS pk, COALESCE(u.cores, 0) AS cores, COALESCE(u.gpus, 0) AS gpus
         FROM subscription sub
         JOIN managed m ON m.pk_show = sub.pk_show
-        LEFT JOIN sub_in u ON u.pk_show = sub.pk_show AND u.pk_alloc = sub.pk_alloc) x
+        LEFT JOIN sub_in u ON u.pk_show = sub.pk_show AND u.pk_alloc = sub.pk_alloc
+        WHERE (sub.int_cores, sub.int_gpus) IS DISTINCT FROM (COALESCE(u.cores, 0), COALESCE(u.gpus, 0))
+        FOR UPDATE OF sub SKIP LOCKED) x
   WHERE t.pk_subscription = x.pk AND (t.int_cores, t.int_gpus) IS DISTINCT FROM (x.cores, x.gpus)
   RETURNING 1
 ),
@@ -119,9 +124,12 @@ folder_upd AS (
   UPDATE folder_resource t SET int_cores = x.cores, int_gpus = x.gpus
   FROM (SELECT f.pk_folder AS pk, COALESCE(u.cores, 0) AS cores, COALESCE(u.gpus, 0) AS gpus
         FROM folder f
+        JOIN folder_resource fr ON fr.pk_folder = f.pk_folder
         JOIN managed m ON m.pk_show = f.pk_show
         LEFT JOIN unnest(%(folder_id)s::text[], %(folder_cores)s::bigint[], %(folder_gpus)s::bigint[])
-          AS u(pk, cores, gpus) ON u.pk = f.pk_folder) x
+          AS u(pk, cores, gpus) ON u.pk = f.pk_folder
+        WHERE (fr.int_cores, fr.int_gpus) IS DISTINCT FROM (COALESCE(u.cores, 0), COALESCE(u.gpus, 0))
+        FOR UPDATE OF fr SKIP LOCKED) x
   WHERE t.pk_folder = x.pk AND (t.int_cores, t.int_gpus) IS DISTINCT FROM (x.cores, x.gpus)
   RETURNING 1
 ),
@@ -129,9 +137,12 @@ job_upd AS (
   UPDATE job_resource t SET int_cores = x.cores, int_gpus = x.gpus
   FROM (SELECT j.pk_job AS pk, COALESCE(u.cores, 0) AS cores, COALESCE(u.gpus, 0) AS gpus
         FROM job j
+        JOIN job_resource jr ON jr.pk_job = j.pk_job
         JOIN managed m ON m.pk_show = j.pk_show
         LEFT JOIN unnest(%(job_id)s::text[], %(job_cores)s::bigint[], %(job_gpus)s::bigint[])
-          AS u(pk, cores, gpus) ON u.pk = j.pk_job) x
+          AS u(pk, cores, gpus) ON u.pk = j.pk_job
+        WHERE (jr.int_cores, jr.int_gpus) IS DISTINCT FROM (COALESCE(u.cores, 0), COALESCE(u.gpus, 0))
+        FOR UPDATE OF jr SKIP LOCKED) x
   WHERE t.pk_job = x.pk AND (t.int_cores, t.int_gpus) IS DISTINCT FROM (x.cores, x.gpus)
   RETURNING 1
 ),
@@ -139,10 +150,13 @@ layer_upd AS (
   UPDATE layer_resource t SET int_cores = x.cores, int_gpus = x.gpus
   FROM (SELECT l.pk_layer AS pk, COALESCE(u.cores, 0) AS cores, COALESCE(u.gpus, 0) AS gpus
         FROM layer l
+        JOIN layer_resource lr ON lr.pk_layer = l.pk_layer
         JOIN job j ON j.pk_job = l.pk_job
         JOIN managed m ON m.pk_show = j.pk_show
         LEFT JOIN unnest(%(layer_id)s::text[], %(layer_cores)s::bigint[], %(layer_gpus)s::bigint[])
-          AS u(pk, cores, gpus) ON u.pk = l.pk_layer) x
+          AS u(pk, cores, gpus) ON u.pk = l.pk_layer
+        WHERE (lr.int_cores, lr.int_gpus) IS DISTINCT FROM (COALESCE(u.cores, 0), COALESCE(u.gpus, 0))
+        FOR UPDATE OF lr SKIP LOCKED) x
   WHERE t.pk_layer = x.pk AND (t.int_cores, t.int_gpus) IS DISTINCT FROM (x.cores, x.gpus)
   RETURNING 1
 ),
@@ -153,7 +167,9 @@ point_upd AS (
         JOIN managed m ON m.pk_show = pt.pk_show
         LEFT JOIN unnest(%(point_show)s::text[], %(point_dept)s::text[], %(point_cores)s::bigint[],
                          %(point_gpus)s::bigint[]) AS u(pk_show, pk_dept, cores, gpus)
-          ON u.pk_show = pt.pk_show AND u.pk_dept = pt.pk_dept) x
+          ON u.pk_show = pt.pk_show AND u.pk_dept = pt.pk_dept
+        WHERE (pt.int_cores, pt.int_gpus) IS DISTINCT FROM (COALESCE(u.cores, 0), COALESCE(u.gpus, 0))
+        FOR UPDATE OF pt SKIP LOCKED) x
   WHERE t.pk_point = x.pk AND (t.int_cores, t.int_gpus) IS DISTINCT FROM (x.cores, x.gpus)
   RETURNING 1
 )

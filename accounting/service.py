@@ -74,11 +74,30 @@ class ServiceState:
     loops: dict[str, LoopState] = field(default_factory=dict)
     managed_published_at: dict[str, float] = field(default_factory=dict)
     last_reconcile_drift: dict[str, int] = field(default_factory=dict)
+    # Unmanaged shows the last reconcile left out: another session held their lock (show -> who).
+    last_reconcile_skipped: dict[str, str] = field(default_factory=dict)
     server_changes: int = 0
     # vertex -> key -> (signed drift a recompute corrected, unix time), kept for
     # `conf.drift_memory_seconds()`: the next pass measures 0 once corrected, and ops must still
     # see that a key had drifted (and by how much) for a while after.
     recent_drift: dict[str, dict[str, tuple[int, float]]] = field(default_factory=dict)
+
+    def measured_drift(self) -> tuple[int, dict[str, int]]:
+        """Farm drift (whole cores the last recompute and reconcile corrected) and the Store's per show.
+
+        A show's figure is the signed sum over its subscriptions of what recompute passes corrected
+        within CUESCHED_DRIFT_MEMORY_SECONDS (Store minus SUM(proc)). Database-enforced shows'
+        per-table corrections are not per show, so they count in the farm figure only. The history
+        sampler writes it with each sample (it is the only consistent measurement of drift).
+        """
+        rc = self.last_recompute
+        farm = sum(abs(v) for v in (rc.drift_cores.values() if rc else ()))
+        farm += sum(abs(v) for v in self.last_reconcile_drift.values())
+        per_show: dict[str, int] = {}
+        for key, (cores, _at) in (self.recent_drift.get("sub") or {}).items():
+            show = key.split(":", 1)[0]
+            per_show[show] = per_show.get(show, 0) + cores
+        return farm, per_show
 
 
 class AccountingService:
@@ -408,14 +427,16 @@ class AccountingService:
     def _reconcile_tick(self, conn: psycopg.Connection) -> str:
         result = reconcile_unmanaged(conn)
         self.state.last_reconcile_drift = result.drift_cores
+        self.state.last_reconcile_skipped = result.skipped
         for table, cores in result.drift_cores.items():
             metrics.DB_RECONCILE_DRIFT.labels(table).set(cores)
         if any(result.drift_cores.values()):
             logger.warning("reconcile: unmanaged shows' counters had drifted from SUM(proc): %s", result.drift_cores)
-        return f"reconcile: {result.shows} unmanaged show(s), drift {result.drift_cores}"
+        skipped = f", {len(result.skipped)} skipped (lock held)" if result.skipped else ""
+        return f"reconcile: {result.shows} unmanaged show(s), drift {result.drift_cores}{skipped}"
 
     def _history_tick(self, conn: psycopg.Connection) -> str:
-        return self.history.sample(conn, self)
+        return self.history.sample(conn, self.state.measured_drift())
 
     def _run_loop(
         self,

@@ -125,3 +125,55 @@ def scheduler_database_url() -> str:
 def standby_poll_interval() -> float:
     """A `run_scheduler --standby` retries the one-scheduler lock this often, seconds."""
     return env_float("CUESCHED_STANDBY_POLL_INTERVAL", 1.0)
+
+
+# --- lock and statement timeouts: one stuck session slows at most its own show -------------
+def db_lock_timeout() -> float:
+    """`lock_timeout` of every scheduler connection, seconds (0 disables it): no wait for a lock,
+    however it was taken (a psql session left open), lasts longer; the loops skip or retry."""
+    return env_float("CUESCHED_DB_LOCK_TIMEOUT", 5.0)
+
+
+def db_statement_timeout() -> float:
+    """`statement_timeout` of every scheduler connection, seconds (0 disables it): the longest one
+    statement of the scheduler (a recompute read of a big farm included) may run."""
+    return env_float("CUESCHED_DB_STATEMENT_TIMEOUT", 120.0)
+
+
+def db_idle_in_transaction_timeout() -> float:
+    """`idle_in_transaction_session_timeout` of the scheduler's own connections, seconds (0
+    disables it): a scheduler session wedged inside a transaction (a stopped thread, a lost
+    peer) is ended by PostgreSQL instead of holding its locks."""
+    return env_float("CUESCHED_DB_IDLE_IN_TRANSACTION_TIMEOUT", 60.0)
+
+
+def booking_lock_wait() -> float:
+    """How long the booking transaction waits for any one lock (a show's database-accounting lock,
+    a licence limit's row, a frame, host or show row), seconds. Past it, the show (or the
+    limit's bookings) is skipped for this cycle and the others are written."""
+    return env_float("CUESCHED_BOOKING_LOCK_WAIT", 0.2)
+
+
+def locked_show_backoff() -> float:
+    """A show skipped because another session held its lock is not booked again for this long,
+    seconds, so a stuck session costs the loop one lock wait per back-off, not one per cycle."""
+    return env_float("CUESCHED_LOCKED_SHOW_BACKOFF", 2.0)
+
+
+def reconcile_lock_wait() -> float:
+    """How long the reconcile waits for one unmanaged show's lock, seconds, before it moves on to
+    the next show (it comes back to the skipped ones, three passes in all)."""
+    return env_float("CUESCHED_RECONCILE_LOCK_WAIT", 1.0)
+
+
+def cap_write_wait() -> float:
+    """How long an operator's cap or limit write (the console, the API, the commands) waits for a
+    booking that holds its row, seconds, before it fails with a message naming the holder."""
+    return env_float("CUESCHED_CAP_WRITE_WAIT", 10.0)
+
+
+def flip_lock_wait() -> float:
+    """How long a flip through the console or `accounting.actions.flip_show` polls for the
+    accounting-keys lock, seconds, before it fails naming the sessions inside a transaction that
+    hold it (every open transaction that wrote a proc does)."""
+    return env_float("CUESCHED_FLIP_LOCK_WAIT", 10.0)

@@ -111,6 +111,9 @@ OWN_COLUMNS = frozenset(
         ("show", "int_frame_success_count"),
         ("show", "int_frame_fail_count"),
         ("host", "str_rqd_address"),  # where the host's RQD answers (the rqd launcher)
+        # A kill in progress: the proc stays booked until its run has ended (dispatch.engine.kills).
+        ("proc", "ts_kill"),
+        ("proc", "str_kill"),
         # A licence limit's use, counted from proc by cuesched's triggers (see LICENCE_RECOUNT).
         ("limit_record", "int_running"),
         ("limit_record", "int_frames"),
@@ -484,6 +487,10 @@ def make_plan(ref: Catalog, live: Catalog, applied: set[tuple[str, str]], record
             continue
         if table in cuebot:
             names = {c.name for c in live.tables[table]}
+            # cuesched's own columns this plan adds (an index on one comes in the same apply).
+            names |= {
+                st.name.split(".", 1)[1] for st in plan.steps if st.kind == "column" and st.name.startswith(f"{table}.")
+            }
             absent = [c for c in columns if c.strip('"') not in names]
             if absent:
                 plan.skipped.append(f"index {name} on {table}: needs Cuebot's missing {', '.join(absent)}")

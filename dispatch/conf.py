@@ -220,8 +220,19 @@ def demo_password_file() -> str:
 
 
 def agent_kill_poll() -> float:
-    """How often a running frame checks that its proc still exists (a released proc is a kill)."""
+    """How often a running frame checks its proc: a kill mark, or the proc gone (released), stops it."""
     return env_float("CUESCHED_AGENT_KILL_POLL", 1.0)
+
+
+def kill_poll() -> float:
+    """How often the scheduler's kill sender reads the procs marked for a kill (a notification on
+    cuesched_kill wakes it at once; this is the fallback when one is lost)."""
+    return env_float("CUESCHED_KILL_POLL", 1.0)
+
+
+def kill_resend() -> float:
+    """Seconds after which a kill whose run has not ended yet is sent to its host again."""
+    return env_float("CUESCHED_KILL_RESEND", 2.0)
 
 
 def agent_kill_grace() -> float:

@@ -30,7 +30,7 @@ from django.contrib import admin, messages
 from django.contrib.admin.helpers import ActionForm
 from django.core.exceptions import ValidationError
 from django.db import connection
-from django.db.models import Count, IntegerField, OuterRef, QuerySet, Subquery, Sum, Value
+from django.db.models import Count, Exists, IntegerField, OuterRef, QuerySet, Subquery, Sum, Value
 from django.db.models.functions import Coalesce
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
@@ -293,6 +293,7 @@ class JobListAdmin(FarmListMixin, dispatch_admin.JobAdmin):
             super()
             .get_queryset(request)
             .annotate(booked_cc=Coalesce(Subquery(booked, output_field=IntegerField()), Value(0)))
+            .annotate(killing=Exists(Proc.objects.filter(job=OuterRef("pk"), ts_kill__isnull=False)))
         )
 
     def get_changelist_instance(self, request: HttpRequest) -> Any:
@@ -309,6 +310,8 @@ class JobListAdmin(FarmListMixin, dispatch_admin.JobAdmin):
 
     @admin.display(description="state", ordering="str_state")
     def state(self, obj: Job) -> str:
+        if getattr(obj, "killing", False):
+            return "killing"  # frames whose kill was sent run until their hosts report them ended
         if obj.str_state == "PENDING":
             return "paused" if obj.b_paused else "pending"
         return obj.str_state.lower()
@@ -437,8 +440,14 @@ class FrameListAdmin(FarmListMixin, dispatch_admin.FrameAdmin):
     def job_name(self, obj: Frame) -> str:
         return obj.job.str_name
 
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Frame]:
+        killing = Exists(Proc.objects.filter(frame=OuterRef("pk"), ts_kill__isnull=False))
+        return super().get_queryset(request).annotate(killing=killing)
+
     @admin.display(description="state", ordering="str_state")
     def state(self, obj: Frame) -> str:
+        if obj.str_state == "RUNNING" and getattr(obj, "killing", False):
+            return "killing"
         return obj.str_state.lower()
 
     @admin.display(description="host", ordering="str_host")

@@ -48,11 +48,13 @@ from typing import Any
 import psycopg
 from psycopg import errors as pg_errors
 
+from accounting import blockers as acct_blockers
 from accounting import triggers as acct_triggers
 from accounting.licences import LIMIT_MAX_CONSTRAINT
 from accounting.notify import STORE_ACCOUNTED_SQL
 from accounting.service import BookingResult
 from accounting.triggers import GENERATION_TABLE
+from cuesched_project import conf
 from dispatch.engine.feed import FrameWork, LayerWork
 from dispatch.engine.placement import HostRec
 
@@ -71,6 +73,7 @@ REJECT_KEYS = "keys"  # the host's allocation or the job's folder moved since th
 # The show's accounting generation moved since the Store decided: a change it has not applied yet.
 REJECT_GENERATION = "generation"
 REJECT_DATABASE = "database"  # any other statement error of this booking alone
+REJECT_LOCKED = "locked"  # another session held a lock of its show (or limit) past the lock wait
 
 _CAP_TABLES = {
     acct_triggers.CAP_SUBSCRIPTION_MISSING: "subscription",
@@ -288,6 +291,8 @@ class BatchResult:
     host_rows: list[tuple[Any, ...]] = field(default_factory=list)
     failed_hosts: set[str] = field(default_factory=set)
     xid: int | None = None  # the booking transaction, recorded before COMMIT
+    # Shows skipped because another session held a lock (REJECT_LOCKED), with who holds it.
+    blockers: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
 
 class AmbiguousCommitError(psycopg.OperationalError):
@@ -352,16 +357,23 @@ def write_batch(
             if lease is not None and current != lease:
                 raise LeaseLostError(lease, current)
             extra = {"mem_used": mem_used, "stale_after": stale_after}
+            skipped = _bound_lock_waits(cur, bookings, result)
+            if skipped:
+                managed = [b for b in managed if b.pk_proc not in skipped]
+                unmanaged = [b for b in unmanaged if b.pk_proc not in skipped]
             if managed:
                 # Before both groups (the database-enforced one is spared the keys check under it).
                 cur.execute(STORE_ACCOUNTED_SQL)
             if unmanaged:
-                _write_group(cur, unmanaged, result, extra)
+                _write_locked_apart(cur, unmanaged, result, extra)
             if managed:
-                # Last: its generation check must be the transaction's final statement before COMMIT.
+                # Last: its generation check comes after every other write of the transaction.
                 _write_managed(cur, managed, result, extra)
             for b in result.written:
                 b.xid = xid
+            # COMMIT waits for the notification queue's lock behind other committers (and their
+            # WAL flush): that wait is not a held show, so it gets the connection's own timeout.
+            cur.execute(RESTORE_LOCK_TIMEOUT_SQL)
         except BaseException:
             _rollback_quietly(conn)
             raise
@@ -458,8 +470,9 @@ def _write_managed(cur: psycopg.Cursor, group: list[Booking], result: BatchResul
     for _attempt in range(_MAX_GENERATION_ATTEMPTS):
         part = BatchResult()
         cur.execute("SAVEPOINT dispatch_managed")
-        _write_group(cur, pending, part, extra)
+        _write_locked_apart(cur, pending, part, extra)
         stale = _stale_generations(cur, part.written)
+        result.blockers.update(part.blockers)
         if not stale:
             cur.execute("RELEASE SAVEPOINT dispatch_managed")
             result.written.extend(part.written)
@@ -499,7 +512,119 @@ def _stale_generations(cur: psycopg.Cursor, written: Sequence[Booking]) -> set[i
     return {id(bk) for bk in written if now.get(bk.layer.job.show) != bk.acct_generation}
 
 
-def _write_group(cur: psycopg.Cursor, group: list[Booking], result: BatchResult, extra: dict[str, Any]) -> None:
+# --- one stuck session slows at most its own show (issue 27, rows 7 and 9) --------------------
+# The limit rows of a batch, locked first and in key order: a completion (and the licence
+# trigger of every statement) takes them in the same order, before any frame or host row, so
+# no two proc writers, and no operator's limit write queued between them, can close a cycle.
+BATCH_LIMITS_SQL = """
+SELECT ll.pk_layer, ll.pk_limit_record FROM layer_limit ll WHERE ll.pk_layer = ANY(%s::text[])
+ORDER BY ll.pk_limit_record
+"""
+LOCK_LIMIT_SQL = (
+    "SELECT 1 FROM limit_record WHERE pk_limit_record = ANY(%s::text[]) ORDER BY pk_limit_record FOR UPDATE"
+)
+RESTORE_LOCK_TIMEOUT_SQL = "SET LOCAL lock_timeout TO DEFAULT"
+SHOWS_IN_LOCK_ORDER_SQL = "SELECT s FROM unnest(%s::text[]) AS s ORDER BY hashtext(s), s"
+
+
+def _bound_lock_waits(cur: psycopg.Cursor, bookings: Sequence[Booking], result: BatchResult) -> set[str]:
+    """Bound every later lock wait of the batch, and lock its limit rows first; returns pk_proc skipped.
+
+    After the accounting-keys lock and the lease (which wait as long as the connection's
+    lock_timeout allows), no statement of the batch waits longer than CUESCHED_BOOKING_LOCK_WAIT
+    for a lock, and foreign keys are checked per statement (the proc's show, job, host and
+    layer rows are locked FOR KEY SHARE inside its show's savepoint, not at COMMIT, where a
+    session holding one of them would fail the whole batch). A limit whose row another session
+    holds costs only its bookings.
+    """
+    wait_ms = max(1, int(conf.booking_lock_wait() * 1000))
+    cur.execute("SELECT set_config('lock_timeout', %s, true)", (f"{wait_ms}ms",))
+    cur.execute("SET CONSTRAINTS ALL IMMEDIATE")
+    layers = sorted({b.layer.pk for b in bookings})
+    if not layers:
+        return set()
+    cur.execute(BATCH_LIMITS_SQL, (layers,))
+    of_layer: dict[str, set[str]] = {}
+    for layer, limit in cur.fetchall():
+        of_layer.setdefault(layer, set()).add(limit)
+    limits = sorted({lim for lims in of_layer.values() for lim in lims})
+    if not limits or _try_locks(cur, LOCK_LIMIT_SQL, limits):
+        return set()
+    busy: set[str] = set()
+    error: BaseException | None = None
+    for limit in limits:  # one by one, still in key order: the busy ones are skipped
+        try:
+            _lock_or_raise(cur, LOCK_LIMIT_SQL, [limit])
+        except pg_errors.LockNotAvailable as exc:
+            busy.add(limit)
+            error = exc
+    skipped = [b for b in bookings if of_layer.get(b.layer.pk, set()) & busy]
+    _skip_locked(cur, skipped, result, error, what=f"limit {', '.join(sorted(busy))}")
+    return {b.pk_proc for b in skipped}
+
+
+def _try_locks(cur: psycopg.Cursor, sql: str, keys: list[str]) -> bool:
+    try:
+        _lock_or_raise(cur, sql, keys)
+    except pg_errors.LockNotAvailable:
+        return False
+    return True
+
+
+def _lock_or_raise(cur: psycopg.Cursor, sql: str, keys: list[str]) -> None:
+    cur.execute("SAVEPOINT dispatch_lock")
+    try:
+        cur.execute(sql, (keys,))
+    except BaseException:
+        cur.execute("ROLLBACK TO SAVEPOINT dispatch_lock")
+        cur.execute("RELEASE SAVEPOINT dispatch_lock")
+        raise
+    cur.execute("RELEASE SAVEPOINT dispatch_lock")
+
+
+def _skip_locked(
+    cur: psycopg.Cursor, skipped: Sequence[Booking], result: BatchResult, exc: BaseException | None, what: str
+) -> None:
+    """Reject `skipped` as REJECT_LOCKED and name, per show, the session holding the lock."""
+    if not skipped:
+        return
+    shows = sorted({b.layer.job.show for b in skipped})
+    named = acct_blockers.for_lock_error(cur.connection, exc, shows) if exc is not None else {}
+    for show in shows:
+        result.blockers[show] = named.get(show, [])
+        logger.warning(
+            "dispatch: show %s skipped this cycle: a lock (%s) stayed held past %.2fs: %s",
+            show, what, conf.booking_lock_wait(), acct_blockers.describe(result.blockers[show]),
+        )  # fmt: skip
+    result.rejected.extend((b, REJECT_LOCKED) for b in skipped)
+
+
+def _write_locked_apart(cur: psycopg.Cursor, group: list[Booking], result: BatchResult, extra: dict[str, Any]) -> None:
+    """The group in one statement; if a lock wait gave up, again one show at a time.
+
+    Show by show in the order of their database-accounting locks (the triggers take them in
+    that order), each under its own savepoint: the show whose lock another session holds is
+    skipped (REJECT_LOCKED) and the others are written. Nothing of a skipped show reaches the
+    database, so the caller rolls its Store bookings back exactly.
+    """
+    try:
+        _write_group(cur, group, result, extra, lock_errors=True)
+        return
+    except pg_errors.LockNotAvailable:
+        pass
+    cur.execute(SHOWS_IN_LOCK_ORDER_SQL, (sorted({b.layer.job.show for b in group}),))
+    for (show,) in cur.fetchall():
+        _write_group(cur, [b for b in group if b.layer.job.show == show], result, extra)
+
+
+def _write_group(
+    cur: psycopg.Cursor,
+    group: list[Booking],
+    result: BatchResult,
+    extra: dict[str, Any],
+    *,
+    lock_errors: bool = False,
+) -> None:
     """Write one group under a savepoint, dropping bookings whose guard fails, bisecting on errors."""
     pending = group
     for _attempt in range(_MAX_GROUP_ATTEMPTS):
@@ -511,6 +636,11 @@ def _write_group(cur: psycopg.Cursor, group: list[Booking], result: BatchResult,
             rows = cur.fetchall()
         except psycopg.Error as exc:
             _undo_savepoint(cur)
+            if isinstance(exc, pg_errors.LockNotAvailable):
+                if lock_errors:
+                    raise  # nothing of this group was kept: the caller writes it show by show
+                _skip_locked(cur, pending, result, exc, what="its accounting lock or a row it books")
+                return
             if exc.sqlstate in _RETRY_SQLSTATES:
                 logger.info("dispatch: %s on a group of %d bookings; writing it again", exc.sqlstate, len(pending))
                 continue

@@ -11,7 +11,13 @@ One transaction per batch of completions, two statements:
    give their hosts the resources back (never above the host's total), and record the end
    of the frames whose proc was deleted: exit status, ts_stopped, version + 1, and the new
    state: SUCCEEDED on exit 0, WAITING while retries remain (int_retries <
-   job.int_max_retries) or when requeued (lost host, kill), else DEAD;
+   job.int_max_retries) or when requeued (lost host), else DEAD;
+   a run whose proc carries a kill mark (`proc.str_kill`, see dispatch.engine.kills) and did
+   not exit 0 is recorded as killed, whoever reports its end (its agent, RQD, the lost-host
+   sweep, an orphan check): exit 301 (no retry counted, no failure), the frame EATEN for a
+   job kill, WAITING for a frame kill. The mark is read from the deleted row itself
+   (RETURNING), so a kill that committed while this statement waited for the proc's row lock
+   is seen: the kill and the completion serialise on that row;
 2. jobs that have no frame left to run (none WAITING, RUNNING, DEPEND or SETUP) become
    FINISHED.
 `complete` runs them in a transaction of its own; `complete_in_transaction` inside the
@@ -57,7 +63,8 @@ WITH gone AS (
   RETURNING p.pk_proc, p.pk_frame, p.pk_host, p.pk_job, p.int_cores_reserved, p.int_mem_reserved,
             p.int_gpus_reserved, p.int_gpu_mem_reserved,
             (%(status)b::jsonb -> p.pk_proc ->> 0)::int AS exit_status,
-            (%(status)b::jsonb -> p.pk_proc ->> 1)::bool AS requeue
+            (%(status)b::jsonb -> p.pk_proc ->> 1)::bool AS requeue,
+            p.str_kill AS kill
 ),
 back AS ({
     HOST_GIVE_BACK_TEMPLATE.format(
@@ -66,7 +73,9 @@ back AS ({
     )
 }),
 target AS MATERIALIZED (
-  SELECT g.exit_status, g.requeue, x.fctid, x.max_retries
+  SELECT CASE WHEN g.kill IS NOT NULL AND g.exit_status <> 0 THEN {EXIT_STATUS_KILLED} ELSE g.exit_status END
+           AS exit_status,
+         g.requeue, CASE WHEN g.exit_status <> 0 THEN g.kill END AS kill, x.fctid, x.max_retries
   FROM gone g
   CROSS JOIN LATERAL (
     SELECT f.ctid AS fctid, j.int_max_retries AS max_retries
@@ -77,7 +86,8 @@ target AS MATERIALIZED (
 ),
 ended AS (
   UPDATE frame f
-  SET str_state = CASE WHEN t.requeue THEN 'WAITING'
+  SET str_state = CASE WHEN t.kill = 'JOB' THEN 'EATEN'
+                       WHEN t.kill IS NOT NULL OR t.requeue THEN 'WAITING'
                        WHEN t.exit_status = 0 THEN 'SUCCEEDED'
                        WHEN f.int_retries < t.max_retries THEN 'WAITING'
                        ELSE 'DEAD' END,
@@ -85,15 +95,30 @@ ended AS (
       int_version = f.int_version + 1
   FROM target t
   WHERE f.ctid = t.fctid
-  RETURNING f.pk_frame, f.str_state
+  RETURNING f.pk_frame, f.str_state, f.int_exit_status
 )
 SELECT 'p', pk_proc, pk_frame, pk_job, pk_host, int_mem_reserved, NULL::bigint, NULL::bigint, NULL::bigint
 FROM gone
 UNION ALL
-SELECT 'f', pk_frame, str_state, NULL, NULL, NULL, NULL, NULL, NULL FROM ended
+SELECT 'f', pk_frame, str_state, NULL, NULL, int_exit_status, NULL, NULL, NULL FROM ended
 UNION ALL
 SELECT 'h', pk_host, NULL, NULL, NULL, int_cores_idle, int_mem_idle, int_gpus_idle, int_gpu_mem_idle FROM back
 """
+
+# The licence limits of the procs about to go, locked first and in key order: the booking
+# transaction takes its limit rows first too, so neither ever holds a frame or host row while it
+# waits for a limit row the other holds (with an operator's UPDATE of that limit queued between
+# them, the cycle was found by the operator's wait: "deadlock detected ... in relation
+# limit_record"). The DELETE's licence trigger then finds them held.
+LOCK_LIMITS_OF_PROCS_SQL = """
+SELECT 1 FROM limit_record r
+WHERE r.pk_limit_record IN (
+  SELECT ll.pk_limit_record FROM proc p JOIN layer_limit ll ON ll.pk_layer = p.pk_layer
+  WHERE p.pk_proc = ANY(%(proc)s::text[]))
+ORDER BY r.pk_limit_record FOR UPDATE OF r
+"""
+
+SHOWS_OF_PROCS_SQL = "SELECT pk_proc, pk_show FROM proc WHERE pk_proc = ANY(%s::text[])"
 
 FINISH_JOBS_SQL = """
 UPDATE job j SET str_state = 'FINISHED', ts_stopped = now(), ts_updated = now()
@@ -161,16 +186,29 @@ class CompletionResult:
     released_jobs: set[str] = field(default_factory=set)  # jobs that had a proc released
     host_rows: list[tuple[Any, ...]] = field(default_factory=list)
     freed_mem: dict[str, int] = field(default_factory=dict)  # KB per host
+    killed: int = 0  # frames ended as killed (their proc carried a kill mark)
 
 
-def complete(conn: psycopg.Connection, completions: Sequence[Completion]) -> CompletionResult:
-    """Apply completions in one transaction on an autocommit connection (idempotent by proc)."""
+def complete(
+    conn: psycopg.Connection, completions: Sequence[Completion], *, lock_wait: float | None = None
+) -> CompletionResult:
+    """Apply completions in one transaction on an autocommit connection (idempotent by proc).
+
+    `lock_wait` (seconds) bounds every lock wait of the transaction: past it the whole batch
+    fails with LockNotAvailable, nothing written (the dispatch loop then completes it show by
+    show and keeps a held show's completions for later: booked meanwhile, high, never low).
+    """
     if not completions:
         return CompletionResult()
     with conn.cursor() as cur:
         cur.execute("BEGIN")
         try:
+            if lock_wait is not None:
+                cur.execute("SELECT set_config('lock_timeout', %s, true)", (f"{max(1, int(lock_wait * 1000))}ms",))
             out = complete_in_transaction(cur, completions)
+            if lock_wait is not None:
+                # COMMIT's wait for the notification queue is no held show: the connection's timeout.
+                cur.execute("SET LOCAL lock_timeout TO DEFAULT")
             cur.execute("COMMIT")
         except BaseException:
             if not conn.broken:
@@ -204,30 +242,34 @@ def complete_in_transaction(cur: psycopg.Cursor[Any], completions: Sequence[Comp
     # Before the statement locks any host row: a key move that took the accounting-keys lock
     # and then waited for one of those rows would otherwise deadlock with the proc trigger.
     cur.execute(LOCK_KEYS_SHARED_SQL)
-    cur.execute(COMPLETE_SQL, complete_params(completions))
+    params = complete_params(completions)
+    cur.execute(LOCK_LIMITS_OF_PROCS_SQL, params)
+    cur.execute(COMPLETE_SQL, params)
     released: list[tuple[str, str, str]] = []  # (pk_proc, pk_frame, pk_job)
-    ended: dict[str, str] = {}  # pk_frame -> new state
+    ended: dict[str, tuple[str, int]] = {}  # pk_frame -> (new state, recorded exit status)
     for kind, key, a, b, c, d, e, f, g in cur.fetchall():
         if kind == "p":
             released.append((key, a, b))
             out.freed_mem[c] = out.freed_mem.get(c, 0) + d
         elif kind == "f":
-            ended[key] = a
+            ended[key] = (a, int(d))
         else:
             out.host_rows.append((key, d, e, f, g))
     jobs_to_check: set[str] = set()
     usage: dict[str, int] = {}  # pk_frame -> exit status, of the frames ended here (once each)
-    status = {c.pk_proc: c.exit_status for c in completions}
     for pk_proc, pk_frame, job in released:
         out.released += 1
         out.released_jobs.add(job)
-        state = ended.get(pk_frame)
-        if state is None:
+        end = ended.get(pk_frame)
+        if end is None:
             logger.warning("completion: proc %s released, but its frame was not RUNNING", pk_proc)
             continue
+        state, exit_status = end
         out.states[state] = out.states.get(state, 0) + 1
-        usage.setdefault(pk_frame, status[pk_proc])
-        if state in ("SUCCEEDED", "DEAD"):
+        usage.setdefault(pk_frame, exit_status)  # a killed run's usage is a kill's, not a failure's
+        if exit_status == EXIT_STATUS_KILLED:
+            out.killed += 1
+        if state in ("SUCCEEDED", "DEAD", "EATEN"):
             jobs_to_check.add(job)
     if usage and cuebot_usage.has_cuebot_usage(cur):
         cuebot_usage.record_completions(cur, list(usage.items()))
@@ -249,7 +291,12 @@ def find_lost_procs(
 
 
 def release_lost_hosts(
-    conn: psycopg.Connection, timeout: float, *, exclude: set[str] | None = None, shard: Shard = ALL
+    conn: psycopg.Connection,
+    timeout: float,
+    *,
+    exclude: set[str] | None = None,
+    shard: Shard = ALL,
+    lock_wait: float | None = None,
 ) -> tuple[list[str], CompletionResult]:
     """Release the procs of lost hosts the same way as a completion, frames back to WAITING.
 
@@ -261,16 +308,20 @@ def release_lost_hosts(
         return [], CompletionResult()
     for pk_proc, pk_frame, host in lost:
         logger.warning("lost host %s: releasing proc %s of frame %s, frame back to WAITING", host, pk_proc, pk_frame)
-    result = complete(conn, [Completion(pk, EXIT_STATUS_DOWN_HOST, requeue=True) for pk, _f, _h in lost])
+    result = complete(
+        conn, [Completion(pk, EXIT_STATUS_DOWN_HOST, requeue=True) for pk, _f, _h in lost], lock_wait=lock_wait
+    )
     return [row[0] for row in lost], result
 
 
 def kill_frames(conn: psycopg.Connection, frames: Sequence[str]) -> CompletionResult:
-    """Release the running frames' procs the completion way, frames back to WAITING (exit 301).
+    """Release the running frames' procs now, the completion way, frames back to WAITING (exit 301).
 
-    For the admin's kill: whoever kills also asks the launcher to stop the process, best
-    effort; when that process's own report arrives later, its proc is gone and it is a no-op.
-    A kill counts no retry (301 is on the no-retry list).
+    Not a kill (a kill marks the procs and waits for the runs' ends: dispatch.engine.kills): a
+    forced release for runs known to run nowhere, as the stress harness uses it for the frames a
+    SIGKILLed scheduler's simulated launcher took with it. An agent whose proc is released this
+    way stops the process group; a later report of the run is a no-op. No retry is counted (301
+    is on the no-retry list).
     """
     with conn.cursor() as cur:
         cur.execute(PROCS_OF_FRAMES_SQL, (list(frames),))

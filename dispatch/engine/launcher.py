@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
     from dispatch.engine.booking import Booking
     from dispatch.engine.completion import Completion
+    from dispatch.engine.kills import RunKill
 
 
 class Launcher(Protocol):
@@ -50,8 +51,12 @@ class Launcher(Protocol):
         """Frames this launcher started whose completion it has not handed over yet."""
         ...
 
-    def kill(self, pk_proc: str) -> None:
-        """Best effort: stop a running frame (its release goes through the completion path)."""
+    def kill(self, runs: Sequence[RunKill]) -> None:
+        """Send each run's kill to its host now (`dispatch.engine.kills`); never raises for one run.
+
+        The proc stays booked: the run's own completion report, recorded as killed, releases it.
+        Called from the kill sender's thread (not the loop's), again every few seconds until the
+        proc is gone, so a kill that did not get through is simply sent again."""
         ...
 
     def heartbeat(self, conn: psycopg.Connection) -> None:

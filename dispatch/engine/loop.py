@@ -50,6 +50,7 @@ from typing import Any
 
 import psycopg
 
+from accounting import blockers as acct_blockers
 from accounting import db as acct_db
 from accounting.service import PAUSED, AccountingService, NotManaged
 from accounting.store import (
@@ -63,10 +64,12 @@ from accounting.store import (
     LimitExceeded,
     Store,
 )
+from cuesched_project import conf as project_conf
 from dispatch import conf
 from dispatch.engine.booking import (
     CAP_REFUSALS,
     REJECT_GENERATION,
+    REJECT_LOCKED,
     REJECT_MANAGED_FLIP,
     AmbiguousCommitError,
     AmbiguousCompensationError,
@@ -81,12 +84,15 @@ from dispatch.engine.booking import (
 )
 from dispatch.engine.completion import (
     EXIT_STATUS_DOWN_HOST,
+    SHOWS_OF_PROCS_SQL,
     Completion,
+    CompletionResult,
     complete,
     ping_procs,
     release_lost_hosts,
 )
 from dispatch.engine.feed import FreeHosts, JobWork, LiveUsage, Skips, fetch_pending, has_waiting_or_running
+from dispatch.engine.kills import KillSender
 from dispatch.engine.launcher import Launcher, get_launcher
 from dispatch.engine.placement import ALL, CENTI, HostRec, HostView, Shard
 
@@ -99,7 +105,8 @@ _UNLIMITED_ROOM = 1 << 40
 _JOB_FOLDER_MAX = 100_000
 _MIN_FEED_FRAMES = 64
 # Bookings the batch writer refused: they were placed (so they count as what a cycle could book).
-_WRITE_REJECTIONS = ("frame", "proc", "host", "managed_flip", "keys", "generation", "database")
+_WRITE_REJECTIONS = ("frame", "proc", "host", "managed_flip", "keys", "generation", "database", REJECT_LOCKED)
+_LOCKED_SHOWN = 60.0  # seconds the live view keeps naming a show's blocker after its last skip
 SYSTEM_ID_SQL = "SELECT (SELECT system_identifier::text FROM pg_control_system())"
 _ALLOC_ATTEMPTS = 3  # a subscription rejection retries the frame on another allocation
 _NO_HOST = "no_host"
@@ -292,6 +299,11 @@ class DispatchLoop:
         # one the Store had then: skipped until the Store's moves (the listener or a reseed applied
         # the change), so a show the Store is behind on costs no transaction per cycle.
         self._behind: dict[str, tuple[int, float]] = {}
+        # Shows skipped because another session held their lock: show -> what the live view shows
+        # (skips, first and last skip, back-off end, the blocking sessions). Not booked before `until`.
+        self._locked_shows: dict[str, dict[str, Any]] = {}
+        self.locked_show_backoff = project_conf.locked_show_backoff()
+        self.booking_lock_wait = project_conf.booking_lock_wait()
         self._blocked_folders: dict[str, float] = {}  # managed folder -> since
         self._job_folder: dict[str, str] = {}  # job -> folder, for the jobs the feed returned
         self._managed_seen: set[str] = set()
@@ -299,6 +311,8 @@ class DispatchLoop:
         self.why: dict[str, dict[str, object]] = {}
         # Work a database failure left open.
         self._pending_completions: list[Completion] = []
+        # Completions of a show another session holds the lock of, kept for the next cycle.
+        self._held_completions: list[Completion] = []
         self._pending_compensations: list[PendingCompensation] = []
         self._unresolved: list[Unresolved] = []
         self._server_id: str | None = None
@@ -388,7 +402,31 @@ class DispatchLoop:
             "blocked_jobs": len(self._blocked_jobs),
             "managed_only": self.managed_only,
             "blocked": dict(self.why),
+            "locked_shows": self._locked_view(),
         }
+
+    def _locked_view(self) -> dict[str, dict[str, Any]]:
+        now = time.time()
+        return {
+            show: dict(entry)
+            for show, entry in list(self._locked_shows.items())
+            if now - entry["last"] <= _LOCKED_SHOWN
+        }
+
+    def _note_locked(self, result: BatchResult) -> None:
+        """Back off the shows the batch skipped for a held lock, and remember who held it."""
+        for show in {b.layer.job.show for b, table in result.rejected if table == REJECT_LOCKED}:
+            self._note_locked_show(show, result.blockers.get(show, []))
+
+    def _note_locked_show(self, show: str, blockers: list[dict[str, Any]]) -> None:
+        now = time.time()
+        entry = self._locked_shows.get(show)
+        if entry is None or now - entry["last"] > _LOCKED_SHOWN:
+            entry = self._locked_shows[show] = {"skips": 0, "since": now}
+        entry["skips"] += 1
+        entry["last"] = now
+        entry["until_monotonic"] = time.monotonic() + self.locked_show_backoff
+        entry["blockers"] = blockers
 
     def _record_why(self, job: str, reason: str, message: str, unblock: str) -> None:
         """Remember the latest reason a job did not book (the ops console's 'why not booking')."""
@@ -454,7 +492,7 @@ class DispatchLoop:
         return self.totals
 
     def _is_idle(self) -> bool:
-        if self._unresolved or self._pending_compensations or self._pending_completions:
+        if self._unresolved or self._pending_compensations or self._pending_completions or self._held_completions:
             return False
         if self.launcher.running():
             return False
@@ -571,32 +609,84 @@ class DispatchLoop:
 
     # -- completions ----------------------------------------------------------------------
     def _complete(self, conn: psycopg.Connection, stats: CycleStats) -> None:
+        self._pending_completions.extend(self._held_completions)
         self._pending_completions.extend(self.launcher.poll_completions())
+        self._held_completions = []
+        held: list[Completion] = []
         while self._pending_completions:
             chunk = self._pending_completions[: self.completion_batch]
             t0 = time.perf_counter()
-            result = complete(conn, chunk)
+            now = time.monotonic()
+            if any(e["until_monotonic"] > now for e in self._locked_shows.values()):
+                # A show is backing off: its completions are set apart without a wait.
+                results, kept = self._complete_by_show(conn, chunk)
+                held.extend(kept)
+            else:
+                try:
+                    results = [complete(conn, chunk, lock_wait=self.booking_lock_wait)]
+                except psycopg.errors.LockNotAvailable:
+                    results, kept = self._complete_by_show(conn, chunk)
+                    held.extend(kept)
             stats.seconds["complete"] += time.perf_counter() - t0
             del self._pending_completions[: len(chunk)]
-            self.view.set_ledger(result.host_rows, result.freed_mem)
-            stats.completed += result.released
-            stats.jobs_finished += len(result.finished_jobs)
-            if result.released:
-                self._sleeping.clear()  # hosts have room again
-                for job in result.released_jobs:
-                    folder = self._job_folder.get(job)
-                    if folder is not None:
-                        self._blocked_folders.pop(folder, None)
+            for result in results:
+                self._settle_completed(result, stats)
+        # Completions of a show another session holds wait for the next cycle (their procs stay
+        # booked meanwhile: high, never low); the loop goes on with the other shows.
+        self._held_completions = held
+
+    def _complete_by_show(
+        self, conn: psycopg.Connection, chunk: list[Completion]
+    ) -> tuple[list[CompletionResult], list[Completion]]:
+        """Complete `chunk` show by show; returns what was done and what a held lock kept back."""
+        shows = dict(conn.execute(SHOWS_OF_PROCS_SQL, ([c.pk_proc for c in chunk],)).fetchall())
+        results: list[CompletionResult] = []
+        kept: list[Completion] = []
+        now = time.monotonic()
+        for show in sorted({shows.get(c.pk_proc, "") for c in chunk}):
+            part = [c for c in chunk if shows.get(c.pk_proc, "") == show]
+            entry = self._locked_shows.get(show)
+            if entry is not None and entry["until_monotonic"] > now:
+                kept.extend(part)
+                continue
+            try:
+                results.append(complete(conn, part, lock_wait=self.booking_lock_wait))
+            except psycopg.errors.LockNotAvailable as exc:
+                kept.extend(part)
+                found = acct_blockers.for_lock_error(conn, exc, [show]).get(show, [])
+                self._note_locked_show(show, found)
+                logger.warning(
+                    "completion: show %s's completions wait (a lock stayed held past %.2fs): %s",
+                    show, self.booking_lock_wait, acct_blockers.describe(found),
+                )  # fmt: skip
+        return results, kept
+
+    def _settle_completed(self, result: CompletionResult, stats: CycleStats) -> None:
+        self.view.set_ledger(result.host_rows, result.freed_mem)
+        stats.completed += result.released
+        stats.jobs_finished += len(result.finished_jobs)
+        if result.released:
+            self._sleeping.clear()  # hosts have room again
+            for job in result.released_jobs:
+                folder = self._job_folder.get(job)
+                if folder is not None:
+                    self._blocked_folders.pop(folder, None)
 
     def _sweep_lost_hosts(self, conn: psycopg.Connection, stats: CycleStats) -> None:
         exclude = {b.pk_proc for e in self._pending_compensations for b in e.bookings} | {
             b.pk_proc for e in self._unresolved for b in e.bookings
         }
-        procs, result = release_lost_hosts(conn, self.lost_host_timeout, exclude=exclude, shard=self.shard)
+        try:
+            procs, result = release_lost_hosts(
+                conn, self.lost_host_timeout, exclude=exclude, shard=self.shard, lock_wait=self.booking_lock_wait
+            )
+        except psycopg.errors.LockNotAvailable as exc:
+            # A show of a lost host's procs is held by another session: the next sweep tries again.
+            logger.warning("lost-host sweep: a lock stayed held past %.2fs; next sweep retries: %s",
+                           self.booking_lock_wait, exc.diag.message_primary)  # fmt: skip
+            return
         if not procs:
             return
-        for pk in procs:
-            self.launcher.kill(pk)
         self._hosts_loaded_at = float("-inf")  # the reload leaves the silent hosts out
         stats.lost_released += result.released
         stats.jobs_finished += len(result.finished_jobs)
@@ -641,6 +731,7 @@ class DispatchLoop:
             subs = self._subs.get(show, ())
             if not any(burst - booked >= 1 for booked, burst in (store.sub_counters(show, a) for a, _b, _c in subs)):
                 shows.append(show)
+        shows += [show for show, e in self._locked_shows.items() if e["until_monotonic"] > now]
         self._blocked_folders = {f: t for f, t in self._blocked_folders.items() if now - t <= self.cap_retry}
         folders = list(self._blocked_folders)
         return Skips(jobs=jobs, shows=shows, folders=folders, layers=layers, limits=store.full_licences())
@@ -1102,6 +1193,8 @@ class DispatchLoop:
                     self.service.report_behind(show, b.result.generation)
             if table in ("job", "job_gpus") and b.managed:
                 self._blocked_jobs[b.layer.job.pk] = (b.cores // CENTI, time.monotonic())
+        if result.blockers:
+            self._note_locked(result)
         view.set_ledger(result.host_rows)
         if result.failed_hosts:
             view.reload_hosts(conn, result.failed_hosts)
@@ -1220,7 +1313,8 @@ def dispatch_main(
     """The foreground of `run_scheduler`: `SchedulerProcess(...).run(dispatch_main("simulated"))`.
 
     Runs `workers` loops (CUESCHED_DISPATCH_WORKERS), each on its shard of hosts and jobs with
-    its own launcher, once the service's bootstrap is done; publishes their counters in the
+    its own launcher, and the kill sender over those launchers, once the service's bootstrap is
+    done; publishes their counters in the
     live view, and with `exit_when_idle` stops the whole process (sets `stop`) once no frame is
     WAITING or RUNNING.
     """
@@ -1230,6 +1324,9 @@ def dispatch_main(
         launchers = [get_launcher(launcher or conf.launcher_name(), **launcher_options) for _ in range(count)]
         loops = [DispatchLoop(service, launchers[i], shard=(i, count), **(loop_options or {})) for i in range(count)]
         service.view_providers["dispatch"] = lambda: merge_live_views([lp.live_view() for lp in loops])
+        # Kills go to the hosts through the launchers, from their own thread (dispatch.engine.kills).
+        sender = KillSender(launchers)
+        killing = sender.start(stop)
         others = [
             threading.Thread(target=lp.run, args=(stop, exit_when_idle), name=f"cuesched-dispatch-{i + 1}", daemon=True)
             for i, lp in enumerate(loops[1:])
@@ -1245,6 +1342,7 @@ def dispatch_main(
             stop.set()
             for thread in others:
                 thread.join(30)
+            killing.join(10)
             for lp in loops:
                 lp.requeue_in_process_frames()
                 lp.close()

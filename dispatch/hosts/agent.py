@@ -26,10 +26,14 @@ Four jobs, all on the agent's own psycopg connections (never the scheduler's):
   through the broker. The scheduler learns of it from the database: its host view reloads
   every `CUESCHED_HOST_REFRESH_INTERVAL` seconds (and the Store hears the release trigger).
 
-**Kill.** Every kill in cuesched is a proc release (`completion.kill_frames`, a job kill, a
-lost-host sweep): the row goes away first. While a frame runs, the agent checks every
-`kill_poll` seconds that its proc still exists; once it is gone the process group gets SIGTERM,
-then SIGKILL after a grace period, and no completion is written (the releaser wrote it).
+**Kill.** A kill marks the proc (`proc.ts_kill`, dispatch.engine.kills) and leaves it booked.
+While a frame runs, the agent checks its proc every `kill_poll` seconds: marked, the process
+group gets SIGTERM, then SIGKILL after a grace period, and once it has exited the agent writes
+its completion, which the completion path records as killed (so the cores are counted until the
+process is really gone); gone (released by the lost-host sweep, an operator, a previous
+behaviour's forced release), the process group is ended the same way and no completion is
+written (the releaser wrote it). A task whose proc is already marked when it starts runs
+nothing and ends the proc killed.
 
 **Duplicates.** A broker may deliver a task twice (q2 re-delivers after its retry time, celery
 after a lost connection with late acks). A run holds a session advisory lock on its proc for
@@ -58,7 +62,7 @@ from django.conf import settings
 
 from accounting import db as acct_db
 from dispatch import conf
-from dispatch.engine.completion import EXIT_STATUS_DOWN_HOST, Completion, complete
+from dispatch.engine.completion import EXIT_STATUS_DOWN_HOST, EXIT_STATUS_KILLED, Completion, complete
 from dispatch.jobs.frameset import Chunk, FrameRangeError, chunk_frames, parse_frames, substitute_tokens
 
 logger = logging.getLogger(__name__)
@@ -453,7 +457,7 @@ JOIN show s ON s.pk_show = p.pk_show
 JOIN host h ON h.pk_host = p.pk_host
 WHERE p.pk_proc = %s AND f.str_state = 'RUNNING'
 """
-PROC_EXISTS_SQL = "SELECT 1 FROM proc WHERE pk_proc = %s"
+KILL_STATE_SQL = "SELECT ts_kill IS NOT NULL FROM proc WHERE pk_proc = %s"
 LOCK_PROC_SQL = "SELECT pg_try_advisory_lock(hashtext('cuesched-run:' || %s))"
 
 _PASSED_ENV = frozenset(("PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LC_ALL", "TZ", "TMPDIR", "TERM"))
@@ -640,6 +644,12 @@ def run_frame(pk_proc: str, host: str, *, log_root: str | None = None) -> dict[s
             result.skipped = f"proc is booked on host {ctx.host}, not {host}"
             logger.warning("agent %s: proc %s belongs to host %s; not running it", host, pk_proc, ctx.host)
             return result.as_dict()
+        if _kill_state(conn, pk_proc) is not False:
+            # Killed before its task ran: nothing starts, and the proc is released as killed.
+            result.skipped = "killed before it started"
+            result.killed = True
+            _report(conn, ctx, EXIT_STATUS_KILLED, result)
+            return result.as_dict()
         _run(conn, ctx, root, result)
     finally:
         conn.close()  # also frees the advisory lock
@@ -690,13 +700,21 @@ def _run(conn: psycopg.Connection, ctx: RunContext, root: Path, result: RunResul
                 break
             except subprocess.TimeoutExpired:
                 pass
-            if not _proc_exists(conn, ctx.pk_proc):
+            state = _kill_state(conn, ctx.pk_proc)
+            if state is None:
                 _terminate(popen, grace)
                 result.killed = True
                 result.stopped_at = time.time()
-                out.write(f"=== killed: proc {ctx.pk_proc} was released (kill, lost host or job kill)\n".encode())
+                out.write(f"=== killed: proc {ctx.pk_proc} was released (lost host or a forced release)\n".encode())
                 logger.info("agent %s: frame %s killed (its proc was released)", ctx.host, ctx.frame_name)
                 return
+            if state:
+                _terminate(popen, grace)
+                result.killed = True
+                returncode = popen.wait()
+                out.write(f"=== killed: a kill of proc {ctx.pk_proc} was requested\n".encode())
+                logger.info("agent %s: frame %s killed (a kill was requested)", ctx.host, ctx.frame_name)
+                break
         result.stopped_at = time.time()
         status = _exit_status(returncode)
         out.write(
@@ -706,12 +724,16 @@ def _run(conn: psycopg.Connection, ctx: RunContext, root: Path, result: RunResul
     _report(conn, ctx, status, result)
 
 
-def _proc_exists(conn: psycopg.Connection, pk_proc: str) -> bool:
+def _kill_state(conn: psycopg.Connection, pk_proc: str) -> bool | None:
+    """None: the proc is gone (released); True: a kill was asked for; False: run on.
+
+    A database error reads False (the frame runs on; the check is made again at the next poll)."""
     try:
-        return conn.execute(PROC_EXISTS_SQL, (pk_proc,)).fetchone() is not None
+        row = conn.execute(KILL_STATE_SQL, (pk_proc,)).fetchone()
     except psycopg.Error as exc:
         logger.warning("agent: cannot check proc %s (%s); letting the frame run", pk_proc, exc)
-        return True
+        return False
+    return None if row is None else bool(row[0])
 
 
 def _report(conn: psycopg.Connection, ctx: RunContext, status: int, result: RunResult) -> None:

@@ -16,13 +16,15 @@ paths our own agents use, on the gateway's own psycopg connections:
   same transaction as the delete.
 * **ReportStatus** is the heartbeat: host_stat ping and free memory, each reported frame's
   memory (RSS, max RSS) on its proc (never on the RUNNING frame row: see PROC_MEMORY_SQL).
-  Then it reconciles: a frame RQD runs whose proc is gone (killed, compensated, lost-host
-  swept) is killed on RQD; a proc of this host RQD no
+  Then it reconciles: a frame RQD runs whose proc is gone (compensated, lost-host swept) or
+  marked for a kill (dispatch.engine.kills) is killed on RQD; a proc of this host RQD no
   longer reports, booked more than `CUESCHED_RQD_ORPHAN_GRACE` seconds ago, is released the
   lost-host way (the grace covers a launch still on its way, not yet in the report).
 * **ReportRunningFrameCompletion** writes the end through the completion statements
   (`completion.complete_in_transaction`) and the run's max RSS on its frame, in one transaction,
-  keyed by proc (RQD's resource_id): a late report of a killed run is a no-op; a report from
+  keyed by proc (RQD's resource_id): the end of a run whose proc was marked for a kill is
+  recorded as killed (the completion path reads the mark); a late report of a run whose proc
+  is gone is a no-op; a report from
   a host other than the proc's is refused (INVALID_ARGUMENT). A signal death reads as
   128 + signal, as our agents report it.
 
@@ -186,7 +188,7 @@ WHERE pk_host = %(host)s AND NOT b_local AND NOT (pk_proc = ANY(%(reported)s::te
 # The host's procs of the reported runs, or of the reported frames: RQD kills by frame id, so a
 # stale report's run must not be killed when the frame has a newer run booked on the host.
 KNOWN_PROCS_SQL = """
-SELECT pk_proc, pk_frame FROM proc
+SELECT pk_proc, pk_frame, ts_kill IS NOT NULL FROM proc
 WHERE pk_host = %(host)s AND (pk_proc = ANY(%(procs)s::text[]) OR pk_frame = ANY(%(frames)s::text[]))
 """
 
@@ -360,12 +362,15 @@ def report_status(
             KNOWN_PROCS_SQL, {"host": pk_host, "procs": reported, "frames": [f.frame_id for f in frames]}
         ).fetchall()
         known_procs, known_frames = {r[0] for r in rows}, {r[1] for r in rows}
+        killing = {r[0] for r in rows if r[2]}
         # A report is a snapshot: a run that ended after RQD took it (its completion already
         # released the proc) is listed too; killing it is a no-op on RQD (it is gone there).
+        # A run whose proc is marked for a kill is killed again: the report proves it still
+        # runs, and this reaches RQD even while no scheduler is sending kills.
         out.to_kill = [
             (f.frame_id, f.resource_id)
             for f in frames
-            if f.resource_id not in known_procs and f.frame_id not in known_frames
+            if (f.resource_id not in known_procs and f.frame_id not in known_frames) or f.resource_id in killing
         ]
     grace = conf.rqd_orphan_grace() if grace is None else grace
     orphans = [

@@ -5,21 +5,21 @@ one `FarmAction` row in that same transaction, so the audit trail holds a contro
 committed. The command line, the JSON API and the console call these and nothing else; they check
 who may act, these functions do not.
 
-Kill, and why it needs nothing from the scheduler process. The scheduler (and its launcher)
-usually runs in another process than the API, the admin or a command, so `kill_job` does not
-ask it to do anything: in one transaction it
+Kill, and why it needs nothing from the scheduler process. A kill is not a release: the
+running frames' procs stay booked until the runs have really ended (dispatch.engine.kills).
+`kill_job`, in one transaction,
 1. marks the job FINISHED (the feed never returns it again),
 2. eats its WAITING and DEPEND frames: a booking in flight on one of them either committed
-   before this statement reached the row (then its proc is released in step 3) or fails its
+   before this statement reached the row (then its proc is marked in step 3) or fails its
    `str_state = 'WAITING'` guard afterwards, so no frame of the job can start after the kill,
-3. releases every proc of the job through the completion path's own statements
-   (`completion.complete_in_transaction`: proc DELETE, whose triggers send `acct_release` to the Store
-   for managed shows or decrement the database-enforced totals of the others; host resources
-   given back; the frame ended with exit 301, no retry counted) and eats those frames too.
-What the agent still runs is stopped best effort: `launcher.kill(pk_proc)` when the caller
-holds the launcher (the simulated one drops the run), and otherwise the run's own completion
-report, when it comes, finds its proc gone and changes nothing (completion is keyed by proc).
-A remote agent learns the same way (its proc row is gone) and is expected to stop the process.
+3. marks every proc of the job for the kill (`proc.ts_kill`, `str_kill = 'JOB'`), repeating
+   2 and 3 until no new proc appears (a completion that committed meanwhile may have put a
+   frame back to WAITING and a booking taken it), and notifies `cuesched_kill`.
+The scheduler's kill sender sends the kills to the hosts (KillRunningFrame to RQD, the run
+lock and the agent's own poll for q2 and celery); each run's completion report releases its
+proc and is recorded as killed (the frame eaten, exit 301). The caller needs no launcher.
+`kill_frames` marks the named running frames (`str_kill = 'FRAME'`): they go back to WAITING,
+no retry counted, once their runs have ended.
 
 Retry of a FINISHED job (all its frames done or dead) opens it again (PENDING). The Store drops
 the caps of finished jobs, so for a scheduler-managed show the job's caps are announced again
@@ -44,7 +44,8 @@ from accounting import triggers as acct_triggers
 from accounting.actions import audit_context
 from accounting.notify import LIMIT_CHANNEL
 from dispatch import cuebot_usage
-from dispatch.engine.completion import EXIT_STATUS_KILLED, FINISH_JOBS_SQL, Completion, complete_in_transaction
+from dispatch.engine import kills
+from dispatch.engine.completion import FINISH_JOBS_SQL
 from dispatch.jobs.frameset import frame_name
 from dispatch.jobs.spec import JobPlan, SpecError, plan_job
 from dispatch.models import FarmAction, Host, Job, JobResource, Layer, LayerLimit, Proc
@@ -125,7 +126,7 @@ EAT_UNSTARTED_SQL = """
 UPDATE frame SET str_state = 'EATEN', int_version = int_version + 1, ts_updated = now()
 WHERE pk_job = %s AND str_state IN ('WAITING', 'DEPEND')
 """
-JOB_PROCS_SQL = "SELECT pk_proc FROM proc WHERE pk_job = %s ORDER BY pk_proc"
+_MARK_ROUNDS = 5  # kill steps 2 and 3 repeated until no new proc of the job appears
 
 # The job's caps on acct_limit_change, as the job_resource insert trigger sends them.
 ANNOUNCE_JOB_CAPS_SQL = f"""
@@ -447,28 +448,22 @@ def set_max_cores(job: Job | str, cores: int, *, actor: Any = None, confirm_stop
     )
 
 
-def kill_job(job: Job | str, *, actor: Any = None, launcher: Any = None) -> JobActionResult:
-    """Finish the job now: nothing of it starts again, every running frame is released.
+def kill_job(job: Job | str, *, actor: Any = None) -> JobActionResult:
+    """Finish the job now: nothing of it starts again, every running frame is sent a kill.
 
-    See the module docstring for the steps and why they are race-free against a booking. A
-    deadlock with a concurrent booking batch (both lock frame rows) is retried.
+    Its procs stay booked (`killing`) until their runs have ended; see the module docstring for
+    the steps and why they are race-free against a booking. A deadlock with a concurrent
+    booking batch (both lock frame rows) is retried.
     """
     job_id = _job_id(job)
     for attempt in range(1, _DEADLOCK_ATTEMPTS + 1):
         try:
-            result = _kill(job_id, actor)
-            break
+            return _kill(job_id, actor)
         except (OperationalError, psycopg.errors.OperationalError) as exc:
             if attempt == _DEADLOCK_ATTEMPTS or not _is_deadlock(exc):
                 raise
             logger.info("kill of job %s: deadlock with a concurrent writer, retrying", job_id)
-    if launcher is not None:
-        for pk_proc in result.detail["procs"]:
-            try:
-                launcher.kill(pk_proc)
-            except Exception:
-                logger.warning("kill of job %s: launcher could not stop proc %s", job_id, pk_proc, exc_info=True)
-    return result
+    raise AssertionError("unreachable")
 
 
 def _kill(job_id: str, actor: Any) -> JobActionResult:
@@ -478,19 +473,23 @@ def _kill(job_id: str, actor: Any) -> JobActionResult:
             .exclude(str_state="FINISHED")
             .update(str_state="FINISHED", ts_stopped=Now(), ts_updated=Now())
         )
+        eaten = marked = 0
         with _pg() as cur:
-            cur.execute(EAT_UNSTARTED_SQL, (job_id,))
-            eaten = cur.rowcount
-            cur.execute(JOB_PROCS_SQL, (job_id,))
-            procs = [row[0] for row in cur.fetchall()]
-            released = 0
-            if procs:
-                kills = [Completion(pk, EXIT_STATUS_KILLED, requeue=True) for pk in procs]
-                released = complete_in_transaction(cur, kills).released
+            for _round in range(_MARK_ROUNDS):
                 cur.execute(EAT_UNSTARTED_SQL, (job_id,))
-        detail = {"finished": bool(finished), "eaten": eaten, "released": released, "procs": procs}
-        _record("job", job_id, "kill", finished + eaten + released, actor, {**detail, "procs": len(procs)})
-    return JobActionResult(job_id, "kill", finished + eaten + released, detail)
+                eaten += cur.rowcount
+                cur.execute(kills.MARK_JOB_SQL, {"job": job_id})
+                new = cur.rowcount
+                marked += new
+                if not new:
+                    break
+            cur.execute(kills.KILLING_OF_JOB_SQL, (job_id,))
+            procs = [row[0] for row in cur.fetchall()]
+            if procs:
+                cur.execute(kills.NOTIFY_SQL, (job_id,))
+        detail = {"finished": bool(finished), "eaten": eaten, "killing": len(procs), "procs": procs}
+        _record("job", job_id, "kill", finished + eaten + marked, actor, {**detail, "procs": len(procs)})
+    return JobActionResult(job_id, "kill", finished + eaten + marked, detail)
 
 
 def retry_frames(
@@ -580,59 +579,33 @@ def _scope_detail(frames: Sequence[str] | None, layer: str | None, **extra: Any)
 
 # --- frame kill --------------------------------------------------------------------------
 
-FRAME_PROCS_SQL = """
-SELECT p.pk_proc FROM proc p JOIN frame f ON f.pk_frame = p.pk_frame
-WHERE p.pk_job = %(job)s AND (f.pk_frame = ANY(%(frames)s::text[]) OR f.str_name = ANY(%(frames)s::text[]))
-ORDER BY p.pk_proc
-"""
 
-
-def kill_frames(job: Job | str, frames: Sequence[str], *, actor: Any = None, launcher: Any = None) -> JobActionResult:
-    """Stop the named RUNNING frames of a job: their procs are released and the frames go back to
+def kill_frames(job: Job | str, frames: Sequence[str], *, actor: Any = None) -> JobActionResult:
+    """Stop the named RUNNING frames of a job; once their runs have ended they go back to
     WAITING (no retry counted), as OpenCue's frame kill does; eat them to stop them for good.
 
-    The release is the kill path `kill_job` uses (`complete_in_transaction` with the killed exit
-    status), so the Store hears it on `acct_release` and the hosts get their resources back in the
-    same transaction; the launcher, when the caller holds it, stops the runs best effort. A frame
-    that is not running is not an error: there is nothing to kill (it counts 0).
+    Like `kill_job`, this marks their procs (`str_kill = 'FRAME'`, a job kill's mark wins) and
+    notifies the scheduler, which sends the kills; the procs stay booked until the hosts report
+    the runs ended. A frame that is not running is not an error: there is nothing to kill (it
+    counts 0).
     """
     job_id = _job_id(job)
     wanted = [f for f in frames if isinstance(f, str)] if isinstance(frames, (list, tuple)) else []
     if not wanted or len(wanted) != len(frames):
         raise ValidationError("frames must be a non-empty list of frame names or ids")
-    for attempt in range(1, _DEADLOCK_ATTEMPTS + 1):
-        try:
-            result = _kill_frames(job_id, wanted, actor)
-            break
-        except (OperationalError, psycopg.errors.OperationalError) as exc:
-            if attempt == _DEADLOCK_ATTEMPTS or not _is_deadlock(exc):
-                raise
-            logger.info("kill of frames of job %s: deadlock with a concurrent writer, retrying", job_id)
-    if launcher is not None:
-        for pk_proc in result.detail["procs"]:
-            try:
-                launcher.kill(pk_proc)
-            except Exception:
-                logger.warning("frame kill: launcher could not stop proc %s", pk_proc, exc_info=True)
-    return result
-
-
-def _kill_frames(job_id: str, frames: list[str], actor: Any) -> JobActionResult:
     with transaction.atomic(durable=True), audit_context(actor, "kill_frames"):
         with _pg() as cur:
-            cur.execute(FIND_FRAMES_SQL, {"job": job_id, "frames": frames})
+            cur.execute(FIND_FRAMES_SQL, {"job": job_id, "frames": wanted})
             known = {name for row in cur.fetchall() for name in row}
-            missing = [f for f in frames if f not in known]
+            missing = [f for f in wanted if f not in known]
             if missing:
                 raise ValidationError(f"the job has no frame {', '.join(repr(m) for m in missing[:10])}")
-            cur.execute(FRAME_PROCS_SQL, {"job": job_id, "frames": frames})
-            procs = [row[0] for row in cur.fetchall()]
-            released = 0
+            cur.execute(kills.MARK_FRAMES_SQL, {"job": job_id, "frames": wanted})
+            procs = sorted(row[0] for row in cur.fetchall())
             if procs:
-                kills = [Completion(pk, EXIT_STATUS_KILLED, requeue=True) for pk in procs]
-                released = complete_in_transaction(cur, kills).released
-        _record("frame", job_id, "kill", released, actor, {"frames": frames[:50], "procs": len(procs)})
-    return JobActionResult(job_id, "kill_frames", released, {"procs": procs})
+                cur.execute(kills.NOTIFY_SQL, (job_id,))
+        _record("frame", job_id, "kill", len(procs), actor, {"frames": wanted[:50], "killing": len(procs)})
+    return JobActionResult(job_id, "kill_frames", len(procs), {"killing": len(procs), "procs": procs})
 
 
 # --- hosts ---------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ def _job_action(run: Callable[..., job_actions.JobActionResult], label: str, don
 JOB_ACTIONS: list[AdminAction] = [
     _job_action(job_actions.pause_job, "Pause the selected jobs", "Jobs paused"),
     _job_action(job_actions.resume_job, "Resume the selected jobs", "Jobs resumed"),
-    _job_action(job_actions.kill_job, "Kill the selected jobs (release running frames)", "Frames moved"),
+    _job_action(job_actions.kill_job, "Kill the selected jobs (their running frames are killed)", "Frames moved"),
     _job_action(job_actions.retry_frames, "Retry the DEAD frames of the selected jobs", "Frames to retry"),
     _job_action(job_actions.eat_frames, "Eat the waiting, dead and depending frames", "Frames eaten"),
 ]

@@ -51,7 +51,7 @@ from urllib.parse import urlencode
 from django.contrib.auth.models import AbstractBaseUser
 from django.core.exceptions import SuspiciousOperation, ValidationError
 from django.db import DataError, OperationalError
-from django.db.models import QuerySet
+from django.db.models import Count, Exists, OuterRef, Q, QuerySet
 from django.http import HttpRequest, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
@@ -60,7 +60,7 @@ from accounting.units import centicores_to_cores_cap, gpus_cap
 from dispatch.jobs import actions
 from dispatch.jobs.spec import SpecError, load_spec
 from dispatch.jobs.tokens import user_for_token
-from dispatch.models import Frame, Job, JobResource, JobStat, Layer, LayerStat, LimitRecord
+from dispatch.models import Frame, Job, JobResource, JobStat, Layer, LayerStat, LimitRecord, Proc
 from dispatch.models.jobs import FRAME_STATES, JOB_STATES
 
 logger = logging.getLogger(__name__)
@@ -307,7 +307,11 @@ def list_jobs(request: HttpRequest) -> JsonResponse:
     states = _states(given.get("state"), JOB_STATES, errors)
     if errors:
         raise ApiError(400, *errors)
-    rows = Job.objects.select_related("resource", "stat").order_by("-ts_started", "pk_job")
+    rows = (
+        Job.objects.select_related("resource", "stat")
+        .annotate(killing=Count("procs", filter=Q(procs__ts_kill__isnull=False)))
+        .order_by("-ts_started", "pk_job")
+    )
     if "show" in given:
         rows = rows.filter(str_show=given["show"])
     if "user" in given:
@@ -319,14 +323,26 @@ def list_jobs(request: HttpRequest) -> JsonResponse:
     return _page(request, rows, limit, offset, summarize_job)
 
 
+def _killing(job: Job) -> int:
+    """Running frames of the job whose kill was asked for and whose end is not reported yet."""
+    count = getattr(job, "killing", None)
+    if count is None:
+        count = Proc.objects.filter(job=job, ts_kill__isnull=False).count()
+    return int(count)
+
+
 def _job_fields(job: Job, resource: JobResource | None) -> dict[str, Any]:
-    """What a job's list entry and its detail answer share, caps in whole cores."""
+    """What a job's list entry and its detail answer share, caps in whole cores.
+
+    `killing` counts the frames still being killed: their procs stay booked (and their cores
+    counted) until their hosts report the runs ended; a killed job reads FINISHED at once."""
     return {
         "job": job.pk_job,
         "name": job.str_name,
         "show": job.str_show,
         "user": job.str_user,
         "state": job.str_state,
+        "killing": _killing(job),
         "paused": job.b_paused,
         "priority": resource.int_priority if resource else None,
         # Whole cores; -1 for unlimited, whichever way the database stores it (Cuebot's is 2**31-1).
@@ -370,7 +386,12 @@ def job_frames(request: HttpRequest, user: AbstractBaseUser, ref: str) -> JsonRe
             errors.append(f"layer: the job has no layer {given['layer']!r}")
     if errors:
         raise ApiError(400, *errors)
-    rows = Frame.objects.filter(job=job).select_related("layer").order_by("int_layer_order", "int_number", "pk_frame")
+    rows = (
+        Frame.objects.filter(job=job)
+        .select_related("layer")
+        .annotate(killing=Exists(Proc.objects.filter(frame=OuterRef("pk"), ts_kill__isnull=False)))
+        .order_by("int_layer_order", "int_number", "pk_frame")
+    )
     if layer is not None:
         rows = rows.filter(layer=layer)
     if states is not None:
@@ -385,6 +406,8 @@ def describe_frame(frame: Frame) -> dict[str, Any]:
         "layer": frame.layer.str_name,
         "number": frame.int_number,
         "state": frame.str_state,
+        # A RUNNING frame whose kill was asked for: its proc stays booked until its run has ended.
+        "killing": bool(getattr(frame, "killing", False)),
         "exit_status": frame.int_exit_status,
         "retries": frame.int_retries,
         "host": frame.str_host,

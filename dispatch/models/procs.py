@@ -1,4 +1,8 @@
-"""The proc table: one row per running frame, and the record of truth for every booked counter."""
+"""The proc table: one row per running frame, and the record of truth for every booked counter.
+
+A kill marks the proc (`ts_kill`, `str_kill`) instead of deleting it: the proc stays booked until
+the run has really ended (its completion, or the lost-host sweep), and the completion reads the
+mark from the row it deletes (dispatch.engine.completion, dispatch.engine.kills)."""
 
 from __future__ import annotations
 
@@ -37,11 +41,17 @@ class Proc(models.Model):
     ts_ping = models.DateTimeField(db_default=now_default())
     ts_booked = models.DateTimeField(db_default=now_default())
     ts_dispatched = models.DateTimeField(db_default=now_default())
+    # cuesched's own: when a kill of this run was asked for, and what its frame becomes when
+    # the run ends ('JOB': eaten; 'FRAME': back to WAITING). NULL: not being killed.
+    ts_kill = models.DateTimeField(null=True, blank=True)
+    str_kill = models.CharField(max_length=8, null=True, blank=True)
 
     class Meta:
         db_table = "proc"
         indexes = [
             models.Index(fields=["show"], name="i_proc_pk_show"),
+            # The kill sender's poll: only the procs being killed (few, and short-lived).
+            models.Index(fields=["ts_kill"], name="i_proc_killing", condition=models.Q(ts_kill__isnull=False)),
         ]
         constraints = [
             # Cuebot's before_insert_proc: a proc always books something.

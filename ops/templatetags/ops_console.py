@@ -8,6 +8,7 @@ from django import template
 from django.db import DatabaseError
 from django.utils import timezone
 
+from accounting import blockers
 from cuesched_project import conf
 from ops import drift, history_charts, permissions, status
 
@@ -29,6 +30,7 @@ def ops_banners(context: dict[str, Any]) -> dict[str, Any]:
     return {
         "show": True,
         "sched": status.scheduler_status(view),
+        "locks": [] if view is None or view.get("stale") else blockers.view_lines(view),
         "notify_on": notify_on,
         "can_set_kill_switch": permissions.can_set_kill_switch(user),
     }

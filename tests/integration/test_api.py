@@ -279,7 +279,7 @@ def test_job_command_controls_a_job_by_name(farm) -> None:
     assert run("eat", name, "0001-sim", "--layer", "sim") == f"{name}: 1 frames eaten"
     assert run("retry", name) == f"{name}: 0 frames to retry"
     assert json.loads(run("show", name))["priority"] == 40
-    assert run("kill", name) == f"{name}: killed (0 running frames released, 12 frames eaten)"
+    assert run("kill", name) == f"{name}: killed (no frame was running, 12 frames eaten)"
     with pytest.raises(CommandError, match="no job with id or name 'ghost'"):
         run("pause", "ghost")
     with pytest.raises(CommandError, match="priority must be a whole number"):

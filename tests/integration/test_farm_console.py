@@ -178,7 +178,7 @@ def test_job_controls_from_the_list(operator: Client, farm: Farm) -> None:
     assert {u for _a, u, _n in actions} == {"olga"} and {n for _a, _u, n in actions} == {farm.job.str_name}
 
 
-def test_kill_from_the_list_asks_first_then_releases_through_the_kill_path(operator: Client, farm: Farm) -> None:
+def test_kill_from_the_list_asks_first_then_marks_the_running_frames_killing(operator: Client, farm: Farm) -> None:
     url = reverse("admin:dispatch_job_changelist")
     create_proc(farm.host, farm.frames[0], cores=100)
     page = act(operator, url, "kill_job_selected", [farm.job.pk])
@@ -186,8 +186,22 @@ def test_kill_from_the_list_asks_first_then_releases_through_the_kill_path(opera
     assert Job.objects.get(pk=farm.job.pk).str_state == "PENDING"  # nothing before the confirmation
     act(operator, url, "kill_job_selected", [farm.job.pk], confirm="yes")
     assert Job.objects.get(pk=farm.job.pk).str_state == "FINISHED"
-    assert not Proc.objects.filter(job=farm.job).exists()
+    # A kill is not a release: the proc stays booked until its run has ended, and the list says so.
+    assert Proc.objects.filter(job=farm.job, ts_kill__isnull=False).count() == 1
+    assert ">killing<" in operator.get(url).content.decode()
     assert FarmAction.objects.get(str_action="kill").str_username == "olga"
+
+
+def complete_run(pk_proc: str, status: int) -> None:
+    """The run's completion report, in the test's transaction (the completion path's statements)."""
+    import psycopg
+    from django.db import connection
+
+    from dispatch.engine.completion import Completion, complete_in_transaction
+
+    connection.ensure_connection()
+    with psycopg.Cursor(connection.connection) as cur:
+        complete_in_transaction(cur, [Completion(pk_proc, status)])
 
 
 def test_frame_controls_from_the_list(operator: Client, farm: Farm) -> None:
@@ -199,6 +213,11 @@ def test_frame_controls_from_the_list(operator: Client, farm: Farm) -> None:
     act(operator, url, "retry_selected", [dead.pk])
     assert Frame.objects.get(pk=dead.pk).str_state == "WAITING"
     act(operator, url, "kill_selected", [running.pk], confirm="yes")
+    # A kill is not a release: the frame reads "killing", its proc booked, until its run ends.
+    assert Frame.objects.get(pk=running.pk).str_state == "RUNNING"
+    assert Proc.objects.get(frame=running).str_kill == "FRAME"
+    assert ">killing<" in operator.get(url).content.decode()
+    complete_run(Proc.objects.get(frame=running).pk, 137)  # the run's own end, a signal death
     assert Frame.objects.get(pk=running.pk).str_state == "WAITING"
     assert not Proc.objects.filter(frame=running).exists()
     assert Host.objects.get(pk=farm.host.pk).int_cores_idle == farm.host.int_cores

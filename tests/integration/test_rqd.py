@@ -18,6 +18,7 @@ import psycopg
 import pytest
 
 from dispatch.engine.completion import EXIT_STATUS_DOWN_HOST
+from dispatch.engine.kills import KillSender
 from dispatch.engine.launcher import get_launcher
 from dispatch.jobs.actions import kill_job, submit_job
 from dispatch.lab.seeding import FarmSpec, seed_farm, show_name
@@ -171,9 +172,12 @@ def test_a_killed_job_stops_its_frames_on_rqd_and_its_memory_is_recorded(
                     > 30_000
                 )
                 wait_for(lambda: len(pids_of(marker)) == 1, 10, "frame 1's process to be gone")
-                result = kill_job(job, launcher=launcher)
-                assert result.detail["released"] == 1
+                result = kill_job(job)
+                assert result.detail["killing"] == 1
+                assert KillSender([launcher]).send_due(conn) == 1  # the scheduler's sender, once
                 wait_for(lambda: pids_of(marker) == [], 15, "the frames' processes to be gone")
+                # RQD's completion report of the killed run releases its proc.
+                wait_for(lambda: scalar(conn, "SELECT count(*) FROM proc") == 0, 15, "the killed run's report")
             finally:
                 launcher.close()
             assert scalar(conn, "SELECT count(*) FROM proc") == 0
@@ -181,7 +185,8 @@ def test_a_killed_job_stops_its_frames_on_rqd_and_its_memory_is_recorded(
             assert _host_ledger_exact(conn)
             assert violations(conn) == []
             wait_for(lambda: _store_matches_procs(conn, proc.service), 10, "Store = SUM(proc)")
-            # The killed runs' own completion reports came later and were no-ops (their procs were gone).
+            # Frame 2 was recorded killed by RQD's own completion report (its proc stayed booked until then).
+            assert scalar(conn, "SELECT int_exit_status FROM frame WHERE pk_job = %s AND int_number = 2", (job,)) == 301
             wait_for(lambda: gw.servicer.counts["completion"] >= 2, 15, "RQD's completion reports (frame 1, the kill)")
             assert gw.servicer.counts["errors"] == 0
 

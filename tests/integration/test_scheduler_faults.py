@@ -38,10 +38,9 @@ from accounting.triggers import WRITER_OPTION
 from cuesched_project import conf
 from cuesched_project.dburl import database_from_url, url_from_settings
 from dispatch.engine.booking import Booking
-from dispatch.engine.completion import Completion, complete
+from dispatch.engine.completion import Completion, complete, kill_frames
 from dispatch.engine.loop import DispatchLoop
 from dispatch.hosts.launchers.simulated import SimulatedLauncher
-from dispatch.jobs.actions import kill_job
 from tests.integration.dispatch_support import ONE_CORE, db_cores, fast_launcher, make_loop, seed, store_cores
 from tests.integration.netproxy import NetProxy
 from tests.integration.runtime_support import make_farm, running_scheduler, wait_for
@@ -615,7 +614,9 @@ def test_an_unknown_commit_is_settled_from_the_transaction_fate_even_after_a_kil
             assert sum(n for _job, n in procs) == 4, procs  # the batch did commit
             killed_job, killed = procs[0]
             assert service.store.job_cores_in_use(killed_job) == killed  # booked, in flight
-            kill_job(killed_job)  # another connection (the ops kill): its releases reach the Store
+            # Another connection releases them (what a kill's completions do): the releases reach the Store.
+            orphans = [r[0] for r in conn.execute("SELECT pk_frame FROM proc WHERE pk_job = %s", (killed_job,))]
+            kill_frames(conn, orphans)
             wait_for(lambda: service.store.job_cores_in_use(killed_job) == 0, 10, "the kill's releases in the Store")
             loop.run_once()  # settles the unknown outcome
         store, truth = store_cores(service, farm), db_cores(conn, farm)

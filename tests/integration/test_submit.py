@@ -428,7 +428,7 @@ def test_kill_without_running_frames_eats_what_could_start_and_finishes_the_job(
     job = submit_job(make_spec(), user="alice").job_id
     _set_state(job, ["0001-sim"], "DEAD")
     result = actions.kill_job(job)
-    assert result.detail == {"finished": True, "eaten": 12, "released": 0, "procs": []}
+    assert result.detail == {"finished": True, "eaten": 12, "killing": 0, "procs": []}
     states = frame_states(job)
     assert states["0001-sim"] == "DEAD" and {s for n, s in states.items() if n != "0001-sim"} == {"EATEN"}
     assert Job.objects.get(pk=job).str_state == "FINISHED"

@@ -12,6 +12,7 @@ import pytest
 from accounting.channels import parse_limit_change
 from accounting.notify import LIMIT_CHANNEL
 from accounting.service import AccountingService
+from dispatch.engine.kills import KillSender
 from dispatch.jobs.actions import kill_job, retry_frames, submit_job
 from dispatch.lab.seeding import FarmSpec, seed_farm, show_name
 from tests.integration.dispatch_support import (
@@ -139,7 +140,7 @@ def test_a_job_with_dependencies_runs_in_dependency_order_and_finishes() -> None
 
 
 @pytest.mark.parametrize("managed", [True, False], ids=["managed", "database-enforced"])
-def test_kill_of_a_running_job_releases_every_proc(managed: bool) -> None:
+def test_kill_of_a_running_job_kills_every_run_and_their_ends_release_the_procs(managed: bool) -> None:
     show = _farm("skl" if managed else "sku", managed=managed)
     with running_scheduler() as proc, autocommit() as conn:
         service = proc.service
@@ -150,9 +151,14 @@ def test_kill_of_a_running_job_releases_every_proc(managed: bool) -> None:
             assert loop.run_once().booked == 9
             assert scalar(conn, "SELECT count(*) FROM proc WHERE pk_job = %s", (victim,)) == 6
 
-            result = kill_job(victim, launcher=launcher)
+            result = kill_job(victim)
 
-            assert result.detail["released"] == 6 and result.detail["finished"]
+            assert result.detail["killing"] == 6 and result.detail["finished"]
+            # A kill is not a release: the six stay booked until their runs have ended.
+            assert scalar(conn, "SELECT count(*) FROM proc WHERE pk_job = %s AND ts_kill IS NOT NULL", (victim,)) == 6
+            assert loop.run_once().booked == 0  # nothing of the killed job starts
+            assert KillSender([launcher]).send_due(conn) == 6  # the scheduler's sender: the runs end
+            loop.run_once()  # their completions, recorded killed
             assert scalar(conn, "SELECT count(*) FROM proc WHERE pk_job = %s", (victim,)) == 0
             assert scalar(conn, "SELECT count(*) FROM proc WHERE pk_job = %s", (other,)) == 3  # untouched
             rows = conn.execute("SELECT str_state, int_exit_status FROM frame WHERE pk_job = %s", (victim,)).fetchall()
@@ -195,10 +201,12 @@ def test_a_kill_racing_the_loop_leaves_nothing_of_the_job_running() -> None:
         )
         killed = kill_job(victim)  # from this thread and connection, as the API or the admin would
         assert killed.detail["eaten"] > 0  # it was killed half-way (usually with frames running too)
-        # A booking either committed before the kill's statements (then it was released) or
-        # failed its WAITING guard after: nothing of the victim runs once the kill returns.
-        assert scalar(conn, "SELECT count(*) FROM proc WHERE pk_job = %s", (victim,)) == 0
-        assert scalar(conn, "SELECT count(*) FROM frame WHERE pk_job = %s AND str_state = 'RUNNING'", (victim,)) == 0
+        # A booking either committed before the kill's statements (then its proc was marked for
+        # the kill) or failed its WAITING guard after: once the kill returns, nothing of the
+        # victim can start, and every run of it still booked is being killed.
+        assert scalar(conn, "SELECT count(*) FROM proc WHERE pk_job = %s AND ts_kill IS NULL", (victim,)) == 0
+        startable = "SELECT count(*) FROM frame WHERE pk_job = %s AND str_state IN ('WAITING', 'DEPEND')"
+        assert scalar(conn, startable, (victim,)) == 0
         thread.join(60)
         assert "totals" in out, "the loop did not drain"
         states = dict(conn.execute("SELECT str_state, count(*) FROM frame WHERE pk_job = %s GROUP BY 1", (victim,)))

@@ -8,7 +8,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 from django.db import connection
 
-from accounting import live
+from accounting import blockers, live
 from accounting.trigger_health import describe, trigger_problems
 
 # The exit status of a view that is printed but stale: a script or a monitoring check that
@@ -80,6 +80,8 @@ class Command(BaseCommand):
             f"lease generation {view.get('lease_generation')}, server changes {view.get('server_changes', 0)}, "
             f"unmanaged drift at the last reconcile {view.get('reconcile_drift_cores') or {}}"
         )
+        for line in blockers.view_lines(view):
+            self.stdout.write(f"LOCKED: {line}")
         rc = view.get("recompute")
         if rc:
             self.stdout.write(

@@ -5,7 +5,8 @@ The same agent role as q2 (`dispatch.hosts.agent.run_frame`), consumed by a Cele
 farms with many machines, where thousands of agents polling one table would load the database.
 Launch failures (a silent agent - the host is marked DOWN -, or the broker refusing the
 publish) are returned for the loop to compensate. Completions, `running` and `kill` work as
-in the q2 launcher: the agent writes the completion, and stops a frame whose proc is gone.
+in the q2 launcher (`RemoteLauncher`): the agent writes the completion, and stops a frame whose
+proc is marked for a kill or gone; a killed task that has not started is ended by `kill`.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ check reads). The loop sees the freed host at its next host-view reload
 
 A launch fails (and the loop compensates it) when the host's agent is silent - the host is
 then marked DOWN so it is not booked again until its agent pings - or when the enqueue fails.
-`kill` does nothing here: every kill releases the proc first, and the agent stops a frame
-whose proc is gone within `CUESCHED_AGENT_KILL_POLL` seconds.
+`kill` (`RemoteLauncher.kill`) ends a killed run whose task has not started; a running one is
+stopped by its agent, which sees the proc's kill mark within `CUESCHED_AGENT_KILL_POLL` seconds.
 """
 
 from __future__ import annotations

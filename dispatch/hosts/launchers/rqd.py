@@ -17,7 +17,11 @@ released after CUESCHED_RQD_ORPHAN_GRACE if not), or the lost-host sweep if RQD 
 
 Completions come back through the gateway (RQD's ReportRunningFrameCompletion), so nothing
 comes back here: `poll_completions` is empty and `running` is 0. `kill` sends
-KillRunningFrame to the RQD the proc was launched on (the kill path released the proc first).
+KillRunningFrame to the host's RQD at its recorded address (`host.str_rqd_address`, so any
+scheduler process can send it, not only the one that launched), off the caller's thread; the
+proc stays booked until RQD's completion report of the killed run reaches the gateway. A
+booking whose proc is already marked for a kill when its launch comes is not launched: nothing
+ran, so the launcher ends it killed itself (`completion.complete`).
 
 `heartbeat`, called before each lost-host sweep, asks every UP RQD host for its status
 (`RqdInterface.ReportStatus`) and applies the answer as a pushed report: RQD pushes only every
@@ -45,6 +49,7 @@ from opencue_proto import rqd_pb2
 
 from accounting import db as acct_db
 from dispatch import conf
+from dispatch.engine.completion import EXIT_STATUS_KILLED, Completion, complete
 from dispatch.engine.launcher import register
 from dispatch.hosts.agent import CENTI, RUN_CONTEXT_SQL, RunContext, _chunk_of, frame_env
 from dispatch.hosts.rqd_gateway import ReportError, RqdClients, _rpc_reason, report_status
@@ -52,7 +57,7 @@ from dispatch.jobs.frameset import substitute_tokens
 
 if TYPE_CHECKING:
     from dispatch.engine.booking import Booking
-    from dispatch.engine.completion import Completion
+    from dispatch.engine.kills import RunKill
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +68,7 @@ RQD_HOSTS_SQL = """
 SELECT h.pk_host, h.str_name, h.str_rqd_address FROM host h JOIN host_stat hs ON hs.pk_host = h.pk_host
 WHERE h.str_rqd_address IS NOT NULL AND hs.str_state = 'UP'
 """
-LIVE_PROCS_SQL = "SELECT pk_proc FROM proc WHERE pk_proc = ANY(%s::text[])"
+KILLED_BEFORE_LAUNCH_SQL = "SELECT pk_proc FROM proc WHERE pk_proc = ANY(%s::text[]) AND ts_kill IS NOT NULL"
 
 # gRPC codes that mean the daemon is not there (as opposed to one that answered no).
 UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
@@ -116,13 +121,13 @@ class RqdLauncher:
         self.poll_timeout = min(1.0, self.timeout) if poll_timeout is None else poll_timeout
         self.clients = RqdClients()
         self._pool = futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rqd-launch")
-        # The status poll's stray kills have their own threads, one call per (address, frame) at a
-        # time: a wedged RQD reporting many strays at every poll must not queue ahead of launches.
-        self._kill_pool = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="rqd-stray-kill")
+        # Kills (the kill sender's and the status poll's strays) have their own threads, one call
+        # per (address, frame) at a time: a wedged RQD must not queue ahead of launches.
+        self._kill_pool = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="rqd-kill")
         self._stray_kills: set[tuple[str, str]] = set()
         self._conn: psycopg.Connection | None = None
         self._lock = threading.Lock()
-        self._launched: dict[str, tuple[str, str]] = {}  # pk_proc -> (address, pk_frame), for kill
+        self.kills_sent = 0
         self._user = getpass.getuser()
         self.poll_hosts = conf.rqd_poll_hosts() if poll_hosts is None else poll_hosts
         self.launched = 0
@@ -141,6 +146,13 @@ class RqdLauncher:
             hosts = sorted({b.host.pk for b in bookings})
             addresses = dict(conn.execute(ADDRESSES_SQL, (hosts,)).fetchall())
             rows = conn.execute(RUN_CONTEXTS_SQL, ([b.pk_proc for b in bookings],)).fetchall()
+            killed = {r[0] for r in conn.execute(KILLED_BEFORE_LAUNCH_SQL, ([b.pk_proc for b in bookings],))}
+            if killed:
+                # Killed between the booking's commit and its launch: nothing runs, so it ends here,
+                # recorded killed by its mark. A kill that commits after this read is sent by the
+                # kill sender, again until RQD has the run.
+                complete(conn, [Completion(pk, EXIT_STATUS_KILLED) for pk in sorted(killed)])
+                bookings = [b for b in bookings if b.pk_proc not in killed]
         except psycopg.Error as exc:
             self.close_connection()
             failures = [(b, f"cannot read the launch context ({exc})") for b in bookings]
@@ -173,8 +185,6 @@ class RqdLauncher:
                     # reports decide it (orphan grace), or the lost-host sweep if it stays silent.
                     unreachable.add(b.host.pk)
                     logger.warning("rqd launcher: launch of proc %s timed out (%s); kept booked", b.pk_proc, reason)
-                    with self._lock:
-                        self._launched[b.pk_proc] = (address, contexts[b.pk_proc].pk_frame)
                     continue
                 if exc.code() in UNREACHABLE:
                     unreachable.add(b.host.pk)
@@ -184,8 +194,6 @@ class RqdLauncher:
             except Exception as exc:  # a bad message or a client bug: that booking fails, not the loop
                 failures.append((b, f"RQD {address}: {exc}"))
                 continue
-            with self._lock:
-                self._launched[b.pk_proc] = (address, contexts[b.pk_proc].pk_frame)
         if unreachable:
             try:
                 self._connection().execute(MARK_DOWN_SQL, (sorted(unreachable),))
@@ -212,17 +220,14 @@ class RqdLauncher:
     def running(self) -> int:
         return 0  # the database's RUNNING frames are the truth
 
-    def kill(self, pk_proc: str) -> None:
-        """KillRunningFrame on the RQD the proc was launched on (its proc is already released).
-
-        A proc this process did not launch (another scheduler's, a previous life's) is unknown
-        here: the gateway kills that run at its host's next status report."""
-        with self._lock:
-            entry = self._launched.pop(pk_proc, None)
-        if entry is None:
-            return
-        address, pk_frame = entry
-        self._pool.submit(self.clients.kill, address, pk_frame, f"cuesched: proc {pk_proc} released", self.timeout)
+    def kill(self, runs: Sequence[RunKill]) -> None:
+        """KillRunningFrame on each run's RQD, from the kill threads (the caller does not wait)."""
+        for run in runs:
+            if not run.rqd_address:
+                logger.warning("rqd launcher: host %s has no RQD address; kill of proc %s not sent", run.host,
+                               run.pk_proc)  # fmt: skip
+                continue
+            self._send_kill(run.rqd_address, run.pk_frame, f"cuesched: kill of proc {run.pk_proc} ({run.kind})")
 
     def heartbeat(self, conn: psycopg.Connection) -> None:
         if not self.poll_hosts:
@@ -248,14 +253,14 @@ class RqdLauncher:
                 logger.warning("rqd host %s (%s): status not applied: %s", name, address, exc)
                 continue
             for frame_id, resource_id in result.to_kill:
-                logger.warning("rqd host %s runs frame %s with no proc (%s): killing it", name, frame_id, resource_id)
+                logger.warning("rqd host %s runs frame %s with no proc or a killed one (%s): killing it", name,
+                               frame_id, resource_id)  # fmt: skip
                 # Not on the loop's thread: a wedged RQD would hold it for the timeout per stray.
-                self._kill_stray(address, frame_id)
+                self._send_kill(address, frame_id, "cuesched: this run has no proc, or was killed")
         if silent:
             conn.execute(MARK_DOWN_SQL, (silent,))
-        self._prune(conn)
 
-    def _kill_stray(self, address: str, frame_id: str) -> None:
+    def _send_kill(self, address: str, frame_id: str, message: str) -> None:
         key = (address, frame_id)
         with self._lock:
             if key in self._stray_kills:
@@ -264,12 +269,17 @@ class RqdLauncher:
 
         def send() -> None:
             try:
-                self.clients.kill(address, frame_id, "cuesched: this run has no proc", self.timeout)
+                if self.clients.kill(address, frame_id, message, self.timeout):
+                    self.kills_sent += 1
             finally:
                 with self._lock:
                     self._stray_kills.discard(key)
 
-        self._kill_pool.submit(send)
+        try:
+            self._kill_pool.submit(send)
+        except RuntimeError:  # the launcher is closing
+            with self._lock:
+                self._stray_kills.discard(key)
 
     def _status(self, address: str) -> rqd_pb2.RqdStaticReportStatusResponse:
         return (
@@ -277,18 +287,6 @@ class RqdLauncher:
             .ReportStatus(rqd_pb2.RqdStaticReportStatusRequest(), timeout=self.poll_timeout)
             .host_report
         )
-
-    def _prune(self, conn: psycopg.Connection) -> None:
-        """Forget launches whose procs ended (their completion went through the gateway)."""
-        with self._lock:
-            procs = list(self._launched)
-        if not procs:
-            return
-        live = {r[0] for r in conn.execute(LIVE_PROCS_SQL, (procs,)).fetchall()}
-        with self._lock:
-            for pk in procs:
-                if pk not in live:
-                    self._launched.pop(pk, None)
 
     def abandon(self) -> list[str]:
         return []  # the frames run on RQD, which reports their end to the gateway
@@ -303,5 +301,5 @@ class RqdLauncher:
         self._pool.shutdown(wait=True, cancel_futures=False)
         self._pool = futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="rqd-launch")
         self._kill_pool.shutdown(wait=True, cancel_futures=False)
-        self._kill_pool = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="rqd-stray-kill")
+        self._kill_pool = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="rqd-kill")
         self.clients.close()

@@ -29,6 +29,9 @@ from dispatch.engine.launcher import register
 
 if TYPE_CHECKING:
     from dispatch.engine.booking import Booking
+    from dispatch.engine.kills import RunKill
+
+EXIT_KILLED_BY_SIGNAL = 137  # what a real agent reports for a SIGKILLed run (128 + 9)
 
 
 # The simulated agents are all alive: every UP host pings (only rows that need it are written).
@@ -69,7 +72,8 @@ class SimulatedLauncher:
         self._lock = threading.Lock()
         self._heap: list[tuple[float, int, str, int]] = []
         self._seq = itertools.count()
-        self._killed: set[str] = set()
+        self._killed: set[str] = set()  # killed runs still in the heap (skipped when they come due)
+        self._ended: list[str] = []  # killed runs whose end the next poll reports
         self.launched = 0
         self.launch_failures = 0
 
@@ -100,6 +104,8 @@ class SimulatedLauncher:
         now = self._clock()
         out: list[Completion] = []
         with self._lock:
+            out.extend(Completion(pk, EXIT_KILLED_BY_SIGNAL) for pk in self._ended)
+            self._ended.clear()
             heap = self._heap
             while heap and heap[0][0] <= now:
                 _due, _seq, pk_proc, status = heapq.heappop(heap)
@@ -111,18 +117,31 @@ class SimulatedLauncher:
 
     def next_due(self) -> float | None:
         with self._lock:
+            if self._ended:
+                return 0.0
             if not self._heap:
                 return None
             return max(0.0, self._heap[0][0] - self._clock())
 
     def running(self) -> int:
         with self._lock:
-            return len(self._heap) - len(self._killed)
+            return len(self._heap) - len(self._killed) + len([pk for pk in self._ended if pk in self._killed])
 
-    def kill(self, pk_proc: str) -> None:
+    def kill(self, runs: Sequence[RunKill]) -> None:
+        """The simulated run ends now: its completion (signal 9) comes at the next poll, and the
+        completion path records it killed (its proc's mark). Until then its proc stays booked.
+
+        A run this launcher does not hold (a previous scheduler's, which died with it) runs
+        nowhere, since simulated runs live only in the process that launched them: it is ended
+        the same way, or its proc would stay booked for ever (its hosts keep pinging)."""
         with self._lock:
-            if any(entry[2] == pk_proc for entry in self._heap):
-                self._killed.add(pk_proc)
+            running = {entry[2] for entry in self._heap}
+            for run in runs:
+                if run.pk_proc in self._killed or run.pk_proc in self._ended:
+                    continue
+                if run.pk_proc in running:
+                    self._killed.add(run.pk_proc)
+                self._ended.append(run.pk_proc)
 
     def heartbeat(self, conn: psycopg.Connection) -> None:
         if self.pings_hosts:
@@ -134,9 +153,12 @@ class SimulatedLauncher:
             procs = [pk for _due, _seq, pk, _status in self._heap if pk not in self._killed]
             self._heap.clear()
             self._killed.clear()
+            procs += self._ended
+            self._ended.clear()
         return procs
 
     def close(self) -> None:
         with self._lock:
             self._heap.clear()
             self._killed.clear()
+            self._ended.clear()

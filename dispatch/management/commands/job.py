@@ -28,7 +28,7 @@ class Command(BaseCommand):
     def add_arguments(self, parser: ArgumentParser) -> None:
         sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
         for name, text in (("pause", "stop starting frames"), ("resume", "start frames again"),
-                           ("kill", "finish the job now, stopping its running frames"),
+                           ("kill", "finish the job now; its running frames are killed (booked until they end)"),
                            ("show", "print the job as JSON")):  # fmt: skip
             sub.add_parser(name, help=text).add_argument("job", help="job id or name")
         for name, text in (("retry", "run DEAD frames again"), ("eat", "mark frames done without running")):
@@ -76,7 +76,12 @@ def _describe(name: str, result: actions.JobActionResult) -> str:
         done = "paused" if result.action == "pause" else "resumed"
         return f"{name}: {done}" if result.changed else f"{name}: already {done}"
     if result.action == "kill":
-        return f"{name}: killed ({d['released']} running frames released, {d['eaten']} frames eaten)"
+        if d["killing"]:
+            return (
+                f"{name}: killing {d['killing']} running frame(s) ({d['eaten']} frames eaten); their cores stay "
+                "booked until their hosts report them ended (`job show` counts them under \"killing\")"
+            )
+        return f"{name}: killed (no frame was running, {d['eaten']} frames eaten)"
     if result.action == "retry":
         return f"{name}: {result.changed} frames to retry" + (" (job reopened)" if d.get("reopened") else "")
     if result.action == "eat":
