@@ -14,6 +14,11 @@ Payloads, compact JSON written by the triggers in `accounting.triggers`:
   either with `"removed": true` for a deleted row, plus the optional xid. Writers may add keys
   (the triggers add `seq`); they are ignored.
 - `acct_resync`: `{"table": <name>, xid}`, a TRUNCATE no row-level message can describe.
+
+A release or cap message may end with `"gen_from": F, "gen": G` (a cap message of a folder or
+job also with the `show` it belongs to): the last message of a show whose accounting
+generation the writing transaction's trigger bumped, from F to G (accounting.triggers,
+bump_generation). The Store records G once the message's change is applied.
 """
 
 from __future__ import annotations
@@ -60,12 +65,14 @@ class PayloadError(ValueError):
 class Release:
     delta: BookingDelta
     xid: int | None
+    generation: tuple[int, int] | None = None  # (gen_from, gen) of the release's show
 
 
 @dataclass(frozen=True, slots=True)
 class LimitNotice:
     changes: tuple[LimitChange, ...]
     xid: int | None
+    generation: tuple[str, int, int] | None = None  # (show, gen_from, gen)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +137,20 @@ def _xid(data: dict[str, Any]) -> int | None:
     return _int(data, "xid", 1, INT64_MAX, required=False)
 
 
+def _generation(data: dict[str, Any]) -> tuple[int, int] | None:
+    """(gen_from, gen) when the message carries a bump; both or neither."""
+    gen = _int(data, "gen", 1, INT64_MAX, required=False)
+    gen_from = _int(data, "gen_from", 0, INT64_MAX, required=gen is not None)
+    if gen is None:
+        if gen_from is not None:
+            raise PayloadError("field 'gen_from' without 'gen'")
+        return None
+    assert gen_from is not None
+    if gen_from >= gen:
+        raise PayloadError(f"generation goes from {gen_from} to {gen}: not a bump")
+    return gen_from, gen
+
+
 def parse_release(payload: str) -> Release:
     data = _object(payload)
     delta = BookingDelta(
@@ -140,7 +161,7 @@ def parse_release(payload: str) -> Release:
         cores=_int(data, "cores", INT64_MIN, INT64_MAX),  # type: ignore[arg-type]
         gpus=_int(data, "gpus", INT32_MIN, INT32_MAX),  # type: ignore[arg-type]
     )
-    return Release(delta=delta, xid=_xid(data))
+    return Release(delta=delta, xid=_xid(data), generation=_generation(data))
 
 
 # vertex -> (max cores, max GPUs, both, removed)
@@ -160,6 +181,14 @@ def _removed(data: dict[str, Any]) -> bool:
 def parse_limit_change(payload: str) -> LimitNotice:
     """A cap message as Store changes: one for both fields of a row, as Cuebot's one field each."""
     data = _object(payload)
+    notice = _parse_limit_change(data)
+    bump = _generation(data)
+    if bump is None:
+        return notice
+    return LimitNotice(notice.changes, notice.xid, (_id(data, "show"), *bump))
+
+
+def _parse_limit_change(data: dict[str, Any]) -> LimitNotice:
     vertex = data.get("vertex")
     if vertex == "sub":
         key = (_id(data, "show"), _id(data, "alloc"))

@@ -26,7 +26,7 @@ import psycopg
 
 from accounting.licences import limit_max_problem, limit_max_sql
 from accounting.store import PgSnapshot, Store
-from accounting.triggers import CUEBOT_ACCOUNTS
+from accounting.triggers import CUEBOT_ACCOUNTS, GENERATION_SEQUENCE, GENERATION_TABLE
 from accounting.units import centicores_to_cores, centicores_to_cores_cap, gpus_cap
 
 logger = logging.getLogger(__name__)
@@ -56,6 +56,33 @@ WHERE s.b_scheduler_managed AND j.str_state <> 'FINISHED'
 
 SNAPSHOT_SQL = "SELECT pg_current_snapshot()::text"
 
+# Each managed show's accounting generation (0 before its first bump), read in the snapshot of
+# the caps or counters it then vouches for (Store.cover_generations).
+GENERATIONS_SQL = f"""
+SELECT s.pk_show, COALESCE(g.int_generation, 0)::bigint FROM show s
+LEFT JOIN {GENERATION_TABLE} g ON g.pk_show = s.pk_show
+WHERE s.b_scheduler_managed
+"""
+# Every managed show gets its generation row before it is read (and so before it is published):
+# a bump is then an UPDATE of an existing row, which the booking's FOR SHARE check sees held
+# while it is in progress (a first bump's INSERT would be invisible to it until its commit).
+# A row made again (after a TRUNCATE) starts from the sequence, above anything a Store may hold.
+ENSURE_GENERATION_ROWS_SQL = f"""
+INSERT INTO {GENERATION_TABLE} (pk_show, int_generation)
+SELECT s.pk_show, nextval('{GENERATION_SEQUENCE}') FROM show s
+WHERE s.b_scheduler_managed AND NOT EXISTS (SELECT 1 FROM {GENERATION_TABLE} g WHERE g.pk_show = s.pk_show)
+ORDER BY 1
+ON CONFLICT (pk_show) DO NOTHING
+"""
+# A writer's first bump of the same show still open holds the key: give up on it after this, so
+# one idle transaction cannot hold up the reseed (the row is made by that bump, or the next read).
+ENSURE_LOCK_TIMEOUT = "1s"
+SHOW_GENERATION_SQL = f"""
+SELECT s.pk_show, COALESCE(g.int_generation, 0)::bigint FROM show s
+LEFT JOIN {GENERATION_TABLE} g ON g.pk_show = s.pk_show
+WHERE s.pk_show = %(show)s
+"""
+
 # The caps of the folders and jobs the dispatch loop is about to book, whatever the show's flag
 # (the loop only books shows the Store enforces). Finished jobs are left out, as by the reseed.
 FILL_FOLDERS_SQL = """
@@ -75,6 +102,8 @@ class LimitRows:
     folders: dict[str, tuple[int, int]]
     jobs: dict[str, tuple[int, int]]
     pg_snapshot: PgSnapshot
+    # The managed shows' accounting generations in the same snapshot (a complete read only).
+    generations: dict[str, int] | None = None
 
 
 def begin_snapshot(conn: psycopg.Connection) -> PgSnapshot:
@@ -96,11 +125,12 @@ def read_limits(conn: psycopg.Connection) -> LimitRows:
         subs = {(show, alloc): centicores_to_cores(burst) for show, alloc, burst in conn.execute(SUB_LIMITS_SQL)}
         folders = {fid: (centicores_to_cores_cap(mc), gpus_cap(mg)) for fid, mc, mg in conn.execute(FOLDER_LIMITS_SQL)}
         jobs = {jid: (centicores_to_cores_cap(mc), gpus_cap(mg)) for jid, mc, mg in conn.execute(JOB_LIMITS_SQL)}
+        generations = {show: int(g) for show, g in conn.execute(GENERATIONS_SQL)}
         conn.execute("COMMIT")
     except BaseException:
         abort_snapshot(conn)
         raise
-    return LimitRows(subs=subs, folders=folders, jobs=jobs, pg_snapshot=snap)
+    return LimitRows(subs=subs, folders=folders, jobs=jobs, pg_snapshot=snap, generations=generations)
 
 
 LICENCES_SQL = f"""
@@ -148,14 +178,28 @@ def reseed_licences(store: Store, conn: psycopg.Connection) -> dict[str, tuple[i
     return rows
 
 
+def ensure_generation_rows(conn: psycopg.Connection) -> int:
+    """Create the missing generation rows of managed shows; returns how many (0 if it had to give up)."""
+    try:
+        with conn.transaction():
+            conn.execute(f"SET LOCAL lock_timeout = '{ENSURE_LOCK_TIMEOUT}'")
+            return conn.execute(ENSURE_GENERATION_ROWS_SQL).rowcount
+    except psycopg.errors.LockNotAvailable:
+        logger.warning("limit reseed: a writer holds a new show's generation row; it is created by its bump")
+        return 0
+
+
 def reseed_limits(store: Store, conn: psycopg.Connection) -> LimitRows:
     started = time.monotonic()
     incarnation = store.incarnation
+    ensure_generation_rows(conn)
     reseed_licences(store, conn)
     rows = read_limits(conn)
     removed = store.set_caps(
         rows.subs, rows.folders, rows.jobs, pg_snapshot=rows.pg_snapshot, complete=True, incarnation=incarnation
     )
+    if rows.generations is not None:
+        store.cover_generations("caps", rows.generations, incarnation)
     logger.info(
         "limit reseed: %d subscriptions, %d folders, %d jobs in %.3fs (%d caps removed)",
         len(rows.subs),

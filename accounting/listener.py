@@ -58,6 +58,8 @@ class ListenerStats:
     limits_applied: int = 0
     limits_skipped: int = 0
     licences_applied: int = 0
+    # Accounting generations moved by a notification (Store.apply_generation).
+    generations_applied: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
     injected_drops: int = 0
     # Releases from Cuebot's AccountingNotifier dropped in Cuebot mode (see Listener.handle).
@@ -237,7 +239,13 @@ class Listener:
                     return self._ignore_cuebot_release(payload)
                 if release.xid is not None and release.xid > self.stats.max_xid:
                     self.stats.max_xid = release.xid
-                if self.store.apply_delta(release.delta, release.xid):
+                applied = self.store.apply_delta(release.delta, release.xid)
+                # After the delta (applied, or skipped as already read): the bump it closes.
+                if release.generation is not None and self.store.apply_generation(
+                    release.delta.show, *release.generation
+                ):
+                    self.stats.generations_applied += 1
+                if applied:
                     self.stats.releases_applied += 1
                     return "applied"
                 self.stats.releases_skipped += 1
@@ -254,6 +262,9 @@ class Listener:
                         outcome = "applied"
                     else:
                         self.stats.limits_skipped += 1
+                if notice.generation is not None and self.store.apply_generation(*notice.generation):
+                    self.stats.generations_applied += 1
+                    outcome = "applied"
                 return outcome
             if channel == channels.LICENCE_CHANNEL:
                 lic = channels.parse_licence(payload)

@@ -57,6 +57,9 @@ def refresh_managed(current: Managed, recomputer: Recomputer, conn: psycopg.Conn
                 snapshot, pg_snapshot, incarnation = recomputer.seed_show(conn, show)
                 if not recomputer.store.seed_show_booked(snapshot, pg_snapshot=pg_snapshot, incarnation=incarnation):
                     raise psycopg.OperationalError("the server changed during the seed; retrying next tick")
+                # Its caps were read by the reseed above, its counters here: both cover the
+                # accounting generations they saw, and the show books under the smaller.
+                recomputer.store.cover_generations("counters", recomputer.generations_seen, incarnation)
             logger.info(
                 "managed-flip seed: show %s seeded (%d subscriptions, %d folders, %d jobs)",
                 show,

@@ -109,6 +109,33 @@ class ShowFlip(models.Model):
         return f"show {self.pk_show} generation {self.int_generation}"
 
 
+class ShowGeneration(models.Model):
+    """Each show's accounting generation: bumped by every change the Store must apply before it books the show.
+
+    Written by the accounting triggers in the writing transaction (a cap lowered or removed, a
+    key moved into a cap, a positive outside delta, a flip; see accounting.triggers,
+    bump_generation) and carried by the notification of the change. The Store records the
+    generation it applied per show, and the booking transaction refuses a show's bookings
+    decided under another one (dispatch.engine.booking). Releases and cap raises never bump.
+    `int_prev_generation` is the value before the last bump, so the Store can tell a gap in the
+    chain; `str_reason` says what bumped it last. The seeds create a missing row (generation 0).
+    """
+
+    pk_show = models.CharField(max_length=36, primary_key=True)
+    int_generation = models.BigIntegerField(db_default=0, default=0)
+    int_prev_generation = models.BigIntegerField(db_default=0, default=0)
+    str_reason = models.CharField(max_length=16, db_default="", default="")
+    ts_bumped = models.DateTimeField(null=True)
+
+    class Meta:
+        db_table = accounting_triggers.GENERATION_TABLE
+        verbose_name = "show generation"
+        triggers = accounting_triggers.show_generation_triggers()
+
+    def __str__(self) -> str:
+        return f"show {self.pk_show} accounting generation {self.int_generation}"
+
+
 class SchedulerLease(models.Model):
     """The one-scheduler fence: which scheduler may commit bookings, by generation.
 

@@ -40,7 +40,15 @@ from dataclasses import dataclass, field
 
 import psycopg
 
-from accounting.limits import FOLDER_LIMITS_SQL, JOB_LIMITS_SQL, SUB_LIMITS_SQL, abort_snapshot, begin_snapshot
+from accounting.limits import (
+    FOLDER_LIMITS_SQL,
+    GENERATIONS_SQL,
+    JOB_LIMITS_SQL,
+    SHOW_GENERATION_SQL,
+    SUB_LIMITS_SQL,
+    abort_snapshot,
+    begin_snapshot,
+)
 from accounting.store import CounterSnapshot, PgSnapshot, Store
 from accounting.triggers import DISPLAY_LIFT_SQL, LOCK_KEYS_SHARED_SQL
 from accounting.units import usage_to_cores
@@ -363,6 +371,8 @@ class Recomputer:
         # could not be told in time. Only then can a Store counter below SUM(proc) be told from
         # a notification still on its way, so without it a pass judges nothing.
         self.settle: Callable[[float], bool] | None = None
+        # The accounting generation(s) the last seed_show read, in its snapshot.
+        self.generations_seen: dict[str, int] = {}
 
     def store_pass(
         self, conn: psycopg.Connection, result: RecomputeResult | None = None, *, judge: bool = False
@@ -390,6 +400,7 @@ class Recomputer:
                 sub_keys = [(s, a) for s, a, _ in conn.execute(SUB_LIMITS_SQL)]
                 folder_keys = [f for f, _, _ in conn.execute(FOLDER_LIMITS_SQL)]
                 job_keys = [j for j, _, _ in conn.execute(JOB_LIMITS_SQL)]
+                generations = {s: int(g) for s, g in conn.execute(GENERATIONS_SQL)}
                 conn.execute("COMMIT")
             except BaseException:
                 # No overwrite: the stale bucket is carried once more (a safe over-count).
@@ -418,6 +429,7 @@ class Recomputer:
                     for vertex, keys in store.below(snapshot, snap).items()
                 }
             store.overwrite_counters(snapshot, epoch, pg_snapshot=snap, incarnation=incarnation)
+            store.cover_generations("counters", generations, incarnation)
             result.pg_xmax = snap.xmax
         after = store.audit_snapshot()
         result.drift_cores = _drift(before, after)
@@ -459,7 +471,11 @@ class Recomputer:
         return result
 
     def seed_show(self, conn: psycopg.Connection, show: str) -> tuple[CounterSnapshot, PgSnapshot, int]:
-        """Read one show's booked counters over a zero baseline of its keys (managed-flip seed)."""
+        """Read one show's booked counters over a zero baseline of its keys (managed-flip seed).
+
+        The show's accounting generation is read in the same snapshot: `generations_seen`
+        holds it for the caller to cover once the counters are written.
+        """
         incarnation = self.store.incarnation
         self.store.open_release_window()
         try:
@@ -469,6 +485,7 @@ class Recomputer:
             sub_keys = [(s, a) for s, a in conn.execute(SHOW_KEYS_SQL["sub"], params)]
             folder_keys = [f for (f,) in conn.execute(SHOW_KEYS_SQL["folder"], params)]
             job_keys = [j for (j,) in conn.execute(SHOW_KEYS_SQL["job"], params)]
+            self.generations_seen = {s: int(g) for s, g in conn.execute(SHOW_GENERATION_SQL, params)}
             conn.execute("COMMIT")
         except BaseException:
             abort_snapshot(conn)

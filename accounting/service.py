@@ -151,6 +151,8 @@ class AccountingService:
         self.server_id: str | None = None
         self._max_xmax = 0
         self._managed_wakeup = threading.Event()
+        # Shows whose bookings met a generation the Store had not reached: show -> (its, since).
+        self._behind: dict[str, tuple[int, float]] = {}
         self._threads: list[threading.Thread] = []
         # Other parts of the scheduler (the dispatch loop) add sections to the live view here.
         self.view_providers: dict[str, Callable[[], object]] = {}
@@ -201,6 +203,35 @@ class AccountingService:
     def request_managed_refresh(self) -> None:
         """Run the managed-shows tick now (a booking met a flip the Store has not seen)."""
         self._managed_wakeup.set()
+
+    def report_behind(self, show: str, generation: int) -> None:
+        """A booking of `show` met a newer accounting generation than the Store's `generation`.
+
+        Normally the listener applies the change within its delay and the show books again. If
+        the Store is still at `generation` a heartbeat deadline later (the message that carried
+        the bump was lost, or a flip sent none), the managed-shows tick re-seeds the show, whose
+        reads then cover the database's generation.
+        """
+        with self._managed_lock:
+            if show in self._behind:
+                return
+            self._behind[show] = (generation, time.monotonic())
+        timer = threading.Timer(self.listener.deadline, self._managed_wakeup.set)
+        timer.daemon = True
+        timer.start()
+
+    def _stuck_behind(self) -> set[str]:
+        """Shows reported behind more than a heartbeat deadline ago whose generation has not moved since."""
+        now = time.monotonic()
+        stuck = set()
+        with self._managed_lock:
+            for show, (generation, since) in list(self._behind.items()):
+                if self.store.generation(show) != generation:
+                    del self._behind[show]
+                elif now - since >= self.listener.deadline:
+                    stuck.add(show)
+                    del self._behind[show]
+        return stuck
 
     # -- whether the Store may enforce ---------------------------------------------------
     def lease_expired(self) -> bool:
@@ -445,6 +476,13 @@ class AccountingService:
         self._managed_wakeup.clear()
         # A show whose generation moved is re-seeded: stop enforcing it now, not after the seed.
         current = dict(self._managed)
+        # And one the Store stayed behind on: seeded again (still published meanwhile: its
+        # bookings keep failing the generation check until the seed covers it).
+        stuck = self._stuck_behind()
+        for show in stuck:
+            current.pop(show, None)
+        if stuck:
+            logger.warning("managed shows: %d show(s) behind their accounting generation; re-seeding", len(stuck))
         result = refresh_managed(current, self.recomputer, conn)
         if result.published != self._managed:
             self.publish_managed(result.published)

@@ -96,11 +96,21 @@ class BookingDelta:
     limits: tuple[str, ...] = ()
 
 
+# The generation a booking carries when the Store holds none for its show: never a database value.
+UNKNOWN_GENERATION = -3
+
+
 @dataclass(frozen=True, slots=True)
 class Applied:
-    """A booking that passed every cap; exactly one of confirm or rollback must follow."""
+    """A booking that passed every cap; exactly one of confirm or rollback must follow.
+
+    `generation` is the show's accounting generation the Store had applied when it decided
+    (UNKNOWN_GENERATION if none): the booking transaction refuses the booking if the
+    database's differs, since a change the Store has not applied may have come in between.
+    """
 
     delta: BookingDelta
+    generation: int = UNKNOWN_GENERATION
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,6 +307,8 @@ class Store:
         "_folder",
         "_folder_cap_src",
         "_folder_caps",
+        "_gen",
+        "_gen_gaps",
         "_incarnation",
         "_job",
         "_job_cap_src",
@@ -340,6 +352,10 @@ class Store:
         self._lic_pending: dict[str, dict[object, int]] = {}
         self._lic_seen: dict[str, deque[int]] = {}
         self._lic_reads = 0
+        # Accounting generations, per show: [applied (int, or None: unknown), what the last
+        # cap read covered, what the last counter read covered] (see apply_generation).
+        self._gen: dict[str, list] = {}
+        self._gen_gaps = 0
 
     @property
     def epoch(self) -> int:
@@ -368,6 +384,8 @@ class Store:
         fkey = delta.folder
         jkey = delta.job
         with self._lock:
+            gen = self._gen.get(delta.show)
+            generation = UNKNOWN_GENERATION if gen is None or gen[0] is None else gen[0]
             sc = self._sub.get(skey)
             fc = self._folder.get(fkey)
             jc = self._job.get(jkey)
@@ -439,7 +457,7 @@ class Store:
                 fc[3] += dg
                 jc[1] += dg
                 jc[3] += dg
-        return Applied(delta)
+        return Applied(delta, generation)
 
     def confirm(self, delta: BookingDelta, xid: int | None = None) -> None:
         """Move an applied booking from in-flight to the settled bucket of the current epoch.
@@ -852,6 +870,68 @@ class Store:
                 sources[key] = (src[0], xid)  # type: ignore[index]
             return True
 
+    # ----------------------------------------------------------------------- generations
+    #
+    # A show's accounting generation (accounting.triggers, bump_generation) moves with every
+    # committed change that could let a booking breach a cap: a cap lowered or removed, a key
+    # moved into a cap, a positive outside delta, a flip. The Store records, per show, the
+    # generation up to which it has applied every such change, and `book` hands it to the
+    # booking, whose transaction fails when the database has moved on. Two sources:
+    #
+    # * a notification carrying (gen_from, gen), applied after the change it came with, in
+    #   commit order: the chain moves only from exactly gen_from, so a message lost or dropped
+    #   (or a flip, which sends none) leaves a gap the show cannot book across;
+    # * the reads: a cap read and a counter read each report the generations they saw in their
+    #   own snapshot (`cover_generations`); every bump up to the smaller of the two is in both,
+    #   so the applied generation may move up to it. This heals a gap, and seeds a show.
+    #
+    # A generation never moves back (values come from one sequence and grow in commit order).
+
+    def generation(self, show: str) -> int | None:
+        """The show's applied accounting generation, None when unknown (its bookings then fail)."""
+        with self._lock:
+            entry = self._gen.get(show)
+            return None if entry is None else entry[0]
+
+    @property
+    def generation_gaps(self) -> int:
+        """How many notified generations did not follow the applied one (a lost message or a flip)."""
+        return self._gen_gaps
+
+    def apply_generation(self, show: str, gen_from: int, gen: int) -> bool:
+        """A notification's bump, after its change was applied (or skipped as already read); False if ignored."""
+        with self._lock:
+            entry = self._gen.get(show)
+            if entry is None or entry[0] is None or gen <= entry[0]:
+                return False  # unknown (a read will seed it) or already covered
+            if entry[0] != gen_from:
+                self._gen_gaps += 1
+                return False  # a gap: the show waits for the reads to cover it
+            entry[0] = gen
+            return True
+
+    def cover_generations(self, kind: str, gens: Mapping[str, int], incarnation: int | None = None) -> None:
+        """Record what a read covered: `kind` 'caps' or 'counters', show -> generation in its snapshot.
+
+        Call only after the read's values were written to the Store (a read dropped, say by
+        `incarnation`, covers nothing). The generations must have been read in the same
+        snapshot as the values, or before it.
+        """
+        index = 1 if kind == "caps" else 2
+        with self._lock:
+            if incarnation is not None and incarnation != self._incarnation:
+                return
+            for show, value in gens.items():
+                entry = self._gen.get(show)
+                if entry is None:
+                    entry = self._gen[show] = [None, None, None]
+                if entry[index] is None or value > entry[index]:
+                    entry[index] = value
+                if entry[1] is not None and entry[2] is not None:
+                    covered = min(entry[1], entry[2])
+                    if entry[0] is None or covered > entry[0]:
+                        entry[0] = covered
+
     def forget_sources(self) -> None:
         """Drop every recorded snapshot and transaction id (a failover: they order nothing now).
 
@@ -860,6 +940,7 @@ class Store:
         """
         with self._lock:
             self._incarnation += 1
+            self._gen.clear()  # the other server's generations: only new reads seed them
             for table in (self._sub, self._folder, self._job):
                 for counter in table.values():
                     counter[8] = None

@@ -65,6 +65,8 @@ notification and the database-enforced halves then share.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pgtrigger
 
 from accounting.notify import (
@@ -79,6 +81,7 @@ from accounting.units import CUEBOT_UNLIMITED_CAP
 SETTINGS_TABLE = "cuesched_accounting_settings"
 EPOCH_TABLE = "cuesched_accounting_epoch"
 SHOW_FLIP_TABLE = "cuesched_show_flip"
+GENERATION_TABLE = "cuesched_show_generation"
 CORE_MULTIPLIER = 100  # centicores per core, as Cuebot's CENTICORES_PER_CORE
 
 # --- SQL expressions shared by the trigger bodies ---------------------------------------------
@@ -100,6 +103,59 @@ NEXT_SEQ = (
     f"(COALESCE(NULLIF(current_setting('{NOTIFY_SEQ_SETTING}', true), ''), '0')::bigint + 1)::text, "
     "true)::bigint"
 )
+
+
+# --- the accounting generation of a show ------------------------------------------------------
+# Every committed change the Store must apply before it may book a show again (a cap lowered or
+# removed, a key moved into a cap, a positive outside delta, a flip) bumps the show's row of
+# GENERATION_TABLE in the writing transaction, and the notification that carries the change
+# carries the generation: the last message of that show sent by the bumping trigger gets
+# `"gen_from":F,"gen":G` (and `"show"` where the payload has none), so the Store records G only
+# once every message of the bump before it is applied. The booking transaction compares the
+# database's generation with the one its bookings were decided under (dispatch.engine.booking).
+# Releases, shrinks and cap raises do not bump: they can only make room.
+#
+# Values come from the flip sequence (never repeated, even for a row deleted and re-created),
+# and `int_prev_generation` keeps the value before the bump, so the Store can tell an unbroken
+# chain from a gap (a message it never got, a flip, which sends none). Rows are locked in show
+# order; at REPEATABLE READ / SERIALIZABLE a bump of a row changed after the writer's snapshot
+# fails with a serialization failure (40001), as any such UPDATE does.
+GENERATION_SEQUENCE = f"{SHOW_FLIP_TABLE}_generation"
+GENERATION_DECLARE = [("v_gen_show", "text[]"), ("v_gen_from", "bigint[]"), ("v_gen_to", "bigint[]")]
+
+
+def bump_generation(shows: str, reason: str) -> str:
+    """Bump the generation of every show `shows` yields (a SELECT of pk_show values, NULLs skipped)."""
+    return f"""
+    WITH bumped AS (
+        INSERT INTO {GENERATION_TABLE} AS t (pk_show, int_generation, int_prev_generation, str_reason, ts_bumped)
+        SELECT x.pk_show, nextval('{GENERATION_SEQUENCE}'), 0, '{reason}', now()
+        FROM (SELECT DISTINCT y.pk_show FROM ({shows}) AS y(pk_show) WHERE y.pk_show IS NOT NULL) x
+        ORDER BY x.pk_show
+        ON CONFLICT (pk_show) DO UPDATE
+        SET int_prev_generation = t.int_generation, int_generation = nextval('{GENERATION_SEQUENCE}'),
+            str_reason = EXCLUDED.str_reason, ts_bumped = EXCLUDED.ts_bumped
+        RETURNING t.pk_show, t.int_prev_generation, t.int_generation
+    )
+    SELECT array_agg(b.pk_show), array_agg(b.int_prev_generation), array_agg(b.int_generation)
+    INTO v_gen_show, v_gen_from, v_gen_to FROM bumped b;"""
+
+
+def with_generation(rows: str, order: list[str], *, add_show: bool) -> str:
+    """The payloads of `rows` in `order`, the last one of each bumped show carrying its generation.
+
+    `rows` yields `payload` (a JSON object as text), `gen_show` (the show it belongs to, or NULL)
+    and the `order` columns.
+    """
+    last = ", ".join(f"x.{c} DESC" for c in order)
+    show = "',\"show\":' || to_json(r.gen_show)::text || " if add_show else ""
+    return f"""
+        SELECT CASE WHEN b.gt IS NOT NULL AND r.rn = 1
+                    THEN left(r.payload, -1) || {show}',\"gen_from\":' || b.gf || ',\"gen\":' || b.gt || '}}'
+                    ELSE r.payload END AS payload
+        FROM (SELECT x.*, row_number() OVER (PARTITION BY x.gen_show ORDER BY {last}) AS rn FROM ({rows}) x) r
+        LEFT JOIN unnest(v_gen_show, v_gen_from, v_gen_to) AS b(pk_show, gf, gt) ON b.pk_show = r.gen_show
+        ORDER BY {", ".join("r." + c for c in order)}"""
 
 
 def json_id(expr: str) -> str:
@@ -298,6 +354,7 @@ DELTA_DECLARE = [
     ("v_constraint", "text"),
     ("v_message", "text"),
     ("v_enabled", "boolean"),
+    *GENERATION_DECLARE,
     *LOCK_DECLARE,
 ]
 DELTAS = (
@@ -342,20 +399,41 @@ RELEASE_PAYLOAD = (
 # The kill switch silences releases only (what it loses reads high). A positive delta (a proc
 # written or grown outside the scheduler, the new side of a move) is always sent: losing one
 # would leave the Store LOW.
+_MANAGED_GROUPED = f"""
+            SELECT d.pk_show, d.pk_alloc, d.pk_folder, d.pk_job, d.pk_layer, d.pk_dept,
+                   SUM(d.cc)::bigint AS cc, SUM(d.g)::bigint AS g
+            FROM {DELTAS}
+            WHERE d.managed
+            GROUP BY d.pk_show, d.pk_alloc, d.pk_folder, d.pk_job, d.pk_layer, d.pk_dept"""
+_RELEASE_ORDER = ["pk_show", "pk_alloc", "pk_folder", "pk_job", "pk_layer", "pk_dept"]
+_RELEASE_ROWS = (
+    f"SELECT {RELEASE_PAYLOAD} AS payload, g.pk_show AS gen_show, "
+    + ", ".join("g." + c for c in _RELEASE_ORDER)
+    + f" FROM ({_MANAGED_GROUPED}) g WHERE (g.cc <> 0 OR g.g <> 0) AND (v_enabled OR g.cc > 0 OR g.g > 0)"
+)
+_BUMP_OUTSIDE = bump_generation(f"SELECT g.pk_show FROM ({_MANAGED_GROUPED}) g WHERE g.cc > 0 OR g.g > 0", "outside")
+_RELEASE_MESSAGES = with_generation(_RELEASE_ROWS, _RELEASE_ORDER, add_show=False)
+_RELEASE_MESSAGES_PLAIN = _RELEASE_ROWS + " ORDER BY " + ", ".join("g." + c for c in _RELEASE_ORDER)
+# Only a statement with a positive managed delta can bump: the releases of the completion path
+# (all negative) skip the bump and send their messages as before.
+_ANY_POSITIVE = (
+    "EXISTS (SELECT 1 FROM unnest(v_cc, v_g, v_managed) AS p(cc, g, managed) WHERE p.managed AND (p.cc > 0 OR p.g > 0))"
+)
 NOTIFY_MANAGED = f"""
     IF true = ANY(v_managed) AND NOT {STORE_ACCOUNTED} THEN
         v_enabled := {NOTIFY_ENABLED};
         v_xid := {CURRENT_XID};
         v_seq := {NEXT_SEQ};
-        PERFORM pg_notify('{RELEASE_CHANNEL}', {RELEASE_PAYLOAD}) FROM (
-            SELECT d.pk_show, d.pk_alloc, d.pk_folder, d.pk_job, d.pk_layer, d.pk_dept,
-                   SUM(d.cc)::bigint AS cc, SUM(d.g)::bigint AS g
-            FROM {DELTAS}
-            WHERE d.managed
-            GROUP BY d.pk_show, d.pk_alloc, d.pk_folder, d.pk_job, d.pk_layer, d.pk_dept
-            HAVING (SUM(d.cc) <> 0 OR SUM(d.g) <> 0) AND (v_enabled OR SUM(d.cc) > 0 OR SUM(d.g) > 0)
-            ORDER BY d.pk_show, d.pk_alloc, d.pk_folder, d.pk_job, d.pk_layer, d.pk_dept
-        ) g;
+        IF {_ANY_POSITIVE} THEN
+            -- A positive delta on any key (a proc written or grown outside the scheduler, the new
+            -- side of a move) is one the Store has not checked: its show's generation moves.
+            {_BUMP_OUTSIDE}
+            PERFORM pg_notify('{RELEASE_CHANNEL}', m.payload) FROM ({_RELEASE_MESSAGES}
+            ) m;
+        ELSE
+            PERFORM pg_notify('{RELEASE_CHANNEL}', m.payload) FROM ({_RELEASE_MESSAGES_PLAIN}
+            ) m;
+        END IF;
     END IF;"""
 
 # --- unmanaged shows: the five tables, caps enforced -------------------------------------------
@@ -1015,6 +1093,12 @@ DISPLAY_LIFT_SETTING = "cuesched.display_lift"
 DISPLAY_LIFT_SQL = f"SELECT set_config('{DISPLAY_LIFT_SETTING}', 'on', true)"
 DISPLAY_LIFT = f"COALESCE(current_setting('{DISPLAY_LIFT_SETTING}', true), '') = 'on'"
 
+def _lowered(column: str, cap: Callable[[str], str]) -> str:
+    """The cap as the Store holds it (whole units, -1 unlimited) went down: a limit where there was none, or less."""
+    new, old = cap(f"n.{column}"), cap(f"o.{column}")
+    return f"({new} >= 0 AND ({old} < 0 OR {new} < {old}))"
+
+
 _SUB = {
     "pk": "pk_subscription",
     "changed": "(n.int_burst IS DISTINCT FROM o.int_burst OR n.pk_show IS DISTINCT FROM o.pk_show "
@@ -1023,6 +1107,8 @@ _SUB = {
     "payload": SUB_PAYLOAD,
     "removed": SUB_REMOVED_PAYLOAD,
     "order": "n.pk_show, n.pk_alloc",
+    "show": "n.pk_show",
+    "lowered": "n.int_burst < o.int_burst",
 }
 _FOLDER = {
     "pk": "pk_folder_resource",
@@ -1031,6 +1117,8 @@ _FOLDER = {
     "payload": cap_payload("folder", "pk_folder"),
     "removed": cap_removed_payload("folder", "pk_folder"),
     "order": "n.pk_folder",
+    "show": "(SELECT f.pk_show FROM folder f WHERE f.pk_folder = n.pk_folder)",
+    "lowered": f"{_lowered('int_max_cores', cores_cap)} OR {_lowered('int_max_gpus', gpus_cap)}",
 }
 _JOB = {
     "pk": "pk_job_resource",
@@ -1041,6 +1129,8 @@ _JOB = {
     "payload": cap_payload("job", "pk_job"),
     "removed": cap_removed_payload("job", "pk_job"),
     "order": "n.pk_job",
+    "show": "(SELECT j.pk_show FROM job j WHERE j.pk_job = n.pk_job)",
+    "lowered": f"{_lowered('int_max_cores', cores_cap)} OR {_lowered('int_max_gpus', gpus_cap)}",
 }
 
 
@@ -1048,23 +1138,38 @@ def limit_update_func(spec: dict[str, str]) -> str:
     """Cap UPDATE: cheap exit first, since the booking path updates int_cores of these rows.
 
     A row whose key itself changed (a subscription moved to another show) is announced as the
-    old key removed and the new one set.
+    old key removed and the new one set. A cap lowered, and both keys of a row re-keyed, bump
+    their shows' generations (a raise does not: it only makes room), carried by the last
+    message of each show.
     """
     changed = f"FROM new_rows n JOIN old_rows o ON o.{spec['pk']} = n.{spec['pk']} WHERE ({spec['changed']})"
     removed = spec["removed"].replace("n.", "o.")
+    old_show = spec["show"].replace("n.", "o.")
+    key_changed = _key_changed(spec)
+    bump = bump_generation(
+        f"SELECT {spec['show']} {changed} AND ({spec['lowered']} OR {key_changed}) "
+        f"UNION ALL SELECT {old_show} {changed} AND ({key_changed})",
+        "cap",
+    )
+    n_order = spec["order"].count(",") + 1
+    order = ["ord"] + [f"k{i}" for i in range(n_order)]
+    keys_new = ", ".join(f"{c.strip()} AS k{i}" for i, c in enumerate(spec["order"].split(",")))
+    keys_old = keys_new.replace("n.", "o.")
+    rows = f"""
+        SELECT 1 AS ord, {removed} AS payload, {old_show} AS gen_show, {keys_old}
+        {changed} AND ({key_changed})
+        UNION ALL
+        SELECT 2, {spec["payload"]}, {spec["show"]}, {keys_new}
+        {changed}"""
+    messages = with_generation(rows, order, add_show=spec["pk"] != "pk_subscription")
     return f"""
     IF NOT EXISTS (SELECT 1 {changed}) THEN
         RETURN NULL;
     END IF;
     v_xid := {CURRENT_XID};
     v_seq := {NEXT_SEQ};
-    PERFORM pg_notify('{LIMIT_CHANNEL}', p.payload) FROM (
-        SELECT 1 AS ord, {removed} AS payload, {spec["order"].replace("n.", "o.")}
-        {changed} AND ({_key_changed(spec)})
-        UNION ALL
-        SELECT 2, {spec["payload"]}, {spec["order"]}
-        {changed}
-        ORDER BY 1, {", ".join(str(3 + i) for i in range(spec["order"].count(",") + 1))}
+    {bump}
+    PERFORM pg_notify('{LIMIT_CHANNEL}', p.payload) FROM ({messages}
     ) p;
     RETURN NULL;
 """
@@ -1089,12 +1194,20 @@ def limit_insert_func(spec: dict[str, str]) -> str:
 
 
 def limit_delete_func(spec: dict[str, str]) -> str:
-    """A deleted cap row: the Store forgets the cap, so the key fails closed until a reseed or fill."""
+    """A deleted cap row: the Store forgets the cap, so the key fails closed until a reseed or fill.
+
+    Until it has, the Store still holds the old cap: the removal bumps the show's generation.
+    A row deleted with its show's job or folder (a cascade) has no show left to book under.
+    """
+    keys = ", ".join(f"{c.strip()} AS k{i}" for i, c in enumerate(spec["order"].split(",")))
+    order = [f"k{i}" for i in range(spec["order"].count(",") + 1)]
+    rows = f"SELECT {spec['removed']} AS payload, {spec['show']} AS gen_show, {keys} FROM old_rows n"
+    messages = with_generation(rows, order, add_show=spec["pk"] != "pk_subscription")
     return f"""
     v_xid := {CURRENT_XID};
     v_seq := {NEXT_SEQ};
-    PERFORM pg_notify('{LIMIT_CHANNEL}', p.payload) FROM (
-        SELECT {spec["removed"]} AS payload FROM old_rows n ORDER BY {spec["order"]}
+    {bump_generation(f"SELECT {spec['show']} FROM old_rows n", "cap")}
+    PERFORM pg_notify('{LIMIT_CHANNEL}', p.payload) FROM ({messages}
     ) p;
     RETURN NULL;
 """
@@ -1108,7 +1221,7 @@ def resync_func(table: str) -> str:
 
 
 def _limit_triggers(vertex: str, table: str, spec: dict[str, str]) -> list[pgtrigger.Trigger]:
-    declare = [("v_xid", "bigint"), ("v_seq", "bigint")]
+    declare = [("v_xid", "bigint"), ("v_seq", "bigint"), *GENERATION_DECLARE]
     return [
         pgtrigger.Trigger(
             name=f"acct_limit_{vertex}_insert",
@@ -1746,6 +1859,7 @@ FLIP_LEDGER_RESTORE_SQL = f"""
             DELETE FROM {OUTSIDE_LEDGER_TABLE} WHERE xid = {CURRENT_XID};
             INSERT INTO {OUTSIDE_LEDGER_TABLE}
             SELECT * FROM jsonb_populate_recordset(NULL::{OUTSIDE_LEDGER_TABLE}, v_ledger);"""
+FLIP_BUMP = bump_generation(_ANY_FLIP, "flip")
 SHOW_FLIP_FUNC = f"""
     IF NOT EXISTS {_ANY_FLIP} THEN
         RETURN NULL;
@@ -1763,6 +1877,8 @@ SHOW_FLIP_FUNC = f"""
     WHERE o.b_scheduler_managed IS DISTINCT FROM n.b_scheduler_managed
     ON CONFLICT (pk_show) DO UPDATE
     SET int_generation = EXCLUDED.int_generation, b_managed = EXCLUDED.b_managed, ts_flipped = EXCLUDED.ts_flipped;
+    -- And its accounting generation: a flip sends no message, so only a seed catches up with it.
+    {FLIP_BUMP}
     -- To unmanaged: the database path adds and subtracts from the five tables from now on, so
     -- they are rewritten to SUM(proc) in the flipping transaction, caps unchecked.
     IF EXISTS ({_TO_UNMANAGED}) THEN
@@ -1801,6 +1917,7 @@ def show_triggers() -> list[pgtrigger.Trigger]:
                 *[(f"v_d{i}", "bigint") for i in range(1, 6)],
                 *FLIP_LIFT_DECLARE,
                 ("v_ledger", "jsonb"),
+                *GENERATION_DECLARE,
                 *LOCK_DECLARE,
             ],
             func=SHOW_FLIP_FUNC,
@@ -1814,6 +1931,11 @@ def show_triggers() -> list[pgtrigger.Trigger]:
 def settings_triggers() -> list[pgtrigger.Trigger]:
     """Deleting the row would silently turn the switch into its default; refuse it."""
     return [pgtrigger.Protect(name="acct_settings_keep_row", operation=pgtrigger.Delete)]
+
+
+def show_generation_triggers() -> list[pgtrigger.Trigger]:
+    """A deleted generation row would start its show's chain again from 0: refuse it."""
+    return [pgtrigger.Protect(name="acct_show_generation_keep_rows", operation=pgtrigger.Delete)]
 
 
 def show_flip_triggers() -> list[pgtrigger.Trigger]:

@@ -53,6 +53,7 @@ from accounting import triggers as acct_triggers
 from accounting.licences import LIMIT_MAX_CONSTRAINT
 from accounting.notify import STORE_ACCOUNTED_SQL
 from accounting.service import BookingResult
+from accounting.triggers import GENERATION_TABLE
 from cuesched_project import conf
 from dispatch.engine.feed import FrameWork, LayerWork
 from dispatch.engine.placement import HostRec
@@ -69,6 +70,8 @@ REJECT_PROC = "proc"  # the frame already has a proc
 REJECT_HOST = "host"  # the host's idle resources (or lock state) no longer allow it
 REJECT_MANAGED_FLIP = "managed_flip"  # the show's flag or flip generation differs from the booking's
 REJECT_KEYS = "keys"  # the host's allocation or the job's folder moved since the Store booked it
+# The show's accounting generation moved since the Store decided: a change it has not applied yet.
+REJECT_GENERATION = "generation"
 REJECT_DATABASE = "database"  # any other statement error of this booking alone
 REJECT_LOCKED = "locked"  # another session held a lock of its show (or limit) past the lock wait
 
@@ -105,13 +108,15 @@ WITH b AS (
     %(proc)b::text[], %(frame)b::text[], %(version)b::int[], %(host)b::text[], %(host_name)b::text[],
     %(show)b::text[], %(job)b::text[], %(layer)b::text[], %(cores)b::bigint[], %(mem)b::bigint[],
     %(gpus)b::int[], %(gpu_mem)b::bigint[], %(managed)b::bool[], %(decided)b::float8[], %(alloc)b::text[],
-    %(folder)b::text[], %(generation)b::bigint[])
+    %(folder)b::text[], %(generation)b::bigint[], %(acct_generation)b::bigint[])
   AS b(pk_proc, pk_frame, version, pk_host, host_name, pk_show, pk_job, pk_layer, cores, mem, gpus, gpu_mem,
-       managed, decided, alloc, folder, generation)
+       managed, decided, alloc, folder, generation, acct_generation)
 ),
 shows AS (
-  SELECT s.pk_show, s.b_scheduler_managed, COALESCE(fl.int_generation, 0) AS generation FROM show s
+  SELECT s.pk_show, s.b_scheduler_managed, COALESCE(fl.int_generation, 0) AS generation,
+         COALESCE(ag.int_generation, 0) AS acct_generation FROM show s
   LEFT JOIN cuesched_show_flip fl ON fl.pk_show = s.pk_show
+  LEFT JOIN {GENERATION_TABLE} ag ON ag.pk_show = s.pk_show
   WHERE s.pk_show IN (SELECT DISTINCT pk_show FROM b)
 ),
 -- Owner and keys as the Store booked them: the flag (and, for a Store booking, the flip
@@ -120,6 +125,7 @@ shows AS (
 checked AS MATERIALIZED (
   SELECT b.*,
          (s.b_scheduler_managed = b.managed AND (NOT b.managed OR s.generation = b.generation)) AS owner_ok,
+         (NOT b.managed OR s.acct_generation = b.acct_generation) AS gen_ok,
          (EXISTS (SELECT 1 FROM host h WHERE h.pk_host = b.pk_host AND h.pk_alloc = b.alloc)
           AND EXISTS (SELECT 1 FROM job j WHERE j.pk_job = b.pk_job AND j.pk_folder = b.folder)) AS keys_ok
   FROM b JOIN shows s ON s.pk_show = b.pk_show
@@ -138,7 +144,7 @@ target AS MATERIALIZED (
       AND NOT EXISTS (SELECT 1 FROM layer l WHERE l.pk_layer = f.pk_layer AND l.ts_start_after > now())
     LIMIT 1  -- a subquery per row (never flattened into a join): one index probe each
   ) x
-  WHERE b.owner_ok AND b.keys_ok
+  WHERE b.owner_ok AND b.gen_ok AND b.keys_ok
 ),
 started AS (
   UPDATE frame f
@@ -187,9 +193,23 @@ SELECT 'p', pk_frame, NULL, NULL, NULL, NULL FROM procs
 UNION ALL
 SELECT 'h', pk_host, int_cores_idle, int_mem_idle, int_gpus_idle, int_gpu_mem_idle FROM took
 UNION ALL
-SELECT 'x', pk_frame, owner_ok::int::bigint, keys_ok::int::bigint, NULL, NULL FROM checked
-WHERE NOT (owner_ok AND keys_ok)
+SELECT 'x', pk_frame, owner_ok::int::bigint, keys_ok::int::bigint, gen_ok::int::bigint, NULL FROM checked
+WHERE NOT (owner_ok AND gen_ok AND keys_ok)
 """
+
+# The end of the managed part, after every other write of the transaction: the accounting
+# generation of each show it booked, locked FOR SHARE. A writer's bump in progress holds the row
+# (FOR NO KEY UPDATE): SKIP LOCKED leaves it out, and those shows' bookings fail (the booking
+# never waits for a writer, so it can never be part of a deadlock with one); a bump committed
+# before this statement is read as it is now (READ COMMITTED); a bump that comes after waits for
+# this transaction's COMMIT, so it is ordered after it. Either way no booking commits after a
+# bump without having been compared with it.
+GENERATION_LOCK_SQL = f"""
+SELECT pk_show, int_generation FROM {GENERATION_TABLE} WHERE pk_show = ANY(%s::text[])
+ORDER BY pk_show FOR SHARE SKIP LOCKED
+"""
+GENERATION_ROWS_SQL = f"SELECT pk_show FROM {GENERATION_TABLE} WHERE pk_show = ANY(%s::text[])"
+_MAX_GENERATION_ATTEMPTS = 3
 
 # Compensation after a failed launch, in the reference order proc -> host -> frame, each
 # statement seeing the one before. Only what this transaction deleted is given back.
@@ -257,6 +277,10 @@ class Booking:
     decided_at: float | None = None
     # The show's flip generation the Store was seeded at (-1 for a database-enforced booking).
     generation: int = -1
+    # The show's accounting generation the Store's check was decided under (Applied.generation;
+    # -1 for a database-enforced booking): the booking transaction refuses it if the database's
+    # moved since.
+    acct_generation: int = -1
     # The booking transaction once written: the Store keeps the booking's licences counted
     # until the database's count for this transaction has arrived.
     xid: int | None = None
@@ -342,10 +366,13 @@ def write_batch(
                 managed = [b for b in managed if b.pk_proc not in skipped]
                 unmanaged = [b for b in unmanaged if b.pk_proc not in skipped]
             if managed:
+                # Before both groups (the database-enforced one is spared the keys check under it).
                 cur.execute(STORE_ACCOUNTED_SQL)
-                _write_locked_apart(cur, managed, result, extra)
             if unmanaged:
                 _write_locked_apart(cur, unmanaged, result, extra)
+            if managed:
+                # Last: its generation check comes after every other write of the transaction.
+                _write_managed(cur, managed, result, extra)
             for b in result.written:
                 b.xid = xid
             # COMMIT waits for the notification queue's lock behind other committers (and their
@@ -434,8 +461,61 @@ def _params(group: Sequence[Booking], extra: dict[str, Any]) -> dict[str, Any]:
         "alloc": [b.host.alloc for b in group],
         "folder": [b.layer.job.folder for b in group],
         "generation": [b.generation for b in group],
+        "acct_generation": [b.acct_generation for b in group],
         **extra,
     }
+
+
+def _write_managed(cur: psycopg.Cursor, group: list[Booking], result: BatchResult, extra: dict[str, Any]) -> None:
+    """The Store-booked group, then its generation check; a show whose generation moved loses its bookings.
+
+    On a mismatch the group is rolled back to its savepoint (which also lets go of the row
+    locks the check took) and written again without those shows, then checked again.
+    """
+    pending = group
+    for _attempt in range(_MAX_GENERATION_ATTEMPTS):
+        part = BatchResult()
+        cur.execute("SAVEPOINT dispatch_managed")
+        _write_locked_apart(cur, pending, part, extra)
+        stale = _stale_generations(cur, part.written)
+        result.blockers.update(part.blockers)
+        if not stale:
+            cur.execute("RELEASE SAVEPOINT dispatch_managed")
+            result.written.extend(part.written)
+            result.rejected.extend(part.rejected)
+            result.host_rows.extend(part.host_rows)
+            result.failed_hosts |= part.failed_hosts
+            return
+        cur.execute("ROLLBACK TO SAVEPOINT dispatch_managed")
+        cur.execute("RELEASE SAVEPOINT dispatch_managed")
+        result.rejected.extend(part.rejected)
+        result.failed_hosts |= part.failed_hosts
+        for bk in part.written:
+            bk.post_version = None
+            if id(bk) in stale:
+                result.rejected.append((bk, REJECT_GENERATION))
+        pending = [bk for bk in part.written if id(bk) not in stale]
+        logger.info("dispatch: %d bookings met an accounting generation bumped meanwhile", len(stale))
+    for bk in pending:
+        result.rejected.append((bk, REJECT_GENERATION))
+
+
+def _stale_generations(cur: psycopg.Cursor, written: Sequence[Booking]) -> set[int]:
+    """id() of the written bookings whose show's generation is not theirs now (or is being bumped)."""
+    if not written:
+        return set()
+    shows = sorted({bk.layer.job.show for bk in written})
+    cur.execute(GENERATION_LOCK_SQL, (shows,))
+    now = dict(cur.fetchall())
+    missing = [s for s in shows if s not in now]
+    if missing:
+        # Skipped (a bump in progress holds it), or no row yet: a show never bumped is at 0.
+        cur.execute(GENERATION_ROWS_SQL, (missing,))
+        held = {row[0] for row in cur.fetchall()}
+        for show in missing:
+            if show not in held:
+                now[show] = 0
+    return {id(bk) for bk in written if now.get(bk.layer.job.show) != bk.acct_generation}
 
 
 # --- one stuck session slows at most its own show (issue 27, rows 7 and 9) --------------------
@@ -589,6 +669,7 @@ def _write_group(
         with_proc: set[str] = set()
         host_rows = []
         refused: dict[str, str] = {}
+        keys_moved: set[str] = set()
         for kind, key, a, b, c, d in rows:
             if kind == "f":
                 started[key] = a
@@ -597,7 +678,9 @@ def _write_group(
             elif kind == "h":
                 host_rows.append((key, a, b, c, d))
             else:
-                refused[key] = REJECT_MANAGED_FLIP if not a else REJECT_KEYS
+                refused[key] = REJECT_MANAGED_FLIP if not a else REJECT_GENERATION if not c else REJECT_KEYS
+                if a and not b:
+                    keys_moved.add(key)
         ok_hosts = {r[0] for r in host_rows}
         keep: list[Booking] = []
         redo = False
@@ -607,7 +690,7 @@ def _write_group(
                 # Not started, so nothing of it was written: the statement stays as it is.
                 table = refused.get(pk_frame, REJECT_FRAME)
                 result.rejected.append((bk, table))
-                if table == REJECT_KEYS:
+                if pk_frame in keys_moved:
                     result.failed_hosts.add(bk.host.pk)  # the view's allocation is stale: reload it
             elif pk_frame not in with_proc:
                 result.rejected.append((bk, REJECT_PROC))

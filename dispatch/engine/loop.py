@@ -58,6 +58,7 @@ from accounting.store import (
     JOB_UNSEEDED,
     LICENCE,
     LICENCE_UNSEEDED,
+    UNKNOWN_GENERATION,
     Applied,
     BookingDelta,
     LimitExceeded,
@@ -67,6 +68,7 @@ from cuesched_project import conf as project_conf
 from dispatch import conf
 from dispatch.engine.booking import (
     CAP_REFUSALS,
+    REJECT_GENERATION,
     REJECT_LOCKED,
     REJECT_MANAGED_FLIP,
     AmbiguousCommitError,
@@ -103,7 +105,7 @@ _UNLIMITED_ROOM = 1 << 40
 _JOB_FOLDER_MAX = 100_000
 _MIN_FEED_FRAMES = 64
 # Bookings the batch writer refused: they were placed (so they count as what a cycle could book).
-_WRITE_REJECTIONS = ("frame", "proc", "host", "managed_flip", "keys", "database", REJECT_LOCKED)
+_WRITE_REJECTIONS = ("frame", "proc", "host", "managed_flip", "keys", "generation", "database", REJECT_LOCKED)
 _LOCKED_SHOWN = 60.0  # seconds the live view keeps naming a show's blocker after its last skip
 SYSTEM_ID_SQL = "SELECT (SELECT system_identifier::text FROM pg_control_system())"
 _ALLOC_ATTEMPTS = 3  # a subscription rejection retries the frame on another allocation
@@ -149,6 +151,12 @@ _CAP_WHY = {
         "raise the limit's max value, or wait for frames holding it to finish",
     ),
     LICENCE_UNSEEDED: ("caps_loading", "licence limit not loaded yet", "licences", "wait one cycle"),
+    REJECT_GENERATION: (
+        "accounting_behind",
+        "a cap or key change the scheduler has not applied yet",
+        "generation",
+        "wait: the show books again as soon as the scheduler's listener (or a reseed) applied it",
+    ),
 }
 
 
@@ -191,6 +199,8 @@ class CycleStats:
     batches: int = 0
     no_host: int = 0
     skipped_flip: int = 0
+    # Managed jobs left alone because the Store is behind their show's accounting generation.
+    skipped_behind: int = 0
     db_errors: int = 0
     # Wall seconds by phase (feed, write, complete; the rest of a cycle is placement and Store).
     seconds: Counter[str] = field(default_factory=Counter)
@@ -211,6 +221,7 @@ class CycleStats:
             "batches",
             "no_host",
             "skipped_flip",
+            "skipped_behind",
             "db_errors",
         ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
@@ -285,6 +296,10 @@ class DispatchLoop:
         self._sleeping: dict[Cluster, float] = {}
         self._cluster_layers: dict[Cluster, set[str]] = {}
         self._blocked_jobs: dict[str, tuple[int, float]] = {}  # managed job -> (least whole cores, since)
+        # Managed shows whose bookings met a newer accounting generation in the database, with the
+        # one the Store had then: skipped until the Store's moves (the listener or a reseed applied
+        # the change), so a show the Store is behind on costs no transaction per cycle.
+        self._behind: dict[str, tuple[int, float]] = {}
         # Shows skipped because another session held their lock: show -> what the live view shows
         # (skips, first and last skip, back-off end, the blocking sessions). Not booked before `until`.
         self._locked_shows: dict[str, dict[str, Any]] = {}
@@ -814,6 +829,11 @@ class DispatchLoop:
                 stats.rejected[PAUSED] += 1
                 self._record_why(job.pk, PAUSED, f"accounting paused: {stopped or paused}", _CAP_WHY[PAUSED][3])
                 continue
+            if managed and self._is_behind(job.show):
+                stats.skipped_behind += 1
+                reason, what, _unit, unblock = _CAP_WHY[REJECT_GENERATION]
+                self._record_why(job.pk, reason, f"waiting for {what}", unblock)
+                continue
             if managed:
                 self._managed_seen.add(job.show)
             eligible.append((job, managed))
@@ -833,6 +853,17 @@ class DispatchLoop:
                     conn, job, managed, room, full_folders, batch, stats, placed, no_host,
                     share=share, share_only=share_only, booked_frames=booked_frames,
                 )  # fmt: skip
+
+    def _is_behind(self, show: str) -> bool:
+        """Whether the show's bookings last met a generation the Store has not reached yet."""
+        behind = self._behind.get(show)
+        if behind is None:
+            return False
+        current = self.store.generation(show)
+        if (UNKNOWN_GENERATION if current is None else current) != behind[0]:
+            del self._behind[show]  # the Store applied something since: try again
+            return False
+        return True
 
     def _fill_caps(self, conn: psycopg.Connection, jobs: list[JobWork]) -> None:
         """Load the caps the Store lacks for managed jobs and folders of this cycle (it refuses them)."""
@@ -1038,6 +1069,7 @@ class DispatchLoop:
                         managed=isinstance(result, Applied),
                         decided_at=decided_at,
                         generation=self._generation(generation, result),
+                        acct_generation=result.generation if isinstance(result, Applied) else -1,
                     )
                     view.take(host, centi, demand.mem, demand.gpus, demand.gpu_mem)
                     if tightest:
@@ -1081,6 +1113,8 @@ class DispatchLoop:
                     batch.clear()  # the batch writer owns them now, and settles them whatever happens
                     refused = self._flush(conn, bookings, stats)
                     if refused and self._absorb_refusals(refused, room, full_folders, job):
+                        return
+                    if managed and show in self._behind:
                         return
         if managed and least_skipped and not booked_any:
             self._blocked_jobs[job.pk] = (least_skipped, time.monotonic())
@@ -1164,6 +1198,11 @@ class DispatchLoop:
             stats.rejected[table] += 1
             if table == REJECT_MANAGED_FLIP and b.managed:
                 self.service.request_managed_refresh()
+            if table == REJECT_GENERATION and b.managed and isinstance(b.result, Applied):
+                show = b.layer.job.show
+                if show not in self._behind:
+                    self._behind[show] = (b.result.generation, time.monotonic())
+                    self.service.report_behind(show, b.result.generation)
             if table in ("job", "job_gpus") and b.managed:
                 self._blocked_jobs[b.layer.job.pk] = (b.cores // CENTI, time.monotonic())
         if result.blockers:

@@ -7,6 +7,10 @@ keepalives nor `tcp_user_timeout` ever fire and a blocking read waits forever. `
 stops every pump before its next read or write, for the connections open and the ones accepted
 meanwhile; `thaw()` lets the held bytes through in order.
 
+`delay` (seconds, settable at any time) makes the path merely slow instead: every chunk is
+held until `delay` after it was read, in order, so a listener behind it keeps receiving its
+heartbeats (and stays "fresh") while everything it hears is that much late.
+
 The upstream is read from the scheduler's own conninfo (`accounting.db.conninfo`): a TCP host
 and port, or a Unix socket directory, which is what the embedded PostgreSQL uses.
 """
@@ -18,6 +22,8 @@ import os
 import select
 import socket
 import threading
+import time
+from collections import deque
 from typing import Any
 
 import psycopg
@@ -55,11 +61,18 @@ class FreezableProxy:
         self._sockets: set[socket.socket] = set()
         self._threads: list[threading.Thread] = []
         self.accepted = 0
+        self.delay = 0.0
 
     # -- control -----------------------------------------------------------------------
     def start(self) -> FreezableProxy:
         self._spawn(self._accept_loop, "netfreeze-accept")
         return self
+
+    def __enter__(self) -> FreezableProxy:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
 
     def freeze(self) -> None:
         self._flowing.clear()
@@ -128,19 +141,24 @@ class FreezableProxy:
         return not self._stop.is_set()
 
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        held: deque[tuple[float, bytes]] = deque()
         try:
             while self._wait_flowing():
-                readable, _, _ = select.select([src], [], [], 0.05)
-                if not readable:
-                    continue
-                if not self._wait_flowing():  # frozen between the select and the read
-                    return
-                data = src.recv(_CHUNK)
-                if not data:
-                    return
-                if not self._wait_flowing():  # frozen after the read: held until the thaw
-                    return
-                dst.sendall(data)
+                wait = 0.05
+                if held:
+                    wait = min(wait, max(0.0, held[0][0] - time.monotonic()))
+                readable, _, _ = select.select([src], [], [], wait)
+                if readable:
+                    if not self._wait_flowing():  # frozen between the select and the read
+                        return
+                    data = src.recv(_CHUNK)
+                    if not data:
+                        return
+                    held.append((time.monotonic() + self.delay, data))
+                while held and held[0][0] <= time.monotonic():
+                    if not self._wait_flowing():  # frozen after the read: held until the thaw
+                        return
+                    dst.sendall(held.popleft()[1])
         except (OSError, ValueError):  # ValueError: select() on a socket the other pump closed
             return
         finally:

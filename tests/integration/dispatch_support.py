@@ -108,6 +108,8 @@ def plan(
     view.load(conn)
     # The flip generation a Store seed would have read (the booking transaction checks it).
     generations = dict(conn.execute("SELECT pk_show, int_generation FROM cuesched_show_flip").fetchall())
+    # And the accounting generation a Store's check would have been decided under.
+    acct_generations = dict(conn.execute("SELECT pk_show, int_generation FROM cuesched_show_generation").fetchall())
     bookings = []
     for j, count in n_per_job.items():
         job = jobs[j]
@@ -135,6 +137,13 @@ def plan(
                     result=result,
                     managed=managed,
                     generation=generations.get(job.show, 0) if managed else -1,
+                    acct_generation=(
+                        -1
+                        if not managed
+                        else result.generation
+                        if book is not None and isinstance(result, Applied)
+                        else acct_generations.get(job.show, 0)
+                    ),
                 )
             )
     return jobs, bookings

@@ -60,6 +60,15 @@ def test_guards_drop_only_their_own_bookings() -> None:
         # A host another writer filled up since the view was loaded.
         conn.execute("UPDATE host SET int_cores_idle = 0 WHERE pk_host = %s", (exhausted.host.pk,))
         flipped.managed = False  # decided unmanaged, but the show is managed in the database
+        # The outside proc above bumped the show's accounting generation (a positive outside
+        # delta); these bookings are decided as by a Store that has applied it, so only the
+        # guards under test refuse them (test_generation covers the generation check).
+        (acct,) = conn.execute(
+            "SELECT int_generation FROM cuesched_show_generation WHERE pk_show = %s", (conflict.layer.job.show,)
+        ).fetchone()
+        for b in bookings:
+            if b.managed:
+                b.acct_generation = acct
         before_idle = dict(conn.execute("SELECT pk_host, int_cores_idle FROM host").fetchall())
 
         result = write_batch(conn, bookings, mem_used=256_000)

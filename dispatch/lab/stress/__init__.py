@@ -20,6 +20,10 @@ Why each phase exists:
   after the first's lock session is killed (the lease must fence the first), the listener's
   path frozen while caps drop (the heartbeat deadline must bound the stale caps), and a show
   flipped out and back faster than the managed-shows tick (its generation must force a seed).
+- slow_listener (issue 27, row 2): the listener's path merely slow (a steady delay inside the
+  heartbeat deadline, so the Store keeps enforcing what it heard late) while caps are lowered
+  under booking load: the accounting generation must refuse every booking decided after the
+  lowering committed until the Store applied it, whatever the delay.
 
 The watchdog's breach rule: a key over its current cap is a breach unless its cap was
 lowered during the phase and every proc of the key was decided before the decrease reached

@@ -85,6 +85,12 @@ class StressConfig:
     stall_frames_per_layer: int = 60
     stall_window: float = 5.0
     stall_min_ratio: float = 0.5
+    # slow_listener (issue 27, row 2): the listener path's steady delay and its heartbeat deadline
+    # (the delay plus a heartbeat interval stays inside it), and how long the load runs after the
+    # lowering, s
+    sl_delay: float = 2.5
+    sl_deadline: float = 4.5
+    sl_after: float = 6.0
     # drain on real frames: `simulated` (default), or `rqd` - the drain farm's first
     # `rqd_daemons` hosts are real OpenCue RQD daemons (one per host, on this machine), its
     # layers run `true`, and the rqd launcher and the gateway carry every frame
@@ -193,6 +199,9 @@ def small(cfg: StressConfig | None = None, **overrides: Any) -> StressConfig:
         "stall_frames_per_layer": 25,
         "stall_window": 2.0,
         "stall_min_ratio": 0.2,
+        "sl_delay": 1.0,
+        "sl_deadline": 2.5,
+        "sl_after": 2.5,
     }
     sizes.update(overrides)
     return replace(base, **sizes)

@@ -35,6 +35,7 @@ REGISTRY: tuple[Phase, ...] = (
     Phase("fairshare", "fs"),
     Phase("stall", "sl"),
     Phase("stopped_holder", "sh"),
+    Phase("slow_listener", "sw"),
 )
 
 PHASES: tuple[str, ...] = tuple(p.name for p in REGISTRY)
