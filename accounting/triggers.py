@@ -90,6 +90,7 @@ NOTIFY_ENABLED = f"COALESCE((SELECT notify_enabled FROM {SETTINGS_TABLE} WHERE i
 # the marker alone (set_config by any connection) is accounted like any other writer. Two
 # current_setting reads, no table read: the managed booking hot path does not notice them.
 WRITER_SETTING = "cuesched.writer"
+WRITER_ROLE = "cuesched_writer"
 WRITER_ON = f"COALESCE(current_setting('{WRITER_SETTING}', true), '') = 'on'"
 STORE_ACCOUNTED = f"(COALESCE(current_setting('{STORE_ACCOUNTED_SETTING}', true), '') = 'on' AND {WRITER_ON})"
 READ_COMMITTED = "current_setting('transaction_isolation') = 'read committed'"
@@ -749,16 +750,19 @@ KEYS_VISIBLE = """
             ERRCODE = 'foreign_key_violation';
     END IF;"""
 
-# Beside Cuebot, a proc of a scheduler-managed show inserted by anyone but cuesched is a Cuebot
-# booking that read the show as its own (DispatchQuery, b_scheduler_managed = false) before a
-# flip to the scheduler committed: the flip's exclusive lock cannot hold it off, since Cuebot
-# takes the shared one only at this INSERT. Sent to the Store it would be counted once, but
-# checked against no cap: the scheduler may have filled the burst since, and SUM(proc) would
-# pass it. It is refused whole instead (Cuebot's startFrameAndProc rolls back, the frame stays
-# WAITING, its dispatcher moves on); the flag read here follows the shared lock, so it sees
-# every flip committed before and holds off every later one. The same holds for an UPDATE that
-# grows a managed proc or moves it onto another key of a managed show (the positive half of the
-# move books what the Store never checked): refused alike. Shrinking and releasing stay allowed.
+# A proc of a scheduler-managed show is booked by the scheduler only, on every database. Its
+# booking transaction checks the Store's caps first and marks itself Store-accounted; anybody
+# else's INSERT would reach the Store as a positive delta that no cap checked (a psql session's
+# 5 x 5 cores against a burst of 20: SUM(proc) 25). So an INSERT by any connection without the
+# writer mark (WRITER_ON: a member of the writer role claiming it) is refused whole. Beside
+# Cuebot this is also a Cuebot booking that read the show as its own (DispatchQuery,
+# b_scheduler_managed = false) before a flip to the scheduler committed: the flip's exclusive lock
+# cannot hold it off, since Cuebot takes the shared one only at this INSERT; refused, Cuebot's
+# startFrameAndProc rolls back, the frame stays WAITING, its dispatcher moves on. The flag read
+# here follows the shared lock, so it sees every flip committed before and holds off every later
+# one. The same holds for an UPDATE that grows a managed proc or moves it onto another key of a
+# managed show (the positive half of the move books what the Store never checked): refused
+# alike. Shrinking and releasing stay allowed: they can only lower what is booked.
 MANAGED_BOOKED_OUTSIDE = "acct_managed_show_booked_outside"
 # The managed keys this statement books more on, net (an UPDATE's deltas are its new rows plus
 # its old rows negated: a shrink in place nets negative).
@@ -767,10 +771,10 @@ MANAGED_GROWN = f"""SELECT d.pk_show FROM {DELTAS} WHERE d.managed
     HAVING SUM(d.cc) > 0 OR SUM(d.g) > 0"""
 
 
-def refuse_cuebot_booking_of_managed(message: str, hint: str) -> str:
+def refuse_outside_booking_of_managed(message: str, hint: str) -> str:
     """The refusal, with what the operator should do for this kind of write."""
     return f"""
-    IF true = ANY(v_managed) AND {CUEBOT_WRITES}
+    IF true = ANY(v_managed) AND NOT {WRITER_ON}
        AND EXISTS ({MANAGED_GROWN}) THEN
         RAISE EXCEPTION USING
             MESSAGE = format('{message}', ({MANAGED_GROWN} LIMIT 1)),
@@ -779,22 +783,25 @@ def refuse_cuebot_booking_of_managed(message: str, hint: str) -> str:
     END IF;"""
 
 
-REFUSE_CUEBOT_BOOKING_OF_MANAGED = refuse_cuebot_booking_of_managed(
-    "cuesched: show %s is scheduler-managed: its frames are booked by cuesched, not Cuebot",
-    f"Only cuesched (connections with {WRITER_SETTING}=on) books a managed show''s capacity, and "
-    "nothing was written; a Cuebot transaction that read the show as unmanaged before a flip "
-    "to the scheduler meets this.",
+REFUSE_OUTSIDE_BOOKING_OF_MANAGED = refuse_outside_booking_of_managed(
+    "cuesched: show %s is scheduler-managed: its frames are booked by the cuesched scheduler only",
+    "Nothing was written. A managed show''s capacity is booked only by the scheduler''s connections "
+    f"(a login role that is a member of {WRITER_ROLE}, with {WRITER_SETTING}=on), which check its caps "
+    "first. Submit the work to cuesched, or flip the show to unmanaged (the console''s flip page) to book "
+    "it from outside under caps the database enforces. Beside Cuebot, a Cuebot transaction that read the "
+    "show as unmanaged before a flip to the scheduler meets this.",
 )
-# A host moved to another allocation (HostDaoJdbc.updateHostSetAllocation, `cueadmin -move`) or a
-# job to another folder or department (JobDaoJdbc.updateParent, updateDepartment) by anyone but
-# cuesched books the running procs of a managed show on the new subscription, folder or point:
-# the Store would be sent those cores unchecked against the new key's cap, and SUM(proc) could
-# pass its burst. The same refusal as a booking, for the keys the move grows (net, per key).
-REFUSE_CUEBOT_MOVE_OF_MANAGED = refuse_cuebot_booking_of_managed(
+# A host moved to another allocation (`UPDATE host SET pk_alloc`, Cuebot's
+# HostDaoJdbc.updateHostSetAllocation, `cueadmin -move`) or a job to another folder or department
+# (JobDaoJdbc.updateParent, updateDepartment) by anyone but the scheduler's writers books the
+# running procs of a managed show on the new subscription, folder or point: the Store would be
+# sent those cores unchecked against the new key's cap, and SUM(proc) could pass its burst. The
+# same refusal as a booking, for the keys the move grows (net, per key).
+REFUSE_OUTSIDE_MOVE_OF_MANAGED = refuse_outside_booking_of_managed(
     "cuesched: frames of scheduler-managed show %s run here: moving them to another allocation, "
     "folder or department would book them past the Store''s caps",
     "Nothing was moved. Move it once the managed show''s frames on it have ended, or flip the show "
-    "back to Cuebot first (the console''s flip page); the move is then checked against its caps.",
+    "back to unmanaged first (the console''s flip page); the move is then checked against its caps.",
 )
 
 PROC_INSERT_FUNC = usage_func(
@@ -802,7 +809,7 @@ PROC_INSERT_FUNC = usage_func(
     guard="IF NOT EXISTS (SELECT 1 FROM new_procs WHERE NOT b_local) THEN RETURN NULL; END IF;",
     outside_check=KEYS_VISIBLE,
     rows="new_procs",
-    keyed_check=REFUSE_CUEBOT_BOOKING_OF_MANAGED,
+    keyed_check=REFUSE_OUTSIDE_BOOKING_OF_MANAGED,
 )
 PROC_DELETE_FUNC = usage_func(
     PROC_DELETE_KEYED,
@@ -818,7 +825,7 @@ PROC_UPDATE_FUNC = usage_func(
         f"WHERE {PROC_CHANGED}) THEN RETURN NULL; END IF;"
     ),
     outside_check=KEYS_VISIBLE,
-    keyed_check=REFUSE_CUEBOT_BOOKING_OF_MANAGED,
+    keyed_check=REFUSE_OUTSIDE_BOOKING_OF_MANAGED,
 )
 
 PROC_TRUNCATE_FUNC = f"""
@@ -889,7 +896,7 @@ def _move_trigger(
         func=usage_func(
             keyed,
             prologue=f"{_refuse_unless_read_committed(what)}\n    {check}\n    {LOCK_KEYS_EXCLUSIVE}\n    {EPOCH_BUMP}",
-            keyed_check=REFUSE_CUEBOT_MOVE_OF_MANAGED,
+            keyed_check=REFUSE_OUTSIDE_MOVE_OF_MANAGED,
         ),
     )
 
