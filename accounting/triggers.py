@@ -85,13 +85,26 @@ CORE_MULTIPLIER = 100  # centicores per core, as Cuebot's CENTICORES_PER_CORE
 
 # The kill switch. A missing row reads as on: a notification is only a hint, an extra one is safe.
 NOTIFY_ENABLED = f"COALESCE((SELECT notify_enabled FROM {SETTINGS_TABLE} WHERE id = 1), true)"
-# cuesched's connections carry `cuesched.writer=on` from their start (WRITER_OPTION below); the
-# Store-accounted marker is honoured only together with it, so a psql session or Cuebot that sets
-# the marker alone (set_config by any connection) is accounted like any other writer. Two
-# current_setting reads, no table read: the managed booking hot path does not notice them.
+# The writer mark: who writes as the scheduler. A connection claims it with the session setting
+# `cuesched.writer=on` (WRITER_OPTION below, on every cuesched connection from its start), and
+# the claim is honoured only when the connection's login role (session_user) is a member of the
+# NOLOGIN role WRITER_ROLE, which the migrations create (accounting.writer_role). The setting
+# alone, which any session can set, proves nothing; the membership is granted by whoever
+# administers the database's roles, and PostgreSQL checks it. session_user, not current_user:
+# inside a SECURITY DEFINER function current_user is the function's owner (the migrating role,
+# often a member), and SET ROLE can only move current_user to roles session_user already belongs
+# to; session_user is the authenticated login, changed only by a superuser's SET SESSION
+# AUTHORIZATION. A superuser is a member of every role, so on the embedded default (one
+# superuser) any session that sets the claim writes as the scheduler (docs/concepts.md). The
+# claim is read first: a session that does not claim never pays for the membership check, which
+# is one syscache lookup and PostgreSQL's cached role-membership list (a missing role reads as
+# "not a member": fail closed). The Store-accounted marker is honoured only together with the
+# mark, so a psql session or Cuebot that sets the marker is accounted like any other writer.
 WRITER_SETTING = "cuesched.writer"
 WRITER_ROLE = "cuesched_writer"
-WRITER_ON = f"COALESCE(current_setting('{WRITER_SETTING}', true), '') = 'on'"
+WRITER_CLAIM = f"COALESCE(current_setting('{WRITER_SETTING}', true), '') = 'on'"
+WRITER_MEMBER = f"COALESCE(pg_has_role(session_user, to_regrole('{WRITER_ROLE}')::oid, 'MEMBER'), false)"
+WRITER_ON = f"({WRITER_CLAIM} AND {WRITER_MEMBER})"
 STORE_ACCOUNTED = f"(COALESCE(current_setting('{STORE_ACCOUNTED_SETTING}', true), '') = 'on' AND {WRITER_ON})"
 READ_COMMITTED = "current_setting('transaction_isolation') = 'read committed'"
 CURRENT_XID = "pg_current_xact_id()::text::bigint"
@@ -493,8 +506,9 @@ DB_APPLY = f"""
 # transaction, and its verify_* triggers enforce their caps. Applying the deltas here as well
 # would count every Cuebot booking twice, so the unmanaged half does not apply them there for
 # any writer but cuesched's own; for the others it records what they owe instead, settled at
-# commit (RECORD_OUTSIDE below). cuesched's connections carry `cuesched.writer=on` from their
-# start (WRITER_OPTION, set by accounting.db.connect and Django's settings): a frame the
+# commit (RECORD_OUTSIDE below). cuesched's connections carry the writer mark (the claim
+# WRITER_OPTION, set by accounting.db.connect and Django's settings, from a member of
+# WRITER_ROLE): a frame the
 # scheduler booked while the show was managed and completes after a flip back is deleted by
 # our completion path, which Cuebot's Java never sees, so our trigger is the only one to
 # count that release. Read per statement, and only when an unmanaged show is in it: the
@@ -1203,8 +1217,9 @@ def cuebot_job_caps_trigger() -> pgtrigger.Trigger:
 # unmanaged show (a subscription deleted and inserted again while procs run) therefore starts at
 # SUM(proc), and a client statement that writes the usage of an unmanaged show is refused. The
 # triggers' own writes run inside another trigger (pg_trigger_depth() > 0 in the WHEN clause); the
-# reconcile, a client,
-# marks its transaction with `cuesched.counter_rebuild`.
+# reconcile, a client, marks its transaction with `cuesched.counter_rebuild`, which is honoured
+# only together with the writer mark: set by anybody else, it would let a session write an
+# unmanaged counter below SUM(proc), and the caps checked against it would pass bookings over them.
 COUNTER_REBUILD_SETTING = "cuesched.counter_rebuild"
 COUNTER_REBUILD_SQL = f"SELECT set_config('{COUNTER_REBUILD_SETTING}', 'on', true)"
 _USAGE_SOURCES = {
@@ -1273,10 +1288,12 @@ def usage_guard_triggers(table: str) -> list[pgtrigger.Trigger]:
                 "OR OLD.int_gpus IS DISTINCT FROM NEW.int_gpus)"
             ),
             func=f"""
-    IF COALESCE(current_setting('{COUNTER_REBUILD_SETTING}', true), '') <> 'on' AND EXISTS ({unmanaged}) THEN
+    IF NOT (COALESCE(current_setting('{COUNTER_REBUILD_SETTING}', true), '') = 'on' AND {WRITER_ON})
+       AND EXISTS ({unmanaged}) THEN
         RAISE EXCEPTION USING
             MESSAGE = format('cuesched: %s usage of an unmanaged show is kept by the proc triggers', TG_TABLE_NAME),
-            HINT = 'int_cores and int_gpus follow SUM(proc); change the procs, not the counter.',
+            HINT = 'int_cores and int_gpus follow SUM(proc); change the procs, not the counter '
+                   '(only the scheduler''s reconcile rewrites them).',
             ERRCODE = 'check_violation', CONSTRAINT = 'acct_usage_written_by_triggers';
     END IF;
     RETURN NEW;

@@ -20,9 +20,11 @@ import psycopg
 import pytest
 from psycopg import errors as pg_errors
 
+from accounting.scheduler import SchedulerOptions, SchedulerProcess
+from tests.integration.dispatch_support import drain, fast_launcher, make_loop, seed, violations
 from tests.integration.runtime_support import MiniFarm, autocommit_conn, make_farm, running_scheduler, uid, wait_for
 from tests.integration.test_outside_writers import BOUND, FAST, build_world, wait_store_matches
-from tests.integration.writer_roles import WRITER_ROLE, conninfo_as, login_role, outside_conninfo
+from tests.integration.writer_roles import WRITER_ROLE, conninfo_as, login_role, outside_conninfo, url_as
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -73,7 +75,7 @@ def insert_procs(conn: psycopg.Connection, farm: MiniFarm, n: int, centicores: i
         if marker:
             conn.execute("SELECT set_config('cuesched.store_accounted', 'on', true)")
         for i in range(n):
-            frame = farm.frames[job][-1 - i]
+            frame = farm.frames[job].pop()
             conn.execute(
                 INSERT_PROC,
                 (
@@ -156,3 +158,97 @@ def test_an_outside_host_or_job_move_under_managed_procs_is_refused_on_a_plain_d
         # A host with no managed proc on it moves freely.
         outside.execute("UPDATE host SET pk_alloc = %s WHERE pk_host = %s", (w.farm.alloc, w.host_b))
         wait_store_matches(proc.service.store, conn, w.shows, "the Store to equal SUM(proc)")
+
+
+# --------------------------------------------------------------------------- row 4
+
+
+def test_a_role_outside_the_writer_role_cannot_pass_as_the_scheduler_on_a_managed_show(conn, impostor) -> None:
+    """Both settings set by a non-member: the over-cap booking is refused, the Store is not fooled."""
+    farm = make_farm(conn, "r4ins", managed=True, burst_cores=20, jobs=1, frames=10)
+    with running_scheduler() as proc:
+        with pytest.raises(pg_errors.CheckViolation) as exc:
+            insert_procs(impostor, farm, 5, 500, marker=True)
+        assert_refused(exc)
+        assert procs_of(conn, farm.show) == (0, 0)
+        assert proc.service.store.sub_counters(farm.show, farm.alloc) == (0, 20)
+
+
+def test_a_release_by_a_role_outside_the_writer_role_reaches_the_store(conn, impostor) -> None:
+    """A spoofed Store-accounted marker on a DELETE used to keep the release from the Store (read high)."""
+    farm = make_farm(conn, "r4rel", managed=True, burst_cores=20, jobs=1, frames=10)
+    procs = [farm.add_proc(conn, cores=4) for _ in range(3)]
+    with running_scheduler() as proc:
+        store = proc.service.store
+        wait_for(lambda: store.sub_counters(farm.show, farm.alloc) == (12, 20), BOUND, "the Store seeded at 12")
+        with impostor.transaction():
+            impostor.execute("SELECT set_config('cuesched.store_accounted', 'on', true)")
+            impostor.execute("DELETE FROM proc WHERE pk_proc = ANY(%s)", (procs[:2],))
+        wait_store_matches(store, conn, [farm.show], "the Store to apply the impostor's release")
+        assert store.sub_counters(farm.show, farm.alloc) == (4, 20)
+
+
+def test_a_role_outside_the_writer_role_is_counted_and_checked_on_an_unmanaged_show(conn, impostor) -> None:
+    farm = make_farm(conn, "r4un", managed=False, burst_cores=20, jobs=1, frames=10)
+
+    def counter() -> int:
+        return conn.execute(
+            "SELECT int_cores FROM subscription WHERE pk_show = %s AND pk_alloc = %s", (farm.show, farm.alloc)
+        ).fetchone()[0]
+
+    with pytest.raises(pg_errors.CheckViolation) as exc:
+        insert_procs(impostor, farm, 5, 500, marker=True)
+    assert exc.value.diag.constraint_name == "acct_subscription_burst"
+    insert_procs(impostor, farm, 3, 500, marker=True)
+    assert counter() == procs_of(conn, farm.show)[1] == 1500
+    with impostor.transaction():
+        impostor.execute("SELECT set_config('cuesched.store_accounted', 'on', true)")
+        impostor.execute("DELETE FROM proc WHERE pk_show = %s", (farm.show,))
+    assert counter() == 0
+
+
+def test_a_role_outside_the_writer_role_cannot_rewrite_an_unmanaged_counter(conn, impostor) -> None:
+    """The reconcile's `cuesched.counter_rebuild` marker, set by a non-member: a counter written
+    below SUM(proc) would pass the next booking over the burst. Refused."""
+    farm = make_farm(conn, "r4rb", managed=False, burst_cores=20, jobs=1, frames=10)
+    insert_procs(conn, farm, 3, 500)
+    with pytest.raises(pg_errors.CheckViolation) as exc, impostor.transaction():
+        impostor.execute("SELECT set_config('cuesched.counter_rebuild', 'on', true)")
+        impostor.execute("UPDATE subscription SET int_cores = 0 WHERE pk_show = %s", (farm.show,))
+    assert exc.value.diag.constraint_name == "acct_usage_written_by_triggers"
+    with pytest.raises(pg_errors.CheckViolation):
+        insert_procs(impostor, farm, 2, 500)  # 15 + 10 > 20: the counter still says 15
+    assert procs_of(conn, farm.show) == (3, 1500)
+
+
+def test_the_scheduler_books_as_a_member_of_the_writer_role(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scheduler's own connections, as a non-superuser member of the writer role, book and drain."""
+    farm = seed("wmember", jobs=2)
+    with login_role("scheduler", writer=True) as role:
+        monkeypatch.setenv("CUESCHED_SCHEDULER_DATABASE_URL", url_as(role))
+        with running_scheduler() as proc:
+            assert proc.service.is_managed(farm.show_ids[0])
+            totals = drain(make_loop(proc.service, fast_launcher(), managed_only=True))
+        assert totals.booked == totals.completed > 0
+    with psycopg.connect(outside_conninfo(), autocommit=True) as c:
+        assert c.execute("SELECT count(*) FROM proc").fetchone()[0] == 0
+        assert violations(c) == []
+
+
+def test_a_scheduler_whose_role_is_not_a_member_refuses_to_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every managed booking of such a scheduler would be refused: it says so at start, with what to GRANT."""
+    with login_role("notmember", writer=False) as role:
+        monkeypatch.setenv("CUESCHED_SCHEDULER_DATABASE_URL", url_as(role))
+        process = SchedulerProcess(SchedulerOptions(bootstrap_timeout=10))
+        try:
+            with pytest.raises(Exception) as exc:
+                process.start()
+        finally:
+            process.shutdown()
+        assert type(exc.value).__name__ == "WriterRoleError", exc.value
+        assert f"GRANT {WRITER_ROLE} TO" in str(exc.value), exc.value
+
+
+def test_the_migration_created_the_writer_role(conn) -> None:
+    row = conn.execute("SELECT rolcanlogin, rolsuper FROM pg_roles WHERE rolname = %s", (WRITER_ROLE,)).fetchone()
+    assert row == (False, False), f"{WRITER_ROLE}: {row}"

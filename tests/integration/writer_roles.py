@@ -12,16 +12,22 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import psycopg
+from django.db import connection
 
-from accounting import db
+from accounting.notify import conninfo_from_settings
 
 # The role the accounting triggers check (accounting.writer_role.WRITER_ROLE; a literal here so that
 # the tests import on a checkout without it).
 WRITER_ROLE = "cuesched_writer"
 
 
+def _base() -> str:
+    """The test database as Django sees it (not CUESCHED_SCHEDULER_DATABASE_URL, which a test may point at a role)."""
+    return conninfo_from_settings(connection.settings_dict)
+
+
 def _admin(url: str | None) -> psycopg.Connection:
-    return psycopg.connect(url or db.conninfo(), autocommit=True)
+    return psycopg.connect(url or _base(), autocommit=True)
 
 
 @contextmanager
@@ -54,7 +60,7 @@ def _exists(conn: psycopg.Connection, name: str) -> bool:
 
 def conninfo_as(role: str, *, claim_writer: bool, url: str | None = None) -> str:
     """The test database's (or `url`'s) conninfo for `role`; with `claim_writer` it carries `cuesched.writer=on`."""
-    params = psycopg.conninfo.conninfo_to_dict(psycopg.conninfo.make_conninfo(url or db.conninfo()))
+    params = psycopg.conninfo.conninfo_to_dict(psycopg.conninfo.make_conninfo(url or _base()))
     params["user"] = role
     params.pop("password", None)
     params["options"] = "-c cuesched.writer=on" if claim_writer else ""
@@ -63,12 +69,12 @@ def conninfo_as(role: str, *, claim_writer: bool, url: str | None = None) -> str
 
 def url_as(role: str) -> str:
     """A DATABASE_URL for `role` on the test database (CUESCHED_SCHEDULER_DATABASE_URL)."""
-    params = psycopg.conninfo.conninfo_to_dict(db.conninfo())
+    params = psycopg.conninfo.conninfo_to_dict(_base())
     return f"postgres://{role}@{params.get('host', '127.0.0.1')}:{params.get('port', 5432)}/{params['dbname']}"
 
 
 def outside_conninfo() -> str:
     """The test database's conninfo as it is, without cuesched's writer claim: a psql session."""
-    params = psycopg.conninfo.conninfo_to_dict(db.conninfo())
+    params = psycopg.conninfo.conninfo_to_dict(_base())
     params["options"] = ""
     return psycopg.conninfo.make_conninfo(**params)
