@@ -11,7 +11,8 @@ the record of truth) against burst and size per subscription, pending frames, ru
 the frames started and stopped within the last minute (bookings and completions per minute, read
 from the frame rows so that every writer counts, whichever process booked or completed them).
 Drift is what the last recompute and database reconcile measured (the only consistent
-measurement of it), not a difference of figures read at different moments.
+measurement of it), not a difference of figures read at different moments: the service hands
+it in (`ServiceState.measured_drift`), so this module needs nothing of the service.
 
 Amounts are stored in the tables' units (centicores); the console converts for display.
 Rows older than `CUESCHED_HISTORY_RETENTION_HOURS` are deleted by the same transaction.
@@ -22,14 +23,10 @@ from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING
 
 import psycopg
 
 from cuesched_project import conf
-
-if TYPE_CHECKING:
-    from accounting.service import AccountingService
 
 TABLE = "ops_history_sample"
 
@@ -70,23 +67,6 @@ SELECT now(),
 PRUNE_SQL = f"DELETE FROM {TABLE} WHERE ts < now() - make_interval(secs => %(seconds)s)"
 
 
-def measured_drift(service: AccountingService) -> tuple[int, dict[str, int]]:
-    """Farm drift (whole cores the last recompute and reconcile corrected) and the Store's per show.
-
-    A show's figure is the signed sum over its subscriptions of what recompute passes corrected
-    within CUESCHED_DRIFT_MEMORY_SECONDS (Store minus SUM(proc)). Database-enforced shows'
-    per-table corrections are not per show, so they count in the farm figure only.
-    """
-    rc = service.state.last_recompute
-    farm = sum(abs(v) for v in (rc.drift_cores.values() if rc else ()))
-    farm += sum(abs(v) for v in service.state.last_reconcile_drift.values())
-    per_show: dict[str, int] = {}
-    for key, (cores, _at) in (service.state.recent_drift.get("sub") or {}).items():
-        show = key.split(":", 1)[0]
-        per_show[show] = per_show.get(show, 0) + cores
-    return farm, per_show
-
-
 class HistorySampler:
     """Writes one sample per tick and prunes what is past retention, in one transaction."""
 
@@ -94,8 +74,9 @@ class HistorySampler:
         self.samples = 0
         self.last_sample_at: float | None = None
 
-    def sample(self, conn: psycopg.Connection, service: AccountingService) -> str:
-        farm_drift, per_show = measured_drift(service)
+    def sample(self, conn: psycopg.Connection, drift: tuple[int, dict[str, int]]) -> str:
+        """One sample; `drift` is the service's measured drift (`ServiceState.measured_drift`)."""
+        farm_drift, per_show = drift
         retention = conf.history_retention_hours() * 3600.0
         with conn.transaction():
             conn.execute(SAMPLE_SQL, {"drift": farm_drift, "show_drift": json.dumps(per_show)})

@@ -80,6 +80,23 @@ class ServiceState:
     # see that a key had drifted (and by how much) for a while after.
     recent_drift: dict[str, dict[str, tuple[int, float]]] = field(default_factory=dict)
 
+    def measured_drift(self) -> tuple[int, dict[str, int]]:
+        """Farm drift (whole cores the last recompute and reconcile corrected) and the Store's per show.
+
+        A show's figure is the signed sum over its subscriptions of what recompute passes corrected
+        within CUESCHED_DRIFT_MEMORY_SECONDS (Store minus SUM(proc)). Database-enforced shows'
+        per-table corrections are not per show, so they count in the farm figure only. The history
+        sampler writes it with each sample (it is the only consistent measurement of drift).
+        """
+        rc = self.last_recompute
+        farm = sum(abs(v) for v in (rc.drift_cores.values() if rc else ()))
+        farm += sum(abs(v) for v in self.last_reconcile_drift.values())
+        per_show: dict[str, int] = {}
+        for key, (cores, _at) in (self.recent_drift.get("sub") or {}).items():
+            show = key.split(":", 1)[0]
+            per_show[show] = per_show.get(show, 0) + cores
+        return farm, per_show
+
 
 class AccountingService:
     """Facade over the Store for the hot path; the managed decision is taken once per booking."""
@@ -377,7 +394,7 @@ class AccountingService:
         return f"reconcile: {result.shows} unmanaged show(s), drift {result.drift_cores}"
 
     def _history_tick(self, conn: psycopg.Connection) -> str:
-        return self.history.sample(conn, self)
+        return self.history.sample(conn, self.state.measured_drift())
 
     def _run_loop(
         self,

@@ -20,17 +20,16 @@ Cuebot's rules, from OpenCue cuebot/src/main/java/com/imageworks/spcue/:
   `threadable` wins. Max cores, max GPUs and the timeouts have no spec field: the service's.
 - ServiceDaoJdbc.splitTags: the service's tags split on " | ", spaces removed; LayerDaoJdbc
   writes the layer's services joined by ",".
+
+This module reads the services; the job spec (dispatch/jobs/spec.py) applies the primary
+service to its layer plans, so the import runs one way: spec -> services.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from django.db import connection
-
-if TYPE_CHECKING:
-    from dispatch.jobs.spec import LayerPlan
 
 DEFAULT_SERVICE = "default"  # JobSpec.DEFAULT_SERVICE
 
@@ -99,32 +98,3 @@ def primary_service(names: list[str], show: str) -> tuple[Service | None, list[s
     if found is not None:
         services.append(found.name)
     return found, services
-
-
-def apply_service_defaults(layers: list[LayerPlan], show: str) -> None:
-    """Each layer's unset fields from its primary service, as Cuebot's JobSpec sets them."""
-    if not layers or not has_services():
-        return
-    for layer in layers:
-        service, layer.services = primary_service(layer.services, show)
-        if service is None:
-            continue  # no `default` service either: Cuebot refuses the job; cuesched keeps its defaults
-        given = layer.explicit
-        layer.cores_max = service.cores_max
-        layer.gpus_max = service.gpus_max
-        layer.timeout = service.timeout
-        layer.timeout_llu = service.timeout_llu
-        if "cores" not in given:
-            layer.cores = service.cores_min
-        if "gpus" not in given:
-            layer.gpus = service.gpus_min
-        if "memory" not in given:
-            layer.memory = service.memory_min
-        if "gpu_memory" not in given:
-            layer.gpu_memory = service.gpu_memory_min
-        if "tags" not in given and service.tags:
-            layer.tags = list(service.tags)
-        if 0 < layer.cores < 100:
-            layer.threadable = False
-        elif "threadable" not in given:
-            layer.threadable = service.threadable

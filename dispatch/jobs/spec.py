@@ -673,7 +673,7 @@ def plan_job(spec: Any, *, user: str | None) -> JobPlan:
     if name is not None and Job.objects.filter(str_name=name).exists():
         errors.append(f"name: a job named {name!r} already exists")
     if show is not None:
-        cuebot_services.apply_service_defaults(layers, show.str_name)
+        _apply_service_defaults(layers, show.str_name)
     if show is not None and facility is not None and any(not layer.tags for layer in layers):
         tags = _alloc_tags(show, facility)
         for layer in layers:
@@ -714,6 +714,38 @@ def plan_job(spec: Any, *, user: str | None) -> JobPlan:
         paused=paused,
         layers=layers,
     )
+
+
+def _apply_service_defaults(layers: list[LayerPlan], show: str) -> None:
+    """Each layer's unset fields from its primary service, as Cuebot's JobSpec sets them.
+
+    The rules are Cuebot's (dispatch/jobs/services.py says which); they live with the plan they fill.
+    """
+    if not layers or not cuebot_services.has_services():
+        return
+    for layer in layers:
+        service, layer.services = cuebot_services.primary_service(layer.services, show)
+        if service is None:
+            continue  # no `default` service either: Cuebot refuses the job; cuesched keeps its defaults
+        given = layer.explicit
+        layer.cores_max = service.cores_max
+        layer.gpus_max = service.gpus_max
+        layer.timeout = service.timeout
+        layer.timeout_llu = service.timeout_llu
+        if "cores" not in given:
+            layer.cores = service.cores_min
+        if "gpus" not in given:
+            layer.gpus = service.gpus_min
+        if "memory" not in given:
+            layer.memory = service.memory_min
+        if "gpu_memory" not in given:
+            layer.gpu_memory = service.gpu_memory_min
+        if "tags" not in given and service.tags:
+            layer.tags = list(service.tags)
+        if 0 < layer.cores < 100:
+            layer.threadable = False
+        elif "threadable" not in given:
+            layer.threadable = service.threadable
 
 
 def _resolve_limits(layers: list[LayerPlan], errors: list[str]) -> None:

@@ -89,6 +89,75 @@ def test_imports_go_downward_only() -> None:
     assert problems == []
 
 
+def runtime_sources() -> dict[str, str]:
+    """module name -> its source, migrations left out."""
+    return {_module_name(p): p.read_text() for p in runtime_files() if "/migrations/" not in p.as_posix()}
+
+
+def import_graph(sources: dict[str, str]) -> dict[str, set[str]]:
+    """module -> the modules of `sources` it imports, wherever the import is (function-level and
+    TYPE_CHECKING imports included: a circle dodged by importing late is still a circle)."""
+    graph: dict[str, set[str]] = {}
+    for name, source in sources.items():
+        edges: set[str] = set()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                edges.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}"
+                    edges.add(full if full in sources else node.module)
+        graph[name] = {e for e in edges if e in sources and e != name}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+def test_imports_run_one_way_with_no_circle() -> None:
+    assert circles(import_graph(runtime_sources())) == []
+
+
+def test_a_circle_is_caught_even_through_a_type_checking_import() -> None:
+    assert circles({"a.x": {"a.y"}, "a.y": {"a.z"}, "a.z": {"a.x"}, "a.w": {"a.x"}}) == [["a.x", "a.y", "a.z"]]
+    sources = runtime_sources()
+    sources["accounting.history"] += "\nif TYPE_CHECKING:\n    from accounting.service import AccountingService\n"
+    sources["dispatch.jobs.services"] += "\n\ndef late() -> None:\n    from dispatch.jobs import spec\n"
+    assert circles(import_graph(sources)) == [
+        ["accounting.history", "accounting.service"],
+        ["dispatch.jobs.services", "dispatch.jobs.spec"],
+    ]
+
+
 def test_every_part_of_dispatch_says_what_it_owns() -> None:
     for part in ("engine", "jobs", "hosts", "lab"):
         doc = ast.get_docstring(ast.parse((ROOT / "dispatch" / part / "__init__.py").read_text()))
@@ -105,7 +174,7 @@ def test_every_part_of_dispatch_says_what_it_owns() -> None:
         ("accounting/service.py", "from dispatch.lab.seeding import seed_farm", True),
         ("ops/why.py", "from dispatch.lab import stress", True),
         ("dispatch/hosts/agent.py", "from dispatch.engine.completion import complete", False),
-        ("dispatch/lab/stress.py", "from dispatch.hosts.agent import queue_name", False),
+        ("dispatch/lab/stress/harness.py", "from dispatch.hosts.agent import queue_name", False),
         ("dispatch/management/commands/stress.py", "from dispatch.lab import stress", False),
     ],
 )

@@ -1,4 +1,4 @@
-"""`manage.py stress`: the stress suite (dispatch/lab/stress.py) with its per-phase report.
+"""`manage.py stress`: the stress suite (dispatch/lab/stress/, one module per phase) with its per-phase report.
 
 Exits non-zero when any phase fails its audit, its pass criteria or sees a cap breach.
 """
