@@ -17,30 +17,36 @@ import psycopg
 
 from accounting.triggers import WRITER_CLAIM, WRITER_MEMBER, WRITER_ROLE, WRITER_SETTING
 
+
 # Roles are cluster-wide: the role may exist already (another database of the cluster migrated
 # first, or an administrator created it), and two databases migrating at once may race to
 # create it. A migrating role that may not create roles gets a clear error and what to run.
-ENSURE_SQL = f"""
+def ensure_sql(role: str = WRITER_ROLE) -> str:
+    """The idempotent creation of `role` (a parameter for the tests, which cannot drop the real one)."""
+    return f"""
 DO $$
 BEGIN
-    IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = '{WRITER_ROLE}') THEN
+    IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = '{role}') THEN
         BEGIN
-            CREATE ROLE {WRITER_ROLE} NOLOGIN;
+            CREATE ROLE {role} NOLOGIN;
         EXCEPTION
             WHEN duplicate_object OR unique_violation THEN
                 NULL;  -- created meanwhile by another database's migration
             WHEN insufficient_privilege THEN
                 RAISE EXCEPTION USING
-                    MESSAGE = format('cuesched: the role {WRITER_ROLE} does not exist and %s may not create it',
+                    MESSAGE = format('cuesched: the role {role} does not exist and %s may not create it',
                                      current_user),
                     HINT = 'Roles are shared by every database of the cluster. Have a superuser or a role with '
-                           'CREATEROLE run CREATE ROLE {WRITER_ROLE} NOLOGIN once, GRANT {WRITER_ROLE} TO the '
+                           'CREATEROLE run CREATE ROLE {role} NOLOGIN once, GRANT {role} TO the '
                            'scheduler''s login role, then migrate again (docs/deployment.md, Roles).',
                     ERRCODE = 'insufficient_privilege';
         END;
     END IF;
 END $$;
 """
+
+
+ENSURE_SQL = ensure_sql()
 
 CHECK_SQL = f"SELECT {WRITER_CLAIM}, {WRITER_MEMBER}, session_user::text, to_regrole('{WRITER_ROLE}') IS NOT NULL"
 

@@ -20,6 +20,7 @@ import psycopg
 import pytest
 from psycopg import errors as pg_errors
 
+from accounting import writer_role
 from accounting.scheduler import SchedulerOptions, SchedulerProcess
 from tests.integration.dispatch_support import drain, fast_launcher, make_loop, seed, violations
 from tests.integration.runtime_support import MiniFarm, autocommit_conn, make_farm, running_scheduler, uid, wait_for
@@ -252,3 +253,23 @@ def test_a_scheduler_whose_role_is_not_a_member_refuses_to_start(monkeypatch: py
 def test_the_migration_created_the_writer_role(conn) -> None:
     row = conn.execute("SELECT rolcanlogin, rolsuper FROM pg_roles WHERE rolname = %s", (WRITER_ROLE,)).fetchone()
     assert row == (False, False), f"{WRITER_ROLE}: {row}"
+
+
+def test_creating_the_writer_role_tolerates_an_existing_one_and_says_what_to_do_without_createrole(conn) -> None:
+    """The migration's statement, run for a fresh role name (the real one is shared by the cluster)."""
+    fresh = f"{conn.info.dbname}_wm_fresh"[:63]
+    conn.execute(f'DROP ROLE IF EXISTS "{fresh}"')
+    with login_role("migrator", writer=False) as migrator:
+        with psycopg.connect(conninfo_as(migrator, claim_writer=False), autocommit=True) as weak:
+            weak.execute(writer_role.ensure_sql(WRITER_ROLE))  # exists: nothing to do, no privilege needed
+            with pytest.raises(pg_errors.InsufficientPrivilege) as exc:
+                weak.execute(writer_role.ensure_sql(fresh))
+            assert f"the role {fresh} does not exist and {migrator} may not create it" in str(exc.value)
+            assert f"CREATE ROLE {fresh} NOLOGIN" in (exc.value.diag.message_hint or "")
+    try:
+        conn.execute(writer_role.ensure_sql(fresh))
+        conn.execute(writer_role.ensure_sql(fresh))  # twice: still one role, no error
+        row = conn.execute("SELECT rolcanlogin FROM pg_roles WHERE rolname = %s", (fresh,)).fetchone()
+        assert row == (False,)
+    finally:
+        conn.execute(f'DROP ROLE IF EXISTS "{fresh}"')
