@@ -97,13 +97,18 @@ NOTIFY_ENABLED = f"COALESCE((SELECT notify_enabled FROM {SETTINGS_TABLE} WHERE i
 # AUTHORIZATION. A superuser is a member of every role, so on the embedded default (one
 # superuser) any session that sets the claim writes as the scheduler (docs/concepts.md). The
 # claim is read first: a session that does not claim never pays for the membership check, which
-# is one syscache lookup and PostgreSQL's cached role-membership list (a missing role reads as
-# "not a member": fail closed). The Store-accounted marker is honoured only together with the
-# mark, so a psql session or Cuebot that sets the marker is accounted like any other writer.
+# is one syscache lookup and PostgreSQL's cached role-membership list. A missing role (a database
+# restored into another cluster: roles are not in a database's dump) reads as "not a member",
+# fail closed, except for a superuser, which would be a member of it anyway. The Store-accounted
+# marker is honoured only together with the mark, so a psql session or Cuebot that sets the
+# marker is accounted like any other writer.
 WRITER_SETTING = "cuesched.writer"
 WRITER_ROLE = "cuesched_writer"
 WRITER_CLAIM = f"COALESCE(current_setting('{WRITER_SETTING}', true), '') = 'on'"
-WRITER_MEMBER = f"COALESCE(pg_has_role(session_user, to_regrole('{WRITER_ROLE}')::oid, 'MEMBER'), false)"
+WRITER_MEMBER = (
+    f"COALESCE(pg_has_role(session_user, to_regrole('{WRITER_ROLE}')::oid, 'MEMBER'), "
+    "(SELECT r.rolsuper FROM pg_roles r WHERE r.rolname = session_user), false)"
+)
 WRITER_ON = f"({WRITER_CLAIM} AND {WRITER_MEMBER})"
 STORE_ACCOUNTED = f"(COALESCE(current_setting('{STORE_ACCOUNTED_SETTING}', true), '') = 'on' AND {WRITER_ON})"
 READ_COMMITTED = "current_setting('transaction_isolation') = 'read committed'"

@@ -58,10 +58,10 @@ class WriterRoleError(RuntimeError):
 def check(conn: psycopg.Connection[Any]) -> str | None:
     """What keeps this connection from writing as the scheduler, or None when it carries the mark."""
     claim, member, login, exists = conn.execute(CHECK_SQL).fetchone()
-    if not exists:
+    if not member and not exists:
         return (
-            f"the role {WRITER_ROLE} does not exist in this cluster: run `manage.py migrate` "
-            f"(or create it: CREATE ROLE {WRITER_ROLE} NOLOGIN), then GRANT {WRITER_ROLE} TO {login}"
+            f"the role {WRITER_ROLE} does not exist in this cluster (a database restored into another "
+            f"cluster: roles are not in its dump): CREATE ROLE {WRITER_ROLE} NOLOGIN; GRANT {WRITER_ROLE} TO {login}"
         )
     if not member:
         return (
