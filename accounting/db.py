@@ -64,7 +64,12 @@ def tagged(application_name: str) -> str:
     return application_name[: APPLICATION_NAME_MAX - len(_lease_tag)] + _lease_tag
 
 
-def connect(*, autocommit: bool = True, application_name: str = "cuesched", **extra: Any) -> psycopg.Connection:
+def connect(
+    *, autocommit: bool = True, application_name: str = "cuesched", claim_writer: bool = True, **extra: Any
+) -> psycopg.Connection:
+    """A connection of the scheduler's database. `claim_writer=False` leaves out cuesched's writer
+    claim (`cuesched.writer=on`): the connection then writes as any outside writer would, whatever
+    its role (the stress suite's outside writers)."""
     # TCP keepalives and a user timeout, so a silently dead network path fails the connection in
     # seconds instead of the kernel's ~15 minutes of retries (both ignored on Unix sockets).
     # Neither notices a path that still acknowledges but delivers nothing (a frozen proxy): the
@@ -78,7 +83,8 @@ def connect(*, autocommit: bool = True, application_name: str = "cuesched", **ex
     }
     params.update(extra)
     info = conninfo()
-    options = with_writer_option(psycopg.conninfo.conninfo_to_dict(info).get("options"))
+    options = psycopg.conninfo.conninfo_to_dict(info).get("options")
+    options = with_writer_option(options) if claim_writer else without_writer_option(options)
     params["options"] = f"{options} {timeout_options()}".strip()
     return psycopg.connect(
         info, autocommit=autocommit, application_name=tagged(application_name), connect_timeout=10, **params
@@ -104,10 +110,15 @@ def timeout_options() -> str:
 
 
 def with_writer_option(options: str | None) -> str:
-    """libpq `options` with cuesched's writer mark: in a Cuebot database the proc triggers count
-    unmanaged shows' procs for cuesched's own writers only (see accounting.triggers.CUEBOT_WRITES)."""
+    """libpq `options` with cuesched's writer claim, which the triggers honour for a member of the
+    writer role only (see accounting.triggers.WRITER_ON)."""
     options = (options or "").strip()
     return options if WRITER_OPTION in options else f"{options} {WRITER_OPTION}".strip()
+
+
+def without_writer_option(options: str | None) -> str:
+    """libpq `options` without cuesched's writer claim."""
+    return " ".join((options or "").replace(WRITER_OPTION, " ").split())
 
 
 logger = logging.getLogger(__name__)

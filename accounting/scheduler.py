@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import psycopg
 
-from accounting import cuebot, db, live, metrics, singleton
+from accounting import cuebot, db, live, metrics, singleton, writer_role
 from accounting.service import AccountingService
 from cuesched_project import conf
 
@@ -99,9 +99,11 @@ class SchedulerProcess:
 
     def start(self) -> None:
         """Lock and lease, bootstrap (blocking), then the publisher. Raises SchedulerAlreadyRunning,
-        or CuebotModeError before taking anything when the mode setting contradicts the database."""
-        if self.service.cuebot is None:
-            with db.connect(application_name="cuesched-cuebot-mode") as conn:
+        or CuebotModeError before taking anything when the mode setting contradicts the database, or
+        WriterRoleError when the database would not take its connections for the scheduler's."""
+        with db.connect(application_name="cuesched-start") as conn:
+            writer_role.require_writer(conn)
+            if self.service.cuebot is None:
                 self.service.set_cuebot_mode(cuebot.resolve(conn))
         if self.options.standby:
             logger.info("standby: waiting for the scheduler lock")

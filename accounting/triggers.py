@@ -88,12 +88,33 @@ CORE_MULTIPLIER = 100  # centicores per core, as Cuebot's CENTICORES_PER_CORE
 
 # The kill switch. A missing row reads as on: a notification is only a hint, an extra one is safe.
 NOTIFY_ENABLED = f"COALESCE((SELECT notify_enabled FROM {SETTINGS_TABLE} WHERE id = 1), true)"
-# cuesched's connections carry `cuesched.writer=on` from their start (WRITER_OPTION below); the
-# Store-accounted marker is honoured only together with it, so a psql session or Cuebot that sets
-# the marker alone (set_config by any connection) is accounted like any other writer. Two
-# current_setting reads, no table read: the managed booking hot path does not notice them.
+# The writer mark: who writes as the scheduler. A connection claims it with the session setting
+# `cuesched.writer=on` (WRITER_OPTION below, on every cuesched connection from its start), and
+# the claim is honoured only when the connection's login role (session_user) is a member of the
+# NOLOGIN role WRITER_ROLE, which the migrations create (accounting.writer_role). The setting
+# alone, which any session can set, proves nothing; the membership is granted by whoever
+# administers the database's roles, and PostgreSQL checks it. session_user, not current_user:
+# inside a SECURITY DEFINER function current_user is the function's owner (the migrating role,
+# often a member), and SET ROLE can only move current_user to roles session_user already belongs
+# to; session_user is the authenticated login, changed only by a superuser's SET SESSION
+# AUTHORIZATION. A superuser is a member of every role, so on the embedded default (one
+# superuser) any session that sets the claim writes as the scheduler (docs/concepts.md). The
+# claim is read first: a session that does not claim never pays for the membership check, which
+# is one syscache lookup and PostgreSQL's cached role-membership list. A missing role (a database
+# restored into another cluster: roles are not in a database's dump) reads as "not a member",
+# fail closed, except for a superuser session (`is_superuser`, a setting PostgreSQL keeps for the
+# session's role, which no SECURITY DEFINER call changes), which would be a member of it anyway; a
+# plain read, where a catalog subquery cost the hot path 2 us per statement. The Store-accounted
+# marker is honoured only together with the mark, so a psql session or Cuebot that sets the
+# marker is accounted like any other writer.
 WRITER_SETTING = "cuesched.writer"
-WRITER_ON = f"COALESCE(current_setting('{WRITER_SETTING}', true), '') = 'on'"
+WRITER_ROLE = "cuesched_writer"
+WRITER_CLAIM = f"COALESCE(current_setting('{WRITER_SETTING}', true), '') = 'on'"
+WRITER_MEMBER = (
+    f"COALESCE(pg_has_role(session_user, to_regrole('{WRITER_ROLE}')::oid, 'MEMBER'), "
+    "current_setting('is_superuser') = 'on')"
+)
+WRITER_ON = f"({WRITER_CLAIM} AND {WRITER_MEMBER})"
 STORE_ACCOUNTED = f"(COALESCE(current_setting('{STORE_ACCOUNTED_SETTING}', true), '') = 'on' AND {WRITER_ON})"
 READ_COMMITTED = "current_setting('transaction_isolation') = 'read committed'"
 CURRENT_XID = "pg_current_xact_id()::text::bigint"
@@ -570,8 +591,9 @@ DB_APPLY = f"""
 # transaction, and its verify_* triggers enforce their caps. Applying the deltas here as well
 # would count every Cuebot booking twice, so the unmanaged half does not apply them there for
 # any writer but cuesched's own; for the others it records what they owe instead, settled at
-# commit (RECORD_OUTSIDE below). cuesched's connections carry `cuesched.writer=on` from their
-# start (WRITER_OPTION, set by accounting.db.connect and Django's settings): a frame the
+# commit (RECORD_OUTSIDE below). cuesched's connections carry the writer mark (the claim
+# WRITER_OPTION, set by accounting.db.connect and Django's settings, from a member of
+# WRITER_ROLE): a frame the
 # scheduler booked while the show was managed and completes after a flip back is deleted by
 # our completion path, which Cuebot's Java never sees, so our trigger is the only one to
 # count that release. Read per statement, and only when an unmanaged show is in it: the
@@ -852,16 +874,19 @@ KEYS_VISIBLE = """
             ERRCODE = 'foreign_key_violation';
     END IF;"""
 
-# Beside Cuebot, a proc of a scheduler-managed show inserted by anyone but cuesched is a Cuebot
-# booking that read the show as its own (DispatchQuery, b_scheduler_managed = false) before a
-# flip to the scheduler committed: the flip's exclusive lock cannot hold it off, since Cuebot
-# takes the shared one only at this INSERT. Sent to the Store it would be counted once, but
-# checked against no cap: the scheduler may have filled the burst since, and SUM(proc) would
-# pass it. It is refused whole instead (Cuebot's startFrameAndProc rolls back, the frame stays
-# WAITING, its dispatcher moves on); the flag read here follows the shared lock, so it sees
-# every flip committed before and holds off every later one. The same holds for an UPDATE that
-# grows a managed proc or moves it onto another key of a managed show (the positive half of the
-# move books what the Store never checked): refused alike. Shrinking and releasing stay allowed.
+# A proc of a scheduler-managed show is booked by the scheduler only, on every database. Its
+# booking transaction checks the Store's caps first and marks itself Store-accounted; anybody
+# else's INSERT would reach the Store as a positive delta that no cap checked (a psql session's
+# 5 x 5 cores against a burst of 20: SUM(proc) 25). So an INSERT by any connection without the
+# writer mark (WRITER_ON: a member of the writer role claiming it) is refused whole. Beside
+# Cuebot this is also a Cuebot booking that read the show as its own (DispatchQuery,
+# b_scheduler_managed = false) before a flip to the scheduler committed: the flip's exclusive lock
+# cannot hold it off, since Cuebot takes the shared one only at this INSERT; refused, Cuebot's
+# startFrameAndProc rolls back, the frame stays WAITING, its dispatcher moves on. The flag read
+# here follows the shared lock, so it sees every flip committed before and holds off every later
+# one. The same holds for an UPDATE that grows a managed proc or moves it onto another key of a
+# managed show (the positive half of the move books what the Store never checked): refused
+# alike. Shrinking and releasing stay allowed: they can only lower what is booked.
 MANAGED_BOOKED_OUTSIDE = "acct_managed_show_booked_outside"
 # The managed keys this statement books more on, net (an UPDATE's deltas are its new rows plus
 # its old rows negated: a shrink in place nets negative).
@@ -870,10 +895,10 @@ MANAGED_GROWN = f"""SELECT d.pk_show FROM {DELTAS} WHERE d.managed
     HAVING SUM(d.cc) > 0 OR SUM(d.g) > 0"""
 
 
-def refuse_cuebot_booking_of_managed(message: str, hint: str) -> str:
+def refuse_outside_booking_of_managed(message: str, hint: str) -> str:
     """The refusal, with what the operator should do for this kind of write."""
     return f"""
-    IF true = ANY(v_managed) AND {CUEBOT_WRITES}
+    IF true = ANY(v_managed) AND NOT {WRITER_ON}
        AND EXISTS ({MANAGED_GROWN}) THEN
         RAISE EXCEPTION USING
             MESSAGE = format('{message}', ({MANAGED_GROWN} LIMIT 1)),
@@ -882,22 +907,25 @@ def refuse_cuebot_booking_of_managed(message: str, hint: str) -> str:
     END IF;"""
 
 
-REFUSE_CUEBOT_BOOKING_OF_MANAGED = refuse_cuebot_booking_of_managed(
-    "cuesched: show %s is scheduler-managed: its frames are booked by cuesched, not Cuebot",
-    f"Only cuesched (connections with {WRITER_SETTING}=on) books a managed show''s capacity, and "
-    "nothing was written; a Cuebot transaction that read the show as unmanaged before a flip "
-    "to the scheduler meets this.",
+REFUSE_OUTSIDE_BOOKING_OF_MANAGED = refuse_outside_booking_of_managed(
+    "cuesched: show %s is scheduler-managed: its frames are booked by the cuesched scheduler only",
+    "Nothing was written. A managed show''s capacity is booked only by the scheduler''s connections "
+    f"(a login role that is a member of {WRITER_ROLE}, with {WRITER_SETTING}=on), which check its caps "
+    "first. Submit the work to cuesched, or flip the show to unmanaged (the console''s flip page) to book "
+    "it from outside under caps the database enforces. Beside Cuebot, a Cuebot transaction that read the "
+    "show as unmanaged before a flip to the scheduler meets this.",
 )
-# A host moved to another allocation (HostDaoJdbc.updateHostSetAllocation, `cueadmin -move`) or a
-# job to another folder or department (JobDaoJdbc.updateParent, updateDepartment) by anyone but
-# cuesched books the running procs of a managed show on the new subscription, folder or point:
-# the Store would be sent those cores unchecked against the new key's cap, and SUM(proc) could
-# pass its burst. The same refusal as a booking, for the keys the move grows (net, per key).
-REFUSE_CUEBOT_MOVE_OF_MANAGED = refuse_cuebot_booking_of_managed(
+# A host moved to another allocation (`UPDATE host SET pk_alloc`, Cuebot's
+# HostDaoJdbc.updateHostSetAllocation, `cueadmin -move`) or a job to another folder or department
+# (JobDaoJdbc.updateParent, updateDepartment) by anyone but the scheduler's writers books the
+# running procs of a managed show on the new subscription, folder or point: the Store would be
+# sent those cores unchecked against the new key's cap, and SUM(proc) could pass its burst. The
+# same refusal as a booking, for the keys the move grows (net, per key).
+REFUSE_OUTSIDE_MOVE_OF_MANAGED = refuse_outside_booking_of_managed(
     "cuesched: frames of scheduler-managed show %s run here: moving them to another allocation, "
     "folder or department would book them past the Store''s caps",
     "Nothing was moved. Move it once the managed show''s frames on it have ended, or flip the show "
-    "back to Cuebot first (the console''s flip page); the move is then checked against its caps.",
+    "back to unmanaged first (the console''s flip page); the move is then checked against its caps.",
 )
 
 PROC_INSERT_FUNC = usage_func(
@@ -905,7 +933,7 @@ PROC_INSERT_FUNC = usage_func(
     guard="IF NOT EXISTS (SELECT 1 FROM new_procs WHERE NOT b_local) THEN RETURN NULL; END IF;",
     outside_check=KEYS_VISIBLE,
     rows="new_procs",
-    keyed_check=REFUSE_CUEBOT_BOOKING_OF_MANAGED,
+    keyed_check=REFUSE_OUTSIDE_BOOKING_OF_MANAGED,
 )
 PROC_DELETE_FUNC = usage_func(
     PROC_DELETE_KEYED,
@@ -921,7 +949,7 @@ PROC_UPDATE_FUNC = usage_func(
         f"WHERE {PROC_CHANGED}) THEN RETURN NULL; END IF;"
     ),
     outside_check=KEYS_VISIBLE,
-    keyed_check=REFUSE_CUEBOT_BOOKING_OF_MANAGED,
+    keyed_check=REFUSE_OUTSIDE_BOOKING_OF_MANAGED,
 )
 
 PROC_TRUNCATE_FUNC = f"""
@@ -992,7 +1020,7 @@ def _move_trigger(
         func=usage_func(
             keyed,
             prologue=f"{_refuse_unless_read_committed(what)}\n    {check}\n    {LOCK_KEYS_EXCLUSIVE}\n    {EPOCH_BUMP}",
-            keyed_check=REFUSE_CUEBOT_MOVE_OF_MANAGED,
+            keyed_check=REFUSE_OUTSIDE_MOVE_OF_MANAGED,
         ),
     )
 
@@ -1334,8 +1362,9 @@ def cuebot_job_caps_trigger() -> pgtrigger.Trigger:
 # unmanaged show (a subscription deleted and inserted again while procs run) therefore starts at
 # SUM(proc), and a client statement that writes the usage of an unmanaged show is refused. The
 # triggers' own writes run inside another trigger (pg_trigger_depth() > 0 in the WHEN clause); the
-# reconcile, a client,
-# marks its transaction with `cuesched.counter_rebuild`.
+# reconcile, a client, marks its transaction with `cuesched.counter_rebuild`, which is honoured
+# only together with the writer mark: set by anybody else, it would let a session write an
+# unmanaged counter below SUM(proc), and the caps checked against it would pass bookings over them.
 COUNTER_REBUILD_SETTING = "cuesched.counter_rebuild"
 COUNTER_REBUILD_SQL = f"SELECT set_config('{COUNTER_REBUILD_SETTING}', 'on', true)"
 _USAGE_SOURCES = {
@@ -1404,10 +1433,12 @@ def usage_guard_triggers(table: str) -> list[pgtrigger.Trigger]:
                 "OR OLD.int_gpus IS DISTINCT FROM NEW.int_gpus)"
             ),
             func=f"""
-    IF COALESCE(current_setting('{COUNTER_REBUILD_SETTING}', true), '') <> 'on' AND EXISTS ({unmanaged}) THEN
+    IF NOT (COALESCE(current_setting('{COUNTER_REBUILD_SETTING}', true), '') = 'on' AND {WRITER_ON})
+       AND EXISTS ({unmanaged}) THEN
         RAISE EXCEPTION USING
             MESSAGE = format('cuesched: %s usage of an unmanaged show is kept by the proc triggers', TG_TABLE_NAME),
-            HINT = 'int_cores and int_gpus follow SUM(proc); change the procs, not the counter.',
+            HINT = 'int_cores and int_gpus follow SUM(proc); change the procs, not the counter '
+                   '(only the scheduler''s reconcile rewrites them).',
             ERRCODE = 'check_violation', CONSTRAINT = 'acct_usage_written_by_triggers';
     END IF;
     RETURN NEW;

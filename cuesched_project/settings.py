@@ -93,9 +93,10 @@ else:
     }
     EMBEDDED_DATABASE = True
 
-# Every cuesched connection says it is cuesched's (a session setting, see
-# accounting.triggers.CUEBOT_WRITES): beside Cuebot, the proc triggers count an unmanaged show's
-# procs for cuesched's own writers only, since Cuebot's Java code counts its own.
+# Every cuesched connection claims the writer mark (a session setting, see
+# accounting.triggers.WRITER_ON), which the database honours only when the login role is a member
+# of the writer role: only the scheduler books managed shows, and beside Cuebot the proc triggers
+# count an unmanaged show's procs for cuesched's own writers only (Cuebot's Java counts its own).
 _db_options = DATABASES["default"].setdefault("OPTIONS", {})
 if "cuesched.writer=on" not in str(_db_options.get("options", "")):
     _db_options["options"] = f"{_db_options.get('options', '')} -c cuesched.writer=on".strip()

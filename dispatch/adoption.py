@@ -79,6 +79,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from accounting.licences import COUNT_LATERAL, limit_max_problem, limit_max_sql
 from accounting.trigger_health import CUEBOT_OWNS, ENABLED, PGTRIGGER_NAME, trigger_base
 from accounting.triggers import CUEBOT_ACCOUNTS, NORMALIZE_CUEBOT_JOB_CAPS_SQL
+from accounting.writer_role import ENSURE_SQL as ENSURE_WRITER_ROLE_SQL
 from cuesched_project.dburl import url_from_settings
 from dispatch import conf, nonnegative
 
@@ -143,6 +144,12 @@ DATA_STEPS: dict[tuple[str, str], tuple[str, str]] = {
     ("dispatch", "0016_cuebot_job_caps"): (
         "job caps written as -1 before, which Cuebot can never book, stored as its unlimited",
         NORMALIZE_CUEBOT_JOB_CAPS_SQL,
+    ),
+    # A role is no catalog object of the database, so no diff brings it: the triggers honour the
+    # writer claim of its members only, and without it cuesched's own bookings would be refused.
+    ("accounting", "0009_writer_role"): (
+        "the writer role whose members write as the scheduler, created if the cluster has none",
+        ENSURE_WRITER_ROLE_SQL,
     ),
 }
 

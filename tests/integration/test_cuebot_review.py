@@ -281,3 +281,36 @@ def test_the_store_accounted_marker_still_works_for_cuesched(cuebot_url: str, co
         assert conn.execute("SELECT count(*) FROM proc WHERE pk_show = %s", (SHOW,)).fetchone()[0] == 1
     finally:
         conn.execute("UPDATE show SET b_scheduler_managed = false WHERE pk_show = %s", (SHOW,))
+
+
+def test_a_role_outside_the_writer_role_cannot_pass_as_cuesched_beside_cuebot(
+    cuebot_url: str, conn: psycopg.Connection, raw: psycopg.Connection
+) -> None:
+    """Issue 27 row 4 on an adopted database: a non-superuser login role that is not a member of the
+    writer role sets `cuesched.writer=on` and the Store-accounted marker. Its managed booking is
+    refused, and its counter writes stay in the outside ledger (topped back to SUM(proc) at commit)
+    instead of being taken for cuesched's own."""
+    from tests.integration.writer_roles import conninfo_as, login_role
+
+    farm = Farm(conn, frames=6)
+    with raw.transaction():
+        for i in range(3):
+            _insert(raw, farm, i)
+    with login_role("impostor", writer=False, url=cuebot_url) as role:
+        with psycopg.connect(conninfo_as(role, claim_writer=True, url=cuebot_url), autocommit=True) as impostor:
+            assert impostor.execute("SELECT current_setting('cuesched.writer')").fetchone()[0] == "on"
+            with impostor.transaction():  # unmanaged: a counter lowered under running procs
+                impostor.execute(
+                    "UPDATE subscription SET int_cores = 0 WHERE pk_show = %s AND pk_alloc = %s", (SHOW, ALLOC)
+                )
+            got = counters(conn, farm)
+            assert got["sum_proc"] == 300 and not _low(got), got
+            conn.execute("UPDATE show SET b_scheduler_managed = true WHERE pk_show = %s", (SHOW,))
+            try:
+                with pytest.raises(psycopg.errors.CheckViolation) as e, impostor.transaction():
+                    impostor.execute("SELECT set_config('cuesched.store_accounted', 'on', true)")
+                    _insert(impostor, farm, 3)
+                assert e.value.diag.constraint_name == "acct_managed_show_booked_outside"
+                assert _sub_sum(conn, ALLOC) == 300
+            finally:
+                conn.execute("UPDATE show SET b_scheduler_managed = false WHERE pk_show = %s", (SHOW,))

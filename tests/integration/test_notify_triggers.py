@@ -340,6 +340,7 @@ def test_bench_triggers_measures_every_variant_and_leaves_nothing_behind() -> No
     assert rows == {
         "managed, notifications on (statement-level, installed)": ["4", "40"],
         "managed, kill switch off": ["0", "0"],
+        "managed, Store-accounted (the scheduler's own)": ["0", "0"],
         "unmanaged (database-enforced accounting)": ["0", "0"],
         "no triggers at all": ["0", "0"],
     }

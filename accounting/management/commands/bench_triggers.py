@@ -7,6 +7,8 @@ written). Each variant is the median of --runs runs:
 
 * managed show, notifications on: the installed statement-level `acct_proc_delete`;
 * managed show, kill switch off: the row is turned off and back on inside the transaction;
+* managed show, Store-accounted: the scheduler's compensating delete, which sends nothing; each
+  statement checks the writer mark (the claim and the role membership, see accounting.triggers);
 * unmanaged show: the database-enforced accounting (five tables updated, caps checked);
 * no triggers: `session_replication_role = replica` for the transaction (superuser), else
   `ALTER TABLE proc DISABLE TRIGGER USER` inside it.
@@ -128,6 +130,12 @@ def _kill_switch_off(conn: psycopg.Connection) -> Callable[[psycopg.Connection],
     return lambda conn: conn.execute(KILL_SWITCH_SQL, {"on": True})
 
 
+def _store_accounted(conn: psycopg.Connection) -> Callable[[psycopg.Connection], None]:
+    """The scheduler's own compensating delete: the writer mark is checked (claim and role) on each statement."""
+    conn.execute(STORE_ACCOUNTED_SQL)
+    return lambda conn: None
+
+
 def _no_triggers(conn: psycopg.Connection) -> Callable[[psycopg.Connection], None]:
     try:
         with conn.transaction():  # a savepoint: a refused SET must not abort the timed transaction
@@ -141,6 +149,7 @@ def _no_triggers(conn: psycopg.Connection) -> Callable[[psycopg.Connection], Non
 VARIANTS = (
     Variant("managed, notifications on (statement-level, installed)", True, _nothing),
     Variant("managed, kill switch off", True, _kill_switch_off),
+    Variant("managed, Store-accounted (the scheduler's own)", True, _store_accounted),
     Variant("unmanaged (database-enforced accounting)", False, _nothing),
     Variant("no triggers at all", True, _no_triggers),
 )

@@ -50,6 +50,12 @@ class StressConfig:
     ow_ops: int = 1200
     ow_writers: int = 4
     ow_pause: float = 0.02
+    # outside_managed (issue 27, row 1): raw 1-core bookings of the managed show tried in all, by
+    # how many writers (each pauses ow_pause on average between two), against subscriptions of
+    # this burst (cores), which is what binds there
+    om_ops: int = 2000
+    om_writers: int = 4
+    om_burst: int = 20
     # split_brain: the standby's lock poll (CUESCHED_STANDBY_POLL_INTERVAL's default), s
     sb_poll: float = 1.0
     # listener_wedge: hosts and frames per layer of its farm (the hosts, not the caps, bind
@@ -183,6 +189,8 @@ def small(cfg: StressConfig | None = None, **overrides: Any) -> StressConfig:
         "int_frames_per_layer": 10,
         "ow_ops": 240,
         "ow_writers": 3,
+        "om_ops": 200,
+        "om_writers": 2,
         "lw_hosts": 10,
         "lw_frames_per_layer": 8,
         "lw_deadline": 1.5,

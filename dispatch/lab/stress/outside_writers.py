@@ -1,4 +1,11 @@
-"""Phase `outside_writers` (issue 15): writers that are not the scheduler, under booking load."""
+"""Phase `outside_writers` (issue 15): writers that are not the scheduler, under booking load.
+
+The writers connect without cuesched's writer claim, as `psql` or a script does. Since issue 27
+the database refuses them every write that would book a managed show (an INSERT, a growth, a
+host or job move under its running frames: `acct_managed_show_booked_outside`), so what they
+write to the managed show is releases, shrinks and moves of hosts and jobs it does not run on; one
+that books it and commits is a failure. Before, they carried the claim and such writes went
+through, to be judged by the watchdog only once the Store had them."""
 
 from __future__ import annotations
 
@@ -15,6 +22,7 @@ from dataclasses import dataclass, field
 import psycopg
 
 from accounting import db
+from accounting.triggers import MANAGED_BOOKED_OUTSIDE
 from dispatch.engine.completion import Completion, complete
 from dispatch.lab.seeding import FarmSeed
 from dispatch.lab.stress.config import StressConfig
@@ -76,10 +84,10 @@ class _OutsideWriters:
     """The outside writers of `outside_writers`: plain SQL on autocommit connections of their own.
 
     They know nothing of the scheduler; they write as a script or a DBA would, each write one
-    READ COMMITTED transaction (the REPEATABLE READ writer excepted). What they add to managed
-    keys is registered with the watchdog (`adding`) before COMMIT, so that only bookings the
-    scheduler decided once the Store had the write can count as breaches. Procs they insert
-    run on no launcher: an "agent" here completes each after a drawn runtime.
+    READ COMMITTED transaction (the REPEATABLE READ writer excepted), without the writer claim.
+    What one would add to managed keys is registered with the watchdog (`adding`) before COMMIT
+    and, once committed, is a failure: the database must have refused it. Procs they insert run
+    on no launcher: an "agent" (cuesched's completion path) completes each after a drawn runtime.
     """
 
     run: Run
@@ -127,6 +135,8 @@ class _OutsideWriters:
             raise
         if write is not None:
             write.committed = time.monotonic()
+            with self._lock:
+                self.failures.append(f"an outside write without the writer mark booked managed keys: {keys}")
         return outcome
 
     def host_move(self, conn: psycopg.Connection, rng: random.Random) -> str:
@@ -372,8 +382,8 @@ class _OutsideWriters:
         rng = random.Random(f"{self.cfg.seed}/outside_writers/{index}")
         kinds = [k for k, _w in OW_KINDS]
         weights = [w for _k, w in OW_KINDS]
-        conn = db.connect(autocommit=True, application_name=f"cuesched-stress-writer-{index}")
-        rr = db.connect(autocommit=True, application_name=f"cuesched-stress-rr-{index}")
+        conn = db.connect(autocommit=True, application_name=f"cuesched-stress-writer-{index}", claim_writer=False)
+        rr = db.connect(autocommit=True, application_name=f"cuesched-stress-rr-{index}", claim_writer=False)
         try:
             for _ in range(ops):
                 if not self.run.loop_alive():
@@ -398,8 +408,10 @@ class _OutsideWriters:
                     outcome = f"connection lost ({type(exc).__name__})"
                     conn.close()
                     rr.close()
-                    conn = db.connect(autocommit=True, application_name=f"cuesched-stress-writer-{index}")
-                    rr = db.connect(autocommit=True, application_name=f"cuesched-stress-rr-{index}")
+                    conn = db.connect(
+                        autocommit=True, application_name=f"cuesched-stress-writer-{index}", claim_writer=False
+                    )
+                    rr = db.connect(autocommit=True, application_name=f"cuesched-stress-rr-{index}", claim_writer=False)
                 except psycopg.Error as exc:
                     outcome = f"error {exc.sqlstate}"
                     self.failures.append(f"{kind}: unexpected {type(exc).__name__}: {exc}")
@@ -516,6 +528,9 @@ def phase_outside_writers(cfg: StressConfig) -> PhaseReport:
         "sub_cycle": counts["sub_cycle done"],
         "reopen": counts["reopen done"],
         "flip_rr": counts["flip_rr serialization (epoch guard)"],
+        "a managed booking refused": sum(
+            n for k, n in counts.items() if k.endswith(f"refused ({MANAGED_BOOKED_OUTSIDE})")
+        ),
     }
     missing = [k for k, n in done.items() if not n]
     if missing:

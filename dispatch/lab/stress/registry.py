@@ -29,6 +29,7 @@ REGISTRY: tuple[Phase, ...] = (
     Phase("flip", "fl"),
     Phase("sigkill", "si"),
     Phase("outside_writers", "ow"),
+    Phase("outside_managed", "om"),
     Phase("split_brain", "sb"),
     Phase("listener_wedge", "lw"),
     Phase("flip_roundtrip", "fr"),
