@@ -1,0 +1,262 @@
+"""Adversarial review of issue 27 as merged: holes a non-superuser outside role still opens.
+
+Each test reproduces one confirmed hole through a plain connection of a non-superuser LOGIN role
+that is NOT a member of the writer role (tests/integration/writer_roles.py: the DML GRANTs that
+docs/deployment.md gives an outside writer), against a real scheduler Store, listener and dispatch
+loop. Each is a strict xfail: it fails today for the reason it gives, and passes once the hole is
+closed. The listener is frozen (FreezableProxy) only where the hole is a window behind a slow
+listener, as in test_generation's row-2 test; nothing waits on a fixed sleep.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+
+import psycopg
+import pytest
+
+from accounting.service import AccountingService
+from dispatch.lab.netfreeze import FreezableProxy
+from tests.integration.dispatch_support import fast_launcher, make_loop, seed
+from tests.integration.runtime_support import autocommit_conn, wait_for
+from tests.integration.writer_roles import conninfo_as, login_role
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+CENTI = 100
+LONG = {"runtime_min": 600.0, "runtime_max": 600.0}  # nothing completes while a test looks
+# A transaction id no snapshot will ever see as finished: a forged payload carrying it is never
+# "already read" by a reseed or a recompute.
+FAR_XID = 2**62
+
+ONE_JOB = {
+    "allocs": 1,
+    "hosts": 2,
+    "host_cores_choices": (64,),
+    "host_mem_gb_choices": (256,),
+    "layer_cores_choices": (1,),
+    "layer_mem_gb_choices": (1,),
+    "layers": 1,
+    "manual_tags": 0,
+    "sub_burst": 200 * CENTI,
+}
+
+
+@pytest.fixture(autouse=True)
+def _quiet_backstops(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Backstops effectively off: what a test sees is the hole, not a later heal by a reseed."""
+    for key, value in {
+        "CUESCHED_RECOMPUTE_INTERVAL": "3600",
+        "CUESCHED_LIMIT_RESEED_INTERVAL": "3600",
+        "CUESCHED_MANAGED_SHOWS_TTL": "3600",
+        "CUESCHED_DB_RECONCILE_INTERVAL": "3600",
+        "CUESCHED_HEARTBEAT_DEADLINE": "4.5",
+    }.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("CUESCHED_SCHEDULER_DATABASE_URL", raising=False)
+
+
+@pytest.fixture
+def conn() -> Iterator[psycopg.Connection]:
+    c = autocommit_conn()
+    yield c
+    c.close()
+
+
+@contextmanager
+def running_service(proxy: FreezableProxy | None = None) -> Iterator[AccountingService]:
+    """A started, bootstrapped AccountingService (its listener through `proxy` when given)."""
+    kw = {}
+    if proxy is not None:
+        kw["listener_connect"] = lambda: proxy.connect(application_name="cuesched-listener")
+    service = AccountingService(**kw)
+    stop = threading.Event()
+    service.start(stop, bootstrap_timeout=30)
+    try:
+        yield service
+    finally:
+        stop.set()
+        service.join(10)
+
+
+def job_cores(conn: psycopg.Connection, job: str) -> int:
+    row = conn.execute("SELECT SUM(int_cores_reserved) FROM proc WHERE pk_job = %s", (job,)).fetchone()
+    return int(row[0] or 0) // CENTI
+
+
+def run_until(loop, done, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}: {loop.totals}")
+        loop.run_once()
+        time.sleep(0.01)
+
+
+def run_for(loop, seconds: float) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        loop.run_once()
+        time.sleep(0.01)
+
+
+def keys_of(conn: psycopg.Connection, job: str) -> dict[str, str]:
+    """The accounting keys of the job's booked procs (one allocation in these farms)."""
+    row = conn.execute(
+        "SELECT j.pk_show, h.pk_alloc, j.pk_folder, j.pk_job, p.pk_layer, j.pk_dept FROM proc p "
+        "JOIN job j ON j.pk_job = p.pk_job JOIN host h ON h.pk_host = p.pk_host WHERE p.pk_job = %s LIMIT 1",
+        (job,),
+    ).fetchone()
+    assert row is not None, "the job has no booked proc"
+    return dict(zip(("show", "alloc", "folder", "job", "layer", "dept"), row, strict=True))
+
+
+def barrier(conn: psycopg.Connection, service: AccountingService, job: str, cores: int) -> None:
+    """A real cap change of another job, waited for in the Store: notifications arrive in commit
+    order on the one listener session, so everything NOTIFYed before it has been handled."""
+    conn.execute("UPDATE job_resource SET int_max_cores = %s WHERE pk_job = %s", (cores * CENTI, job))
+    wait_for(lambda: (service.store.job_cap(job) or (None,))[0] == cores, 10, "the barrier cap in the Store")
+
+
+# --------------------------------------------------------------------------- forged NOTIFY
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="hole: the listener applies any acct_limit_change payload, whoever sends it; a non-member's "
+    "SELECT pg_notify('acct_limit_change', ...) raises a managed job's max in the Store and the loop books "
+    "past the database's max (its far xid also makes every later reseed keep the forged value)",
+)
+def test_a_forged_cap_notification_from_any_session_never_raises_a_managed_cap(conn) -> None:
+    farm = seed("rv27a", jobs=2, frames_per_layer=40, job_max_cores=5 * CENTI, **ONE_JOB)
+    job, other = farm.job_ids[0], farm.job_ids[1]
+    with ExitStack() as stack, login_role("forger", writer=False) as role, running_service() as service:
+        loop = stack.enter_context(make_loop(service, fast_launcher(**LONG)))
+        run_until(loop, lambda: job_cores(conn, job) == 5 and job_cores(conn, other) == 5, 30, "both jobs at max 5")
+        with psycopg.connect(conninfo_as(role, claim_writer=False), autocommit=True) as forger:
+            payload = {"vertex": "job", "id": job, "max_cores": 1000, "max_gpus": -1, "xid": FAR_XID}
+            forger.execute("SELECT pg_notify('acct_limit_change', %s)", (json.dumps(payload),))
+        barrier(conn, service, other, 6)
+        run_for(loop, 0.5)
+        assert job_cores(conn, job) <= 5, (
+            f"{job_cores(conn, job)} cores booked against the database's max of 5 after a forged notification "
+            f"(the Store reads max {service.store.job_cap(job)})"
+        )
+        assert (service.store.job_cap(job) or (None,))[0] == 5
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="hole: the listener applies any acct_release payload, whoever sends it; a non-member's forged "
+    "release of -5 cores makes the Store's job counter read 5 below SUM(proc) and the loop books past the max",
+)
+def test_a_forged_release_notification_from_any_session_never_makes_the_store_read_low(conn) -> None:
+    farm = seed("rv27b", jobs=2, frames_per_layer=40, job_max_cores=5 * CENTI, **ONE_JOB)
+    job, other = farm.job_ids[0], farm.job_ids[1]
+    with ExitStack() as stack, login_role("forger", writer=False) as role, running_service() as service:
+        loop = stack.enter_context(make_loop(service, fast_launcher(**LONG)))
+        run_until(loop, lambda: job_cores(conn, job) == 5, 30, "the job at its max of 5")
+        keys = keys_of(conn, job)
+        with psycopg.connect(conninfo_as(role, claim_writer=False), autocommit=True) as forger:
+            payload = {**keys, "cores": -5, "gpus": 0, "xid": FAR_XID}
+            forger.execute("SELECT pg_notify('acct_release', %s)", (json.dumps(payload),))
+        barrier(conn, service, other, 6)
+        in_store = service.store.job_cores_in_use(job)
+        run_for(loop, 0.5)
+        assert in_store >= 5, f"the Store counts {in_store} cores for a job running 5"
+        assert job_cores(conn, job) <= 5, f"{job_cores(conn, job)} cores booked against a max of 5"
+
+
+# --------------------------------------------------------------------------- the generation row
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="hole: cuesched_show_generation is writable by any role with the documented DML GRANTs; an "
+    "outside writer that lowers a job's max and puts the generation back in the same transaction reopens "
+    "row 2's window: behind a frozen listener the loop books 40 cores against the new max of 5",
+)
+def test_an_outside_writer_cannot_undo_the_generation_bump_of_its_cap_lowering(conn) -> None:
+    farm = seed("rv27c", jobs=1, frames_per_layer=60, job_max_cores=40 * CENTI, **ONE_JOB)
+    job = farm.job_ids[0]
+    show = farm.show_ids[0]
+    with (
+        ExitStack() as stack,
+        login_role("genundo", writer=False) as role,
+        FreezableProxy().start() as proxy,
+        running_service(proxy) as service,
+    ):
+        assert (service.store.job_cap(job) or (0,))[0] == 40
+        loop = stack.enter_context(make_loop(service, fast_launcher(**LONG)))
+        proxy.freeze()
+        try:
+            with psycopg.connect(conninfo_as(role, claim_writer=False)) as outside:
+                outside.execute("UPDATE job_resource SET int_max_cores = 500 WHERE pk_job = %s", (job,))
+                outside.execute(
+                    "UPDATE cuesched_show_generation SET int_generation = int_prev_generation WHERE pk_show = %s",
+                    (show,),
+                )
+                outside.commit()
+            worst = 0
+            deadline = time.monotonic() + 1.5  # well inside the 4.5 s freshness deadline
+            while time.monotonic() < deadline:
+                loop.run_once()
+                worst = max(worst, job_cores(conn, job))
+                time.sleep(0.01)
+            assert (service.store.job_cap(job) or (0,))[0] == 40, "the frozen path delivered"
+        finally:
+            proxy.thaw()
+        assert worst <= 5, f"{worst} cores booked against the new max of 5 (generation put back by a non-member)"
+
+
+# --------------------------------------------------------------------------- the lease row
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="hole: cuesched_scheduler_lease is writable by any role with the documented DML GRANTs; one "
+    "UPDATE by a non-member moves the generation, so the holder's next booking raises LeaseLostError and "
+    "run_scheduler exits 1 (no booking anywhere), or puts a stale holder's generation back",
+)
+def test_an_outside_writer_cannot_move_the_scheduler_lease(conn) -> None:
+    conn.execute(
+        "INSERT INTO cuesched_scheduler_lease (id, int_generation, str_holder, ts_acquired, ts_deadline) "
+        "VALUES (1, 7, 'review', now(), now() + interval '1 hour') "
+        "ON CONFLICT (id) DO UPDATE SET int_generation = 7"
+    )
+    with login_role("leasemover", writer=False) as role:
+        with psycopg.connect(conninfo_as(role, claim_writer=False), autocommit=True) as outside:
+            try:
+                outside.execute("UPDATE cuesched_scheduler_lease SET int_generation = int_generation + 1 WHERE id = 1")
+            except psycopg.Error:
+                pass  # refused: what the fix must do
+    assert conn.execute("SELECT int_generation FROM cuesched_scheduler_lease WHERE id = 1").fetchone()[0] == 7
+
+
+# --------------------------------------------------------------------------- the alarm rows
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="hole: cuesched_integrity_alarm is writable by any role with the documented DML GRANTs; a "
+    "non-member deletes (or acknowledges) an open alarm, the only trace of a counter found below SUM(proc)",
+)
+def test_an_outside_writer_cannot_erase_an_open_integrity_alarm(conn) -> None:
+    conn.execute(
+        "INSERT INTO cuesched_integrity_alarm (str_kind, str_summary, details, str_acknowledged_by, str_ack_note) "
+        "VALUES ('store_low', 'review', '{}', '', '')"
+    )
+    with login_role("alarmeraser", writer=False) as role:
+        with psycopg.connect(conninfo_as(role, claim_writer=False), autocommit=True) as outside:
+            try:
+                outside.execute("DELETE FROM cuesched_integrity_alarm WHERE str_summary = 'review'")
+            except psycopg.Error:
+                pass  # refused: what the fix must do
+    left = conn.execute(
+        "SELECT count(*) FROM cuesched_integrity_alarm WHERE str_summary = 'review' AND ts_acknowledged IS NULL"
+    ).fetchone()[0]
+    assert left == 1, "the open alarm was erased by an outside writer"
