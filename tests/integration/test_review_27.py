@@ -97,11 +97,20 @@ def run_until(loop, done, timeout: float, what: str) -> None:  # type: ignore[no
         time.sleep(0.01)
 
 
-def run_for(loop, seconds: float) -> None:  # type: ignore[no-untyped-def]
+def run_for(loop, seconds: float, *, tolerate: bool = False) -> int:  # type: ignore[no-untyped-def]
+    """Cycles for `seconds`; with `tolerate`, a cycle that fails on a database error is counted and
+    the next one runs (as run_scheduler's loop does), so the caller asserts what got booked."""
     deadline = time.monotonic() + seconds
+    errors = 0
     while time.monotonic() < deadline:
-        loop.run_once()
+        try:
+            loop.run_once()
+        except psycopg.Error:
+            if not tolerate:
+                raise
+            errors += 1
         time.sleep(0.01)
+    return errors
 
 
 def keys_of(conn: psycopg.Connection, job: str) -> dict[str, str]:
@@ -260,3 +269,116 @@ def test_an_outside_writer_cannot_erase_an_open_integrity_alarm(conn) -> None:
         "SELECT count(*) FROM cuesched_integrity_alarm WHERE str_summary = 'review' AND ts_acknowledged IS NULL"
     ).fetchone()[0]
     assert left == 1, "the open alarm was erased by an outside writer"
+
+
+# --------------------------------------------------------------------------- a folder's show
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="hole: folder.pk_show has no accounting trigger and the folder cap's bump goes to the folder's "
+    "show as the trigger reads it; one outside transaction moves the folder to another show, lowers its max, "
+    "and moves it back: the managed show's generation never moves and behind a frozen listener the loop "
+    "books past the new folder max",
+)
+def test_a_folder_round_trip_through_another_show_cannot_hide_a_cap_lowering(conn) -> None:
+    farm = seed(
+        "rv27d",
+        shows=2,
+        managed_shows=1,
+        jobs=1,
+        frames_per_layer=60,
+        folder_max_cores=40 * CENTI,
+        job_max_cores=100 * CENTI,
+        **ONE_JOB,
+    )
+    show = farm.managed_show_ids[0]
+    other = next(s for s in farm.show_ids if s != show)
+    job, folder = conn.execute("SELECT pk_job, pk_folder FROM job WHERE pk_show = %s LIMIT 1", (show,)).fetchone()
+    with (
+        ExitStack() as stack,
+        login_role("folderhop", writer=False) as role,
+        FreezableProxy().start() as proxy,
+        running_service(proxy) as service,
+    ):
+        assert (service.store.folder_cap(folder) or (0,))[0] == 40
+        loop = stack.enter_context(make_loop(service, fast_launcher(**LONG)))
+        proxy.freeze()
+        try:
+            with psycopg.connect(conninfo_as(role, claim_writer=False)) as outside:
+                outside.execute("UPDATE folder SET pk_show = %s WHERE pk_folder = %s", (other, folder))
+                outside.execute("UPDATE folder_resource SET int_max_cores = 500 WHERE pk_folder = %s", (folder,))
+                outside.execute("UPDATE folder SET pk_show = %s WHERE pk_folder = %s", (show, folder))
+                outside.commit()
+            worst = 0
+            deadline = time.monotonic() + 1.5
+            while time.monotonic() < deadline:
+                loop.run_once()
+                worst = max(worst, job_cores(conn, job))
+                time.sleep(0.01)
+            assert (service.store.folder_cap(folder) or (0,))[0] == 40, "the frozen path delivered"
+        finally:
+            proxy.thaw()
+        assert worst <= 5, f"{worst} cores booked against the folder's new max of 5 (its bump went to {other})"
+
+
+# --------------------------------------------------------------------------- farm-wide stalls
+
+
+def _booked(conn: psycopg.Connection, jobs: tuple[str, ...]) -> dict[str, int]:
+    return {j: job_cores(conn, j) for j in jobs}
+
+
+@contextmanager
+def _two_show_farm(prefix: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple]:
+    """A managed and an unmanaged show, one job each, and a running service and loop over them."""
+    monkeypatch.setenv("CUESCHED_DB_LOCK_TIMEOUT", "1.0")
+    farm = seed(prefix, shows=2, managed_shows=1, jobs=2, frames_per_layer=40, job_max_cores=100 * CENTI, **ONE_JOB)
+    with ExitStack() as stack, running_service() as service:
+        loop = stack.enter_context(make_loop(service, fast_launcher(**LONG)))
+        yield farm, service, loop
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="hole: the accounting-keys lock is an advisory lock any session may take, with no privilege at "
+    "all; a login that holds pg_advisory_lock(0x61636374, 0) stops every booking of every show (and every "
+    "proc write, releases included) for as long as it stays connected",
+)
+def test_a_session_holding_the_keys_lock_exclusively_stalls_at_most_its_own_show(conn, monkeypatch) -> None:
+    with _two_show_farm("rv27e", monkeypatch) as (farm, _service, loop):
+        with login_role("keyslock", writer=False) as role:
+            with psycopg.connect(conninfo_as(role, claim_writer=False), autocommit=True) as hostile:
+                hostile.execute("SELECT pg_advisory_lock(%s, 0)", (0x61636374,))
+                errors = run_for(loop, 3.0, tolerate=True)
+                booked = _booked(conn, farm.job_ids)
+        # The control: with the session gone, the same loop books.
+        run_until(loop, lambda: any(_booked(conn, farm.job_ids).values()), 30, "booking once the session is gone")
+        assert any(booked.values()), (
+            f"no show booked a core while one session held the keys lock: {booked} ({errors} cycles failed)"
+        )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="hole: cuesched_scheduler_lease's single row can be locked FOR UPDATE by any role with the "
+    "documented DML GRANTs; every booking transaction reads it FOR KEY SHARE, so one idle transaction "
+    "stops every booking of every show",
+)
+def test_a_session_locking_the_lease_row_stalls_at_most_its_own_show(conn, monkeypatch) -> None:
+    conn.execute(
+        "INSERT INTO cuesched_scheduler_lease (id, int_generation, str_holder) VALUES (1, 1, 'review') "
+        "ON CONFLICT (id) DO NOTHING"
+    )
+    with _two_show_farm("rv27f", monkeypatch) as (farm, _service, loop):
+        with login_role("leaselock", writer=False) as role:
+            with psycopg.connect(conninfo_as(role, claim_writer=False)) as hostile:
+                hostile.execute("SELECT 1 FROM cuesched_scheduler_lease WHERE id = 1 FOR UPDATE")
+                errors = run_for(loop, 3.0, tolerate=True)
+                booked = _booked(conn, farm.job_ids)
+                hostile.rollback()
+        # The control: with the session gone, the same loop books.
+        run_until(loop, lambda: any(_booked(conn, farm.job_ids).values()), 30, "booking once the session is gone")
+        assert any(booked.values()), (
+            f"no show booked a core while one session held the lease row: {booked} ({errors} cycles failed)"
+        )
