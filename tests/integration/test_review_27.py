@@ -382,3 +382,55 @@ def test_a_session_locking_the_lease_row_stalls_at_most_its_own_show(conn, monke
         assert any(booked.values()), (
             f"no show booked a core while one session held the lease row: {booked} ({errors} cycles failed)"
         )
+
+
+# --------------------------------------------------------------------------- "written by the triggers only"
+
+
+def sub_cores(conn: psycopg.Connection, show: str) -> tuple[int, int]:
+    """(SUM(proc) of the show's non-local procs, its subscription counter), whole cores."""
+    row = conn.execute(
+        "SELECT (SELECT COALESCE(SUM(int_cores_reserved), 0) FROM proc WHERE pk_show = %(s)s AND NOT b_local), "
+        "(SELECT SUM(int_cores) FROM subscription WHERE pk_show = %(s)s)",
+        {"s": show},
+    ).fetchone()
+    return int(row[0]) // CENTI, int(row[1] or 0) // CENTI
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="hole: acct_usage_guard (like the ledger and licence guards) tells the triggers' own writes by "
+    "pg_trigger_depth(); any login may create a TEMP table with a pg_temp trigger function, whose UPDATE of "
+    "subscription.int_cores runs at depth 1 and is not refused: the unmanaged counter reads 0 and the "
+    "database-enforced burst is passed",
+)
+def test_a_temp_trigger_cannot_write_an_unmanaged_counter_below_sum_proc(conn) -> None:
+    farm = seed(
+        "rv27g",
+        managed=False,
+        jobs=1,
+        frames_per_layer=60,
+        job_max_cores=100 * CENTI,
+        **{**ONE_JOB, "sub_burst": 20 * CENTI},
+    )
+    show = farm.show_ids[0]
+    with ExitStack() as stack, login_role("depth", writer=False) as role, running_service() as service:
+        loop = stack.enter_context(make_loop(service, fast_launcher(**LONG)))
+        run_until(loop, lambda: sub_cores(conn, show)[0] == 20, 30, "the unmanaged show at its burst of 20")
+        with psycopg.connect(conninfo_as(role, claim_writer=False), autocommit=True) as outside:
+            outside.execute(
+                "CREATE FUNCTION pg_temp.zero() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+                "UPDATE subscription SET int_cores = 0 WHERE pk_show = NEW.s; RETURN NULL; END $$"
+            )
+            outside.execute("CREATE TEMP TABLE poke (s text)")
+            outside.execute(
+                "CREATE TRIGGER poke AFTER INSERT ON pg_temp.poke FOR EACH ROW EXECUTE FUNCTION pg_temp.zero()"
+            )
+            try:
+                outside.execute("INSERT INTO pg_temp.poke VALUES (%s)", (show,))
+            except psycopg.Error:
+                pass  # refused: what the fix must do
+        run_for(loop, 0.5)
+        used, counter = sub_cores(conn, show)
+        assert counter >= used, f"the subscription counter reads {counter} under SUM(proc) {used}"
+        assert used <= 20, f"{used} cores booked against a burst of 20"
