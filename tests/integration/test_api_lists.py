@@ -79,6 +79,7 @@ def test_jobs_are_listed_newest_first_and_filtered_by_show_state_user_and_name(c
         "max_cores": 50,
         "max_gpus": row["max_gpus"],
         "frames": {"waiting": 4, "running": 0, "dead": 0, "depend": 0, "eaten": 0, "succeeded": 0, "total": 4},
+        "killing": 0,
         "started": row["started"],
         "stopped": None,
     }
@@ -118,7 +119,7 @@ def test_a_jobs_layers_and_frames_are_listed_with_filters_and_pages(client: Clie
     assert [row["name"] for row in body["results"][:3]] == ["0001-sim", "0006-sim", "0001-render"]
     frame = body["results"][0]
     assert set(frame) == {"frame", "name", "layer", "number", "state", "exit_status", "retries", "host", "started",
-                          "stopped"}  # fmt: skip
+                          "stopped", "killing"}  # fmt: skip
     assert (frame["layer"], frame["number"], frame["state"], frame["exit_status"]) == ("sim", 1, "WAITING", -1)
     render = get(client, f"/api/jobs/{job}/frames/", token, layer="render", limit=4, offset=8).json()
     assert render["count"] == 10 and names_of(render) == ["0009-render", "0010-render"]
