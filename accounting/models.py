@@ -160,6 +160,7 @@ class SchedulerLease(models.Model):
         constraints = [
             models.CheckConstraint(condition=models.Q(id=SETTINGS_ROW_ID), name="cuesched_scheduler_lease_single_row"),
         ]
+        triggers = accounting_triggers.scheduler_lease_triggers()
 
     def __str__(self) -> str:
         return f"generation {self.int_generation} held by {self.str_holder or 'nobody'}"
@@ -221,6 +222,7 @@ class IntegrityAlarm(models.Model):
                 fields=["ts_raised"], name="i_integrity_alarm_open", condition=models.Q(ts_acknowledged__isnull=True)
             )
         ]
+        triggers = accounting_triggers.integrity_alarm_triggers()
 
     def __str__(self) -> str:
         return f"integrity alarm {self.id} ({self.str_kind}): {self.str_summary}"

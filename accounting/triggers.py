@@ -1068,6 +1068,42 @@ def job_triggers() -> list[pgtrigger.Trigger]:
     ]
 
 
+# A folder's caps are bumped, sent and rebuilt by the folder's show as its row reads at the time:
+# a folder moved to another show than its jobs' would have a cap lowering bump the other show's
+# generation (and a round trip through another show within one transaction would hide the
+# lowering from the managed show's bookings), and its counter would be kept by the wrong show.
+# So a folder moves between shows only with no job of another show in it. Nothing in cuesched or
+# in Cuebot's SQL moves a folder between shows. The EXISTS runs after the folder row is locked
+# (a job insert or move into it holds or waits for that lock through its foreign key and
+# acct_job_move), on a fresh READ COMMITTED snapshot, so a job that committed into the folder
+# first is seen.
+FOLDER_SHOW_OF_ITS_JOBS = "acct_folder_show_of_its_jobs"
+
+
+def folder_triggers() -> list[pgtrigger.Trigger]:
+    return [
+        pgtrigger.Trigger(
+            name=FOLDER_SHOW_OF_ITS_JOBS,
+            when=pgtrigger.Before,
+            operation=pgtrigger.UpdateOf("pk_show"),
+            level=pgtrigger.Row,
+            condition=pgtrigger.Condition("OLD.pk_show IS DISTINCT FROM NEW.pk_show"),
+            func=f"""
+    IF EXISTS (SELECT 1 FROM job j WHERE j.pk_folder = NEW.pk_folder AND j.pk_show IS DISTINCT FROM NEW.pk_show) THEN
+        RAISE EXCEPTION USING
+            MESSAGE = format('cuesched: folder %s holds jobs of show %s: it cannot move to show %s', NEW.pk_folder,
+                             (SELECT j.pk_show FROM job j WHERE j.pk_folder = NEW.pk_folder
+                              AND j.pk_show IS DISTINCT FROM NEW.pk_show LIMIT 1), NEW.pk_show),
+            HINT = 'Nothing was moved. A folder''s caps are accounted by its show: move its jobs to a folder of '
+                   'their show first, or create the folder in the other show.',
+            ERRCODE = 'check_violation', CONSTRAINT = '{FOLDER_SHOW_OF_ITS_JOBS}';
+    END IF;
+    RETURN NEW;
+""",
+        )
+    ]
+
+
 # --- acct_limit_change: caps of every show -----------------------------------------------------
 # Sent whatever the show's flag: a cap write that read "unmanaged" just before a flip to managed
 # committed would otherwise be missed by the flip's seed if it committed after the seed's read.
@@ -1964,9 +2000,43 @@ def settings_triggers() -> list[pgtrigger.Trigger]:
     return [pgtrigger.Protect(name="acct_settings_keep_row", operation=pgtrigger.Delete)]
 
 
+# A generation row only ever moves forward by a bump (bump_generation: int_prev_generation takes
+# the old value, int_generation a new one from the sequence, str_reason and ts_bumped say why and
+# when). Any other UPDATE, whoever writes it (the triggers' bumps run in the outside writer's own
+# transaction, so no role can tell them apart), is refused: putting a generation back, or moving
+# it anywhere but forward, would let a Store that applied an older generation book under a cap
+# change it never saw. A generation that only grows can never come back to a value a Store holds.
+# A sequence set back below a row's generation makes the next bump of that row fail here, loudly,
+# rather than repeat a value.
+GENERATION_BUMP_ONLY = "acct_show_generation_bump_only"
+_REAL_BUMP = (
+    "COALESCE(NEW.pk_show = OLD.pk_show AND NEW.int_generation > OLD.int_generation "
+    "AND NEW.int_prev_generation = OLD.int_generation, false)"
+)
+
+
 def show_generation_triggers() -> list[pgtrigger.Trigger]:
-    """A deleted generation row would start its show's chain again from 0: refuse it."""
-    return [pgtrigger.Protect(name="acct_show_generation_keep_rows", operation=pgtrigger.Delete)]
+    """A deleted generation row would start its show's chain again from 0, a generation put back
+    would hide the change its bump stood for: refuse both."""
+    return [
+        pgtrigger.Protect(name="acct_show_generation_keep_rows", operation=pgtrigger.Delete),
+        pgtrigger.Trigger(
+            name=GENERATION_BUMP_ONLY,
+            when=pgtrigger.Before,
+            operation=pgtrigger.Update,
+            level=pgtrigger.Row,
+            condition=pgtrigger.Condition(f"NOT {_REAL_BUMP}"),
+            func=f"""
+    RAISE EXCEPTION USING
+        MESSAGE = format('cuesched: the accounting generation of show %s only moves forward by a bump '
+                         '(generation %s, previous %s: refused %s, previous %s)', OLD.pk_show,
+                         OLD.int_generation, OLD.int_prev_generation, NEW.int_generation, NEW.int_prev_generation),
+        HINT = 'Nothing was written. {GENERATION_TABLE} is written by the accounting triggers only: change '
+               'the caps, keys or flags it stands for and their triggers bump it in the same transaction.',
+        ERRCODE = 'check_violation', CONSTRAINT = '{GENERATION_BUMP_ONLY}';
+""",
+        ),
+    ]
 
 
 def show_flip_triggers() -> list[pgtrigger.Trigger]:
@@ -1977,3 +2047,63 @@ def show_flip_triggers() -> list[pgtrigger.Trigger]:
 def epoch_triggers() -> list[pgtrigger.Trigger]:
     """The epoch row is the REPEATABLE READ writers' flip and move guard; refuse deleting it."""
     return [pgtrigger.Protect(name="acct_epoch_keep_row", operation=pgtrigger.Delete)]
+
+
+# --- rows only the scheduler's roles write ----------------------------------------------------
+# The lease row is the one-scheduler fence (accounting.singleton): a generation moved by anyone
+# else makes the holder's next booking raise LeaseLostError (the scheduler exits), or puts a
+# stale holder's generation back. The integrity alarms are the only trace of a counter found
+# below SUM(proc). Both are written only by sessions whose login role is a member of WRITER_ROLE
+# (the scheduler; the operator's `store_status --acknowledge-alarms`), or a superuser, which is a
+# member of every role. Membership, not the claim: these writes carry no accounting, and a claim
+# proves nothing anyway. BEFORE STATEMENT, so a statement that would touch no row is refused too
+# and the check costs one lookup per statement, not per row.
+LEASE_WRITERS_ONLY = "acct_lease_writers_only"
+ALARM_WRITERS_ONLY = "acct_integrity_alarm_writers_only"
+
+
+def _writers_only(name: str, operation: pgtrigger.Operation, what: str, hint: str) -> pgtrigger.Trigger:
+    return pgtrigger.Trigger(
+        name=name,
+        when=pgtrigger.Before,
+        operation=operation,
+        level=pgtrigger.Statement,
+        func=f"""
+    IF NOT {WRITER_MEMBER} THEN
+        RAISE EXCEPTION USING
+            MESSAGE = format('cuesched: %s may not %s {what}: only members of {WRITER_ROLE} write it',
+                             session_user, lower(TG_OP)),
+            HINT = '{hint}',
+            ERRCODE = 'insufficient_privilege', CONSTRAINT = '{name}';
+    END IF;
+    RETURN NULL;
+""",
+    )
+
+
+def scheduler_lease_triggers() -> list[pgtrigger.Trigger]:
+    return [
+        _writers_only(
+            LEASE_WRITERS_ONLY,
+            pgtrigger.Insert | pgtrigger.Update | pgtrigger.Delete | pgtrigger.Truncate,
+            "the scheduler lease",
+            "Nothing was written. The lease is taken and renewed by the scheduler itself (its login role is a "
+            f"member of {WRITER_ROLE}); a standby takes it over once the holder''s deadline has passed. Stop the "
+            "scheduler to release it.",
+        )
+    ]
+
+
+def integrity_alarm_triggers() -> list[pgtrigger.Trigger]:
+    """An alarm is never deleted (acknowledged, it stays as the record); only members write it."""
+    return [
+        pgtrigger.Protect(name="acct_integrity_alarm_keep_rows", operation=pgtrigger.Delete),
+        _writers_only(
+            ALARM_WRITERS_ONLY,
+            pgtrigger.Insert | pgtrigger.Update | pgtrigger.Truncate,
+            "an integrity alarm",
+            "Nothing was written. Alarms are raised by the scheduler and acknowledged with "
+            "`manage.py store_status --acknowledge-alarms NOTE`, run as a login role that is a member of "
+            f"{WRITER_ROLE}.",
+        ),
+    ]

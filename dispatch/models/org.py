@@ -151,7 +151,7 @@ class Folder(models.Model):
         constraints = [
             models.UniqueConstraint(fields=["show", "parent_folder", "str_name"], name="c_folder_uk"),
         ]
-        triggers = schema_triggers.folder_fanout_triggers()
+        triggers = [*schema_triggers.folder_fanout_triggers(), *accounting_triggers.folder_triggers()]
 
     def __str__(self) -> str:
         return self.str_name

@@ -183,12 +183,6 @@ def test_a_forged_release_notification_from_any_session_never_makes_the_store_re
 # --------------------------------------------------------------------------- the generation row
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hole: cuesched_show_generation is writable by any role with the documented DML GRANTs; an "
-    "outside writer that lowers a job's max and puts the generation back in the same transaction reopens "
-    "row 2's window: behind a frozen listener the loop books 40 cores against the new max of 5",
-)
 def test_an_outside_writer_cannot_undo_the_generation_bump_of_its_cap_lowering(conn) -> None:
     farm = seed("rv27c", jobs=1, frames_per_layer=60, job_max_cores=40 * CENTI, **ONE_JOB)
     job = farm.job_ids[0]
@@ -205,11 +199,16 @@ def test_an_outside_writer_cannot_undo_the_generation_bump_of_its_cap_lowering(c
         try:
             with psycopg.connect(conninfo_as(role, claim_writer=False)) as outside:
                 outside.execute("UPDATE job_resource SET int_max_cores = 500 WHERE pk_job = %s", (job,))
-                outside.execute(
-                    "UPDATE cuesched_show_generation SET int_generation = int_prev_generation WHERE pk_show = %s",
-                    (show,),
-                )
-                outside.commit()
+                try:
+                    outside.execute(
+                        "UPDATE cuesched_show_generation SET int_generation = int_prev_generation WHERE pk_show = %s",
+                        (show,),
+                    )
+                    outside.commit()
+                except psycopg.errors.CheckViolation as exc:
+                    # Refused (what the fix must do): the whole transaction, cap lowering included.
+                    assert exc.diag.constraint_name == "acct_show_generation_bump_only", exc
+                    outside.rollback()
             worst = 0
             deadline = time.monotonic() + 1.5  # well inside the 4.5 s freshness deadline
             while time.monotonic() < deadline:
@@ -219,18 +218,15 @@ def test_an_outside_writer_cannot_undo_the_generation_bump_of_its_cap_lowering(c
             assert (service.store.job_cap(job) or (0,))[0] == 40, "the frozen path delivered"
         finally:
             proxy.thaw()
-        assert worst <= 5, f"{worst} cores booked against the new max of 5 (generation put back by a non-member)"
+        db_max = conn.execute("SELECT int_max_cores FROM job_resource WHERE pk_job = %s", (job,)).fetchone()[0] // CENTI
+        assert worst <= db_max, (
+            f"{worst} cores booked against the database's max of {db_max} (generation put back by a non-member)"
+        )
 
 
 # --------------------------------------------------------------------------- the lease row
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hole: cuesched_scheduler_lease is writable by any role with the documented DML GRANTs; one "
-    "UPDATE by a non-member moves the generation, so the holder's next booking raises LeaseLostError and "
-    "run_scheduler exits 1 (no booking anywhere), or puts a stale holder's generation back",
-)
 def test_an_outside_writer_cannot_move_the_scheduler_lease(conn) -> None:
     conn.execute(
         "INSERT INTO cuesched_scheduler_lease (id, int_generation, str_holder, ts_acquired, ts_deadline) "
@@ -249,11 +245,6 @@ def test_an_outside_writer_cannot_move_the_scheduler_lease(conn) -> None:
 # --------------------------------------------------------------------------- the alarm rows
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hole: cuesched_integrity_alarm is writable by any role with the documented DML GRANTs; a "
-    "non-member deletes (or acknowledges) an open alarm, the only trace of a counter found below SUM(proc)",
-)
 def test_an_outside_writer_cannot_erase_an_open_integrity_alarm(conn) -> None:
     conn.execute(
         "INSERT INTO cuesched_integrity_alarm (str_kind, str_summary, details, str_acknowledged_by, str_ack_note) "
@@ -274,13 +265,6 @@ def test_an_outside_writer_cannot_erase_an_open_integrity_alarm(conn) -> None:
 # --------------------------------------------------------------------------- a folder's show
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hole: folder.pk_show has no accounting trigger and the folder cap's bump goes to the folder's "
-    "show as the trigger reads it; one outside transaction moves the folder to another show, lowers its max, "
-    "and moves it back: the managed show's generation never moves and behind a frozen listener the loop "
-    "books past the new folder max",
-)
 def test_a_folder_round_trip_through_another_show_cannot_hide_a_cap_lowering(conn) -> None:
     farm = seed(
         "rv27d",
@@ -306,10 +290,15 @@ def test_a_folder_round_trip_through_another_show_cannot_hide_a_cap_lowering(con
         proxy.freeze()
         try:
             with psycopg.connect(conninfo_as(role, claim_writer=False)) as outside:
-                outside.execute("UPDATE folder SET pk_show = %s WHERE pk_folder = %s", (other, folder))
-                outside.execute("UPDATE folder_resource SET int_max_cores = 500 WHERE pk_folder = %s", (folder,))
-                outside.execute("UPDATE folder SET pk_show = %s WHERE pk_folder = %s", (show, folder))
-                outside.commit()
+                try:
+                    outside.execute("UPDATE folder SET pk_show = %s WHERE pk_folder = %s", (other, folder))
+                    outside.execute("UPDATE folder_resource SET int_max_cores = 500 WHERE pk_folder = %s", (folder,))
+                    outside.execute("UPDATE folder SET pk_show = %s WHERE pk_folder = %s", (show, folder))
+                    outside.commit()
+                except psycopg.errors.CheckViolation as exc:
+                    # Refused (what the fix must do): the whole transaction, cap lowering included.
+                    assert exc.diag.constraint_name == "acct_folder_show_of_its_jobs", exc
+                    outside.rollback()
             worst = 0
             deadline = time.monotonic() + 1.5
             while time.monotonic() < deadline:
@@ -319,7 +308,13 @@ def test_a_folder_round_trip_through_another_show_cannot_hide_a_cap_lowering(con
             assert (service.store.folder_cap(folder) or (0,))[0] == 40, "the frozen path delivered"
         finally:
             proxy.thaw()
-        assert worst <= 5, f"{worst} cores booked against the folder's new max of 5 (its bump went to {other})"
+        db_max = (
+            conn.execute("SELECT int_max_cores FROM folder_resource WHERE pk_folder = %s", (folder,)).fetchone()[0]
+            // CENTI
+        )
+        assert worst <= db_max, (
+            f"{worst} cores booked against the folder's max of {db_max} in the database (its bump went to {other})"
+        )
 
 
 # --------------------------------------------------------------------------- farm-wide stalls
