@@ -231,6 +231,11 @@ class Frame(models.Model):
                 condition=models.Q(str_state="WAITING"),
             ),
             models.Index(fields=["job", "str_state"], name="i_frame_pk_job_state"),
+            # The console's farm-wide frame list, most recently changed first: without it every
+            # page view sorted all frames (0.5 s at 500,000). A state filter walks it too, or for a
+            # rare state takes i_frame_pk_job_state and sorts the few rows. One btree insert per
+            # frame update; those that set ts_updated change str_state too, so were not HOT anyway.
+            models.Index(fields=["-ts_updated", "pk_frame"], name="i_frame_updated"),
         ]
         triggers = [*schema_triggers.frame_stat_triggers(), *depend_triggers.frame_depend_triggers()]
 

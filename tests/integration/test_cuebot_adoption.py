@@ -128,6 +128,9 @@ def test_apply_installs_cuesched_objects_and_their_rows(adopted: Adopted) -> Non
     }
     names = {c.name for c in a.tables["show"]}
     assert {"int_job_insert_count", "int_frame_fail_count", "b_scheduler_managed"} <= names
+    # The console's frame list reads its order from this index (Cuebot has none on ts_updated).
+    assert ("frame", "i_frame_updated") not in adopted.before_catalog.indexes
+    assert a.indexes[("frame", "i_frame_updated")][1] == ("ts_updated", "pk_frame")
     with psycopg.connect(adopted.url) as conn:
         assert conn.execute("SELECT notify_enabled FROM cuesched_accounting_settings WHERE id = 1").fetchone() == (
             True,

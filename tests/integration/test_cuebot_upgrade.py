@@ -124,6 +124,7 @@ def _make_it_old(url: str, cat: Catalog) -> tuple[str, str]:
         conn.execute(definition.replace(renamed, old_name))
         conn.execute(f"COMMENT ON TRIGGER {old_name} ON proc IS '{'0' * 40}'")
         conn.execute("ALTER TABLE host DROP COLUMN str_rqd_address")
+        conn.execute("DROP INDEX i_frame_updated")  # the console's frame-list index came later
         conn.execute("DELETE FROM django_migrations WHERE app = 'dispatch' AND name = '0010_rqd'")
     return capped, renamed
 
@@ -177,6 +178,7 @@ def test_check_lists_each_upgrade_step_and_writes_nothing(upgraded: Upgraded) ->
     assert f"drop function {old_name}() (stale)" in lines, u.check
     assert f"add trigger proc.{u.renamed} (replaces stale {old_name})" in lines, u.check
     assert "add column host.str_rqd_address" in lines
+    assert "add index frame.i_frame_updated" in lines, u.check
     assert "record 1 Django migrations as applied" in lines
     # proc's writers are held off from the first statement to the commit (a trigger is dropped there).
     assert "lock proc in ACCESS EXCLUSIVE mode, its writers held off until the commit" in lines, u.check
