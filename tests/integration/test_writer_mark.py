@@ -273,3 +273,30 @@ def test_creating_the_writer_role_tolerates_an_existing_one_and_says_what_to_do_
         assert row == (False,)
     finally:
         conn.execute(f'DROP ROLE IF EXISTS "{fresh}"')
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="hole: pgtrigger's generated guard (_pgtrigger_should_ignore) honours the session setting "
+    "pgtrigger.ignore for any session, so a non-member that names the proc insert trigger in it books a "
+    "managed show unchecked and uncounted; the guard must honour it for no one (or writer-role members only)",
+)
+def test_a_role_outside_the_writer_role_cannot_switch_the_accounting_triggers_off_with_pgtrigger_ignore(
+    conn,
+) -> None:
+    farm = make_farm(conn, "r4ign", managed=True, burst_cores=20, jobs=1, frames=10)
+    names = [
+        n
+        for (n,) in conn.execute(
+            "SELECT tgname FROM pg_trigger WHERE tgrelid = 'proc'::regclass AND tgname LIKE 'pgtrigger_acct_proc_%'"
+        )
+    ]
+    assert names, "no accounting trigger on proc"
+    with login_role("ignorer", writer=False) as role:
+        with psycopg.connect(conninfo_as(role, claim_writer=False), autocommit=True) as outside:
+            outside.execute("SELECT set_config('pgtrigger.ignore', %s, false)", ("{" + ",".join(names) + "}",))
+            try:
+                insert_procs(outside, farm, 5, 500)
+            except pg_errors.CheckViolation:
+                pass  # refused: what the fix must do
+    assert procs_of(conn, farm.show) == (0, 0), "25 cores booked on a managed show with a burst of 20, unchecked"
