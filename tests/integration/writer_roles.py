@@ -15,6 +15,7 @@ import psycopg
 from django.db import connection
 
 from accounting.notify import conninfo_from_settings
+from cuesched_project.dburl import url_from_settings
 
 # The role the accounting triggers check (accounting.writer_role.WRITER_ROLE; a literal here so that
 # the tests import on a checkout without it).
@@ -70,7 +71,11 @@ def conninfo_as(role: str, *, claim_writer: bool, url: str | None = None) -> str
 def url_as(role: str) -> str:
     """A DATABASE_URL for `role` on the test database (CUESCHED_SCHEDULER_DATABASE_URL)."""
     params = psycopg.conninfo.conninfo_to_dict(_base())
-    return f"postgres://{role}@{params.get('host', '127.0.0.1')}:{params.get('port', 5432)}/{params['dbname']}"
+    # url_from_settings puts a Unix-socket directory (the embedded server) in the query string: a
+    # path in the URL's host part was read as no host, and the child connected to the default socket.
+    return url_from_settings(
+        {"USER": role, "HOST": params.get("host", ""), "PORT": params.get("port", ""), "NAME": params["dbname"]}
+    )
 
 
 def outside_conninfo() -> str:
