@@ -11,8 +11,10 @@ a show's managed flag changes only through the flip confirmation (`ops`).
 
 from __future__ import annotations
 
+from decimal import ROUND_HALF_UP, Decimal
 from typing import Any
 
+from django import forms
 from django.contrib import admin
 from django.db.models import Model, QuerySet
 from django.forms import ModelForm
@@ -77,6 +79,37 @@ def field_label(name: str) -> str:
     if name.startswith("int_") and ("mem" in name or name.endswith(("_rss", "_vss"))):
         return f"{words} (KB)"
     return words
+
+
+class CoresField(forms.DecimalField):
+    """A centicore column entered and shown in cores (to the hundredth), stored in centicores.
+
+    The show's job defaults are the last centicore columns an operator types into a form: "100"
+    must mean 100 cores, as everywhere else in the console, not one.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.pop("max_length", None)
+        super().__init__(max_digits=12, decimal_places=2, **kwargs)
+
+    def prepare_value(self, value: Any) -> Any:
+        # The stored value (an int of centicores) is shown in cores, a negative one (unlimited) as
+        # -1; typed text is shown as typed.
+        if isinstance(value, int) and not isinstance(value, bool):
+            return -1 if value < 0 else Decimal(value) / 100
+        return value
+
+    def clean(self, value: Any) -> int | None:
+        cores = super().clean(value)
+        if cores is None:
+            return None
+        return -1 if cores < 0 else int((cores * 100).to_integral_value(ROUND_HALF_UP))
+
+    def has_changed(self, initial: Any, data: Any) -> bool:
+        try:
+            return self.clean(data) != initial
+        except forms.ValidationError:
+            return True
 
 
 class FarmAdmin(admin.ModelAdmin):
@@ -147,6 +180,14 @@ class ShowAdmin(FarmAdmin):
     def get_readonly_fields(self, request: HttpRequest, obj: Model | None = None) -> list[str]:
         fields = super().get_readonly_fields(request, obj)
         return fields if "b_scheduler_managed" in fields else [*fields, "b_scheduler_managed"]
+
+    def get_form(self, request: HttpRequest, obj: Any = None, change: bool = False, **kwargs: Any) -> Any:
+        cores = ("int_default_min_cores", "int_default_max_cores")
+        kwargs["field_classes"] = {**dict.fromkeys(cores, CoresField), **(kwargs.get("field_classes") or {})}
+        labels = {"int_default_min_cores": "Default min cores of a job (cores)",
+                  "int_default_max_cores": "Default max cores of a job (cores; -1 = unlimited)"}  # fmt: skip
+        kwargs["labels"] = {**labels, **(kwargs.get("labels") or {})}
+        return super().get_form(request, obj, change, **kwargs)
 
     @admin.display(description="ops console")
     def console(self, obj: Show) -> str:
