@@ -276,6 +276,9 @@ class FolderAdmin(FarmAdmin):
     search_fields = ("str_name", "show__str_name", "pk_folder")
     raw_id_fields = ("parent_folder", "show", "dept")
     list_select_related = ("show", "parent_folder", "dept")
+    # A folder belongs to its show: moving it under its jobs is refused by the database
+    # (acct_folder_show_of_its_jobs), so the form does not offer it once the folder exists.
+    live_fields = ("show",)
 
 
 @admin.register(FolderResource)
