@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from accounting import db
 from dispatch.lab.netfreeze import FreezableProxy
@@ -80,17 +81,7 @@ def phase_listener_wedge(cfg: StressConfig) -> PhaseReport:
         figures["freeze"] = time.time()
         proxy.freeze()
         run.stop_loop.wait(min(0.5, listener.deadline / 4))  # a moment into the freeze
-        seed = run.seed
-        jobs = list(seed.job_ids[::4])
-        keys = [("sub", f"{s}:{a}") for s in seed.show_ids for a in seed.alloc_ids]
-        keys += [("folder", f) for f in seed.folder_ids] + [("job", j) for j in jobs]
-        params = {"shows": list(seed.show_ids), "folders": list(seed.folder_ids), "floor": 800}
-        with run.watchdog.lowering(keys), db.connect(autocommit=False, application_name="cuesched-stress") as conn:
-            lowered.extend(("sub", k) for (k,) in conn.execute(HALVE_SUB_SQL, params))
-            lowered.extend(("folder", k) for (k,) in conn.execute(HALVE_FOLDER_SQL, params))
-            # The largest frame's cores: a cap below it would leave that job's frames unbookable.
-            lowered.extend(("job", k) for (k,) in conn.execute(LOWER_JOB_SQL, (400, jobs)))
-            conn.commit()
+        lower_farm_caps(run, lowered)
         figures["lowered"] = time.time()
         if run.wait_for("the service to stop enforcing", lambda: not service.can_enforce(), listener.deadline + 5):
             figures["paused"] = time.time()
@@ -102,25 +93,7 @@ def phase_listener_wedge(cfg: StressConfig) -> PhaseReport:
         figures["wedges"] = listener.stats.wedges - wedges
         figures["reconnects"] = listener.stats.reconnects - reconnects
 
-    try:
-        report = run_inprocess(
-            cfg,
-            "listener_wedge",
-            cfg.integrity_spec(
-                "listener_wedge",
-                hosts=cfg.lw_hosts,
-                frames_per_layer=cfg.lw_frames_per_layer,
-                sub_burst=1_000_000,
-                folder_max_cores=-1,
-                job_max_cores=10_000,
-            ),
-            launcher=int_launcher(cfg),
-            perturb=perturb,
-            loop_env={"CUESCHED_HEARTBEAT_DEADLINE": str(cfg.lw_deadline)},
-            listener_connect=lambda: proxy.connect(application_name="cuesched-listener"),
-        )
-    finally:
-        proxy.close()
+    report = run_behind_relay(cfg, "listener_wedge", proxy, perturb, cfg.lw_deadline)
     dog = watchdogs.get(0)
     last = dog.last_over_lowered if dog is not None else {}
     if not lowered:
@@ -152,3 +125,46 @@ def phase_listener_wedge(cfg: StressConfig) -> PhaseReport:
     if not figures.get("wedges"):
         report.failed.append("the listener never noticed its frozen path")
     return report
+
+
+def lower_farm_caps(run: Run, lowered: list[tuple[str, str]]) -> None:
+    """Under load, in one committed transaction: every subscription and folder of the phase's farm
+    lowered to half of what it holds, a quarter of its jobs to 4 cores; the keys go to `lowered`
+    and the watchdog is told (its breach rule for lowered caps)."""
+    seed = run.seed
+    jobs = list(seed.job_ids[::4])
+    keys = [("sub", f"{s}:{a}") for s in seed.show_ids for a in seed.alloc_ids]
+    keys += [("folder", f) for f in seed.folder_ids] + [("job", j) for j in jobs]
+    params = {"shows": list(seed.show_ids), "folders": list(seed.folder_ids), "floor": 800}
+    with run.watchdog.lowering(keys), db.connect(autocommit=False, application_name="cuesched-stress") as conn:
+        lowered.extend(("sub", k) for (k,) in conn.execute(HALVE_SUB_SQL, params))
+        lowered.extend(("folder", k) for (k,) in conn.execute(HALVE_FOLDER_SQL, params))
+        # The largest frame's cores: a cap below it would leave that job's frames unbookable.
+        lowered.extend(("job", k) for (k,) in conn.execute(LOWER_JOB_SQL, (400, jobs)))
+        conn.commit()
+
+
+def run_behind_relay(
+    cfg: StressConfig, phase: str, proxy: FreezableProxy, perturb: Callable[[Run], None], deadline: float
+) -> PhaseReport:
+    """The phase on its farm (the hosts bind, not the caps), its listener connected through
+    `proxy` and the heartbeat deadline at `deadline`; the relay is closed whatever happens."""
+    try:
+        return run_inprocess(
+            cfg,
+            phase,
+            cfg.integrity_spec(
+                phase,
+                hosts=cfg.lw_hosts,
+                frames_per_layer=cfg.lw_frames_per_layer,
+                sub_burst=1_000_000,
+                folder_max_cores=-1,
+                job_max_cores=10_000,
+            ),
+            launcher=int_launcher(cfg),
+            perturb=perturb,
+            loop_env={"CUESCHED_HEARTBEAT_DEADLINE": str(deadline)},
+            listener_connect=lambda: proxy.connect(application_name="cuesched-listener"),
+        )
+    finally:
+        proxy.close()

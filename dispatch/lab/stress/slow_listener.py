@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import time
 
-from accounting import db
 from dispatch.lab.netfreeze import FreezableProxy
 from dispatch.lab.stress.config import StressConfig
-from dispatch.lab.stress.harness import LOWER_JOB_SQL, Run, int_launcher, run_inprocess
-from dispatch.lab.stress.listener_wedge import HALVE_FOLDER_SQL, HALVE_SUB_SQL
+from dispatch.lab.stress.harness import Run
+from dispatch.lab.stress.listener_wedge import lower_farm_caps, run_behind_relay
 from dispatch.lab.stress.report import PhaseReport
 from dispatch.lab.stress.watchdog import CapWatchdog
 
@@ -47,16 +46,7 @@ def phase_slow_listener(cfg: StressConfig) -> PhaseReport:
             return
         wedges = listener.stats.wedges
         rejected = run.loop.totals.rejected["generation"]
-        seed = run.seed
-        jobs = list(seed.job_ids[::4])
-        keys = [("sub", f"{s}:{a}") for s in seed.show_ids for a in seed.alloc_ids]
-        keys += [("folder", f) for f in seed.folder_ids] + [("job", j) for j in jobs]
-        params = {"shows": list(seed.show_ids), "folders": list(seed.folder_ids), "floor": 800}
-        with run.watchdog.lowering(keys), db.connect(autocommit=False, application_name="cuesched-stress") as conn:
-            lowered.extend(("sub", k) for (k,) in conn.execute(HALVE_SUB_SQL, params))
-            lowered.extend(("folder", k) for (k,) in conn.execute(HALVE_FOLDER_SQL, params))
-            lowered.extend(("job", k) for (k,) in conn.execute(LOWER_JOB_SQL, (400, jobs)))
-            conn.commit()
+        lower_farm_caps(run, lowered)
         figures["lowered"] = time.time()
         run.stop_loop.wait(cfg.sl_after)
         figures["enforcing"] = float(service.can_enforce())
@@ -65,25 +55,7 @@ def phase_slow_listener(cfg: StressConfig) -> PhaseReport:
         figures["skipped_behind"] = run.loop.totals.skipped_behind
         proxy.delay = 0.0
 
-    try:
-        report = run_inprocess(
-            cfg,
-            "slow_listener",
-            cfg.integrity_spec(
-                "slow_listener",
-                hosts=cfg.lw_hosts,
-                frames_per_layer=cfg.lw_frames_per_layer,
-                sub_burst=1_000_000,
-                folder_max_cores=-1,
-                job_max_cores=10_000,
-            ),
-            launcher=int_launcher(cfg),
-            perturb=perturb,
-            loop_env={"CUESCHED_HEARTBEAT_DEADLINE": str(cfg.sl_deadline)},
-            listener_connect=lambda: proxy.connect(application_name="cuesched-listener"),
-        )
-    finally:
-        proxy.close()
+    report = run_behind_relay(cfg, "slow_listener", proxy, perturb, cfg.sl_deadline)
     if not lowered:
         report.failed.append("no cap was lowered")
         return report
