@@ -93,7 +93,7 @@ def audit_context(actor: Any, action: str) -> pghistory.context:
     """The audit context the ops triggers record with each change: who asked and for what.
 
     `actor` is the console user, a name (a command passes one), or None. Every action that
-    writes audited rows runs inside it, here and in dispatch.jobs.actions.
+    writes audited rows runs inside it, here and in dispatch.jobs' actions.
     """
     if actor is None:
         return pghistory.context(action=action)
@@ -252,11 +252,10 @@ def flip_show(show_id: str, managed: bool, *, actor: Any) -> ActionResult:
         raise ValidationError("managed must be true or false", code="invalid")
     result = ActionResult(target=show_id)
     with transaction.atomic(durable=True), audit_context(actor, "flip_show"):
-        # The accounting-keys lock before the show row: a booking in flight for the show needs
-        # FOR KEY SHARE on that row at its COMMIT, which a row lock taken first would block,
-        # while the flip's trigger waited for that booking (a 10 s stall, then a failed flip).
+        # The show's row FOR UPDATE, bounded: it waits for this show's proc writers only (they
+        # hold the row FOR KEY SHARE, accounting.keylocks), and names them if it gives up.
         with connection.cursor() as cursor:
-            db.take_keys_lock(cursor, timeout=conf.flip_lock_wait(), what="the accounting-keys lock for the flip")
+            db.lock_for_move(cursor, "show", [show_id], timeout=conf.flip_lock_wait(), what="the flip")
         show = Show.objects.select_for_update().only("b_scheduler_managed").get(pk=show_id)
         result.changes = _write(
             Show, show_id, {"b_scheduler_managed": show.b_scheduler_managed}, {"b_scheduler_managed": managed}

@@ -11,8 +11,12 @@ superuser): without it those read as unknown, and the answer still names the pid
 Two precise questions and one fallback:
 
 * a show's database-accounting lock (the advisory key every database-enforced proc writer of
-  the show takes, accounting.triggers.LOCK_DB_SHOWS) and the accounting-keys lock: their
-  holders are in `pg_locks` as granted advisory locks;
+  the show takes, accounting.triggers.LOCK_DB_SHOWS): its holders are in `pg_locks` as granted
+  advisory locks;
+* a key row a flip or move waits for (accounting.keylocks: the show, host, job or layer row every
+  proc writer of it locks FOR KEY SHARE): the row's xmax names the locking transaction when one
+  session holds it, and `pg_locks` that transaction's session; when several do (a MultiXact),
+  the holders named are the idle sessions inside a transaction that write procs;
 * a row lock is not in `pg_locks` once the waiter gave up, so for a relation named by the
   error's context ("while locking tuple (0,3) in relation limit_record") the holders named are
   the other sessions inside a transaction that lock that table and are not running a
@@ -28,7 +32,8 @@ from typing import Any
 
 import psycopg
 
-from accounting.triggers import ACCT_LOCK_CLASS, ACCT_LOCK_KEY, DB_ACCOUNTING_LOCK_CLASS
+from accounting.keylocks import KEY_TABLES
+from accounting.triggers import DB_ACCOUNTING_LOCK_CLASS
 
 Blocker = dict[str, Any]
 
@@ -68,9 +73,17 @@ SHOW_LOCK_HOLDERS_SQL = _ADVISORY_SQL.format(
     keys=f"SELECT s, {DB_ACCOUNTING_LOCK_CLASS}::bigint, hashtext(s)::bigint & 4294967295 "
     "FROM unnest(%(shows)s::text[]) AS s"
 )
-KEYS_LOCK_HOLDERS_SQL = _ADVISORY_SQL.format(
-    keys=f"SELECT 'the accounting-keys lock', {ACCT_LOCK_CLASS}::bigint, {ACCT_LOCK_KEY}::bigint"
-)
+# The session of the one transaction a key row's xmax names (a single locker or updater).
+_KEY_ROW_HOLDERS_SQL = f"""
+SELECT DISTINCT ON (l.pid) r.k, {_COLUMNS}
+FROM (SELECT t.{{key}}::text AS k, t.xmax FROM {{table}} t WHERE t.{{key}} = ANY(%(keys)s::text[])) r
+JOIN pg_locks l ON l.locktype = 'transactionid' AND l.mode = 'ExclusiveLock' AND l.granted
+     AND l.transactionid = r.xmax
+LEFT JOIN pg_stat_activity a ON a.pid = l.pid
+WHERE l.pid <> pg_backend_pid()
+ORDER BY l.pid
+LIMIT {MAX_NAMED}
+"""
 
 # Other sessions in a transaction that lock rows of these tables and run no statement now.
 ROW_LOCK_HOLDERS_SQL = f"""
@@ -114,10 +127,17 @@ def show_lock_holders(conn: psycopg.Connection, shows: list[str]) -> dict[str, l
     return out
 
 
-def keys_lock_holders(conn: Any) -> list[Blocker]:
-    """Sessions holding the accounting-keys lock that run no statement (what a flip or move waits for)."""
-    rows = _fetch(conn, KEYS_LOCK_HOLDERS_SQL, {})
-    return [_row(what, *rest) for what, *rest in rows if rest[3] != "active"]
+def key_row_holders(conn: Any, table: str, keys: list[str]) -> list[Blocker]:
+    """The sessions holding the key rows a flip or move waits for (accounting.keylocks).
+
+    Exact when one transaction holds a row (its xmax); otherwise the idle sessions inside a
+    transaction that write procs, the usual culprit. Call it outside the failed statement's
+    (sub)transaction: the caller's savepoint must be rolled back first.
+    """
+    key = dict(KEY_TABLES)[table]
+    rows = _fetch(conn, _KEY_ROW_HOLDERS_SQL.format(table=table, key=key), {"keys": list(keys)})
+    found = [_row(f"{table} {k}'s row (it wrote procs of it)", *rest) for k, *rest in rows]
+    return found or row_lock_holders(conn, ("proc",))
 
 
 def row_lock_holders(conn: Any, tables: tuple[str, ...] | list[str] = BOOKING_TABLES) -> list[Blocker]:
@@ -142,6 +162,10 @@ def for_lock_error(conn: psycopg.Connection, exc: BaseException, shows: list[str
         if missing:
             diag = getattr(exc, "diag", None)
             table = relation_of(getattr(diag, "context", None))
+            if table == "show":  # the show's own key row (accounting.keylocks): its xmax names the holder
+                for show in missing:
+                    found[show] = key_row_holders(conn, "show", [show])
+                return found
             rows = row_lock_holders(conn, (table,) if table else BOOKING_TABLES)
             for show in missing:
                 found[show] = rows

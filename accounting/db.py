@@ -9,15 +9,15 @@ connection borrowed mid-transaction could not guarantee.
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 import psycopg
 from django.db import DatabaseError, connections
 
 from accounting import blockers
+from accounting.keylocks import KEY_TABLES
 from accounting.notify import conninfo_from_settings
-from accounting.triggers import LOCK_KEYS_TRY_EXCLUSIVE_SQL, WRITER_OPTION
+from accounting.triggers import WRITER_OPTION
 from cuesched_project import conf
 from cuesched_project.dburl import database_from_url
 
@@ -125,31 +125,37 @@ logger = logging.getLogger(__name__)
 
 
 class KeysLockTimeout(DatabaseError):
-    """The exclusive accounting-keys lock stayed busy for the whole timeout."""
+    """A key row a flip or move must lock stayed held by proc writers for the whole timeout."""
 
 
-def take_keys_lock(cursor: Any, *, timeout: float | None = None, what: str = "the accounting-keys lock") -> None:
-    """Take the exclusive accounting-keys lock in the cursor's open transaction, polling.
+def lock_for_move(cursor: Any, table: str, keys: list[str], *, timeout: float, what: str = "the flip") -> None:
+    """Lock the key rows a flip or move changes FOR UPDATE, in the cursor's open transaction.
 
-    Never queued for: PostgreSQL would hold every later proc write of the farm behind a waiting
-    exclusive request. For a caller that must hold it before it locks any row a proc references
-    (the lease takeover, a console flip); the statement triggers of a move find it held then.
-    `cursor` is a psycopg or Django cursor. `timeout=None` waits as long as it takes, logging
-    every 5 s; otherwise KeysLockTimeout is raised.
+    It waits for the proc writers of exactly those keys (they hold the rows FOR KEY SHARE,
+    accounting.keylocks) and holds off later ones; proc writes of every other show go on. Gives
+    up after `timeout` seconds with KeysLockTimeout naming the sessions that hold the rows; the
+    transaction stays usable (the attempt runs under a savepoint). `cursor` is a psycopg or
+    Django cursor. The connection's lock_timeout is put back afterwards.
     """
-    started = logged = time.monotonic()
-    while True:
-        cursor.execute(LOCK_KEYS_TRY_EXCLUSIVE_SQL)
-        if cursor.fetchone()[0]:
-            return
-        now = time.monotonic()
-        if timeout is not None and now - started > timeout:
-            held = blockers.describe(blockers.keys_lock_holders(cursor))
-            raise KeysLockTimeout(
-                f"could not take {what} within {timeout:.0f} s: proc writes kept it busy; retry. "
-                f"Sessions inside a transaction that hold it: {held}"
-            )
-        if now - logged > 5:
-            logged = now
-            logger.warning("%s: still waiting for in-flight proc writes to commit (%.0fs)", what, now - started)
-        time.sleep(0.005)
+    key = dict(KEY_TABLES)[table]
+    ordered = sorted(set(keys))
+    cursor.execute("SELECT current_setting('lock_timeout')")
+    previous = cursor.fetchone()[0]
+    cursor.execute("SAVEPOINT cuesched_move_lock")
+    try:
+        cursor.execute("SELECT set_config('lock_timeout', %s, true)", (f"{max(1, int(timeout * 1000))}ms",))
+        cursor.execute(f"SELECT 1 FROM {table} WHERE {key} = ANY(%s::text[]) ORDER BY {key} FOR UPDATE", (ordered,))
+    except Exception as exc:
+        cursor.execute("ROLLBACK TO SAVEPOINT cuesched_move_lock")
+        cursor.execute("RELEASE SAVEPOINT cuesched_move_lock")
+        # A Django cursor wraps psycopg's error: the SQLSTATE is on its cause.
+        if getattr(exc, "sqlstate", None) != "55P03" and getattr(exc.__cause__, "sqlstate", None) != "55P03":
+            raise
+        held = blockers.describe(blockers.key_row_holders(cursor, table, ordered))
+        raise KeysLockTimeout(
+            f"could not lock {table} {', '.join(ordered)} for {what} within {timeout:.0f} s: a transaction that "
+            f"wrote procs of it is still open; end it and retry (other shows are not held up). "
+            f"Sessions holding it: {held}"
+        ) from exc
+    cursor.execute("RELEASE SAVEPOINT cuesched_move_lock")
+    cursor.execute("SELECT set_config('lock_timeout', %s, true)", (previous,))

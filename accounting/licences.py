@@ -22,8 +22,9 @@ under that row's lock in its own transaction:
   the FOR UPDATE with a serialization failure (every write that changes a limit's use updates
   its row), so a stale snapshot can never recount low;
 * adding a `layer_limit` row puts running frames of the layer under the limit: it takes the
-  accounting-keys lock exclusively (like every other mover of running procs' keys), so proc
-  writers of that layer either committed before it (and are counted by its recount) or wait
+  layer's row FOR UPDATE (like every other mover of running procs' keys, accounting.keylocks:
+  each proc writer holds its layers' rows FOR KEY SHARE), so proc writers of that layer, and of
+  no other, either committed before it (and are counted by its recount) or wait
   for it (and see the new row); it is refused when it would take the limit over its max. A
   layer created in the same transaction (a submission) has no proc anywhere yet, so it skips
   the lock. Removing a row only lowers the count and needs no lock: a writer that still read
@@ -43,19 +44,18 @@ from __future__ import annotations
 
 import pgtrigger
 
-from accounting.notify import LICENCE_CHANNEL, RESYNC_CHANNEL
+from accounting.keylocks import LOCK_DECLARE, lock_for_move, lock_keys_of
+from accounting.notify import EMIT_FUNCTION, LICENCE_CHANNEL, RESYNC_CHANNEL
 from accounting.triggers import (
     CUEBOT_ACCOUNTS,
     CURRENT_XID,
     EPOCH_BUMP,
     EPOCH_GUARD,
-    LOCK_DECLARE,
-    LOCK_KEYS_EXCLUSIVE,
-    LOCK_KEYS_SHARED,
     NEXT_SEQ,
     READ_COMMITTED,
     json_id,
 )
+from accounting.triggers.definer import DefinerTrigger, written_by_triggers
 
 LIMIT_MAX_CONSTRAINT = "acct_limit_max"
 LIMIT_TABLE = "limit_record"
@@ -204,7 +204,7 @@ def _proc_func(layers: str, *, grow: bool, changed: str = "", check_layers: bool
         early += _PROC_LAYER_VISIBLE
     return f"""
     {early}
-    {LOCK_KEYS_SHARED}
+    {lock_keys_of(f"({layers})", tables=("layer",))}
     {EPOCH_GUARD}
     SELECT array_agg(DISTINCT ll.pk_limit_record) INTO v_limits
     FROM ({layers}) x JOIN layer_limit ll ON ll.pk_layer = x.pk_layer;
@@ -225,7 +225,7 @@ _PROC_MOVED = (
 def proc_licence_triggers() -> list[pgtrigger.Trigger]:
     """The proc side: every statement that starts, ends or moves a frame of a limited layer."""
     return [
-        pgtrigger.Trigger(
+        DefinerTrigger(
             name="acct_licence_insert",
             when=pgtrigger.After,
             operation=pgtrigger.Insert,
@@ -234,7 +234,7 @@ def proc_licence_triggers() -> list[pgtrigger.Trigger]:
             declare=_DECLARE,
             func=_proc_func("SELECT DISTINCT pk_layer FROM new_procs", grow=True, check_layers=True),
         ),
-        pgtrigger.Trigger(
+        DefinerTrigger(
             name="acct_licence_delete",
             when=pgtrigger.After,
             operation=pgtrigger.Delete,
@@ -243,7 +243,7 @@ def proc_licence_triggers() -> list[pgtrigger.Trigger]:
             declare=_DECLARE,
             func=_proc_func("SELECT DISTINCT pk_layer FROM old_procs", grow=False),
         ),
-        pgtrigger.Trigger(
+        DefinerTrigger(
             name="acct_licence_update",
             when=pgtrigger.After,
             operation=pgtrigger.Update,
@@ -257,7 +257,7 @@ def proc_licence_triggers() -> list[pgtrigger.Trigger]:
                 check_layers=True,
             ),
         ),
-        pgtrigger.Trigger(
+        DefinerTrigger(
             name="acct_licence_truncate",
             when=pgtrigger.After,
             operation=pgtrigger.Truncate,
@@ -277,7 +277,7 @@ LAYERS_CREATED = "cuesched.layers_created"
 def layer_created_triggers() -> list[pgtrigger.Trigger]:
     """Record the layers this transaction inserts (see _NEEDS_KEYS_LOCK)."""
     return [
-        pgtrigger.Trigger(
+        DefinerTrigger(
             name="acct_layer_created",
             when=pgtrigger.After,
             operation=pgtrigger.Insert,
@@ -294,7 +294,7 @@ def layer_created_triggers() -> list[pgtrigger.Trigger]:
 
 # A layer created by this very transaction cannot have a proc anywhere (a proc's layer must be
 # visible to its writer, see _PROC_LAYER_VISIBLE): a submission tagging its new layers skips
-# the exclusive lock. A row whose layer is missing (deferred foreign key) takes it.
+# the layer's lock. A row whose layer is missing (deferred foreign key) takes it (and finds no row).
 _NEEDS_KEYS_LOCK = (
     "SELECT 1 FROM new_rows n WHERE NOT n.pk_layer = ANY("
     f"string_to_array(COALESCE(current_setting('{LAYERS_CREATED}', true), ''), ','))"
@@ -311,7 +311,7 @@ def layer_limit_triggers() -> list[pgtrigger.Trigger]:
                                  current_setting('transaction_isolation')),
                 ERRCODE = 'feature_not_supported';
         END IF;
-        {LOCK_KEYS_EXCLUSIVE}
+        {lock_for_move("layer", "SELECT n.pk_layer FROM new_rows n", "putting a limit on an existing layer")}
         {EPOCH_BUMP}
     END IF;
     SELECT array_agg(DISTINCT pk_limit_record) INTO v_limits FROM ({{rows}}) x;
@@ -330,7 +330,7 @@ def layer_limit_triggers() -> list[pgtrigger.Trigger]:
     RETURN NULL;
 """
     return [
-        pgtrigger.Trigger(
+        DefinerTrigger(
             name="acct_layer_limit_insert",
             when=pgtrigger.After,
             operation=pgtrigger.Insert,
@@ -339,7 +339,7 @@ def layer_limit_triggers() -> list[pgtrigger.Trigger]:
             declare=_DECLARE,
             func=insert.replace("{rows}", "SELECT pk_limit_record FROM new_rows"),
         ),
-        pgtrigger.Trigger(
+        DefinerTrigger(
             name="acct_layer_limit_update",
             when=pgtrigger.After,
             operation=pgtrigger.Update,
@@ -350,7 +350,7 @@ def layer_limit_triggers() -> list[pgtrigger.Trigger]:
                 "{rows}", "SELECT pk_limit_record FROM new_rows UNION SELECT pk_limit_record FROM old_rows"
             ),
         ),
-        pgtrigger.Trigger(
+        DefinerTrigger(
             name="acct_layer_limit_delete",
             when=pgtrigger.After,
             operation=pgtrigger.Delete,
@@ -359,7 +359,7 @@ def layer_limit_triggers() -> list[pgtrigger.Trigger]:
             declare=_DECLARE,
             func=delete,
         ),
-        pgtrigger.Trigger(
+        DefinerTrigger(
             name="acct_layer_limit_truncate",
             when=pgtrigger.After,
             operation=pgtrigger.Truncate,
@@ -392,7 +392,7 @@ def limit_record_triggers() -> list[pgtrigger.Trigger]:
     """Every change of a limit row reaches the Store; only the triggers write its use."""
     declare = [("v_xid", "bigint"), ("v_seq", "bigint")]
     return [
-        pgtrigger.Trigger(
+        DefinerTrigger(
             name="acct_licence_seed",
             when=pgtrigger.Before,
             operation=pgtrigger.Insert,
@@ -416,19 +416,32 @@ def limit_record_triggers() -> list[pgtrigger.Trigger]:
     RETURN NEW;
 """,
         ),
-        pgtrigger.Trigger(
+        # The use is written only from inside the licence triggers' SECURITY DEFINER functions
+        # (written_by_triggers: a session's own TEMP trigger, at depth 1, does not pass). Named to
+        # fire before acct_licence_guard, so it reads the client's NEW, not the guard's recount.
+        DefinerTrigger(
+            name="acct_licence_counted",
+            when=pgtrigger.Before,
+            operation=pgtrigger.Update,
+            level=pgtrigger.Row,
+            condition=pgtrigger.Condition(
+                f"NOT {written_by_triggers('limit_record')} "
+                "AND (NEW.int_running IS DISTINCT FROM OLD.int_running "
+                "OR NEW.int_frames IS DISTINCT FROM OLD.int_frames)"
+            ),
+            func="""
+    RAISE EXCEPTION USING
+        MESSAGE = 'cuesched: limit_record.int_running and int_frames are counted from proc by the triggers',
+        HINT = 'Change int_max_value or b_host_limit; the use follows the running frames.',
+        ERRCODE = 'check_violation', CONSTRAINT = 'acct_limit_use_written_by_triggers';
+""",
+        ),
+        DefinerTrigger(
             name="acct_licence_guard",
             when=pgtrigger.Before,
             operation=pgtrigger.Update,
             level=pgtrigger.Row,
             func=f"""
-    IF pg_trigger_depth() = 1 AND (NEW.int_running IS DISTINCT FROM OLD.int_running
-                                   OR NEW.int_frames IS DISTINCT FROM OLD.int_frames) THEN
-        RAISE EXCEPTION USING
-            MESSAGE = 'cuesched: limit_record.int_running and int_frames are counted from proc by the triggers',
-            HINT = 'Change int_max_value or b_host_limit; the use follows the running frames.',
-            ERRCODE = 'check_violation', CONSTRAINT = 'acct_limit_use_written_by_triggers';
-    END IF;
     IF NEW.b_host_limit IS DISTINCT FROM OLD.b_host_limit THEN
         -- The count changes meaning: recount it (this UPDATE holds the row's lock).
         SELECT CASE WHEN NEW.b_host_limit THEN c.hosts ELSE c.frames END, c.frames
@@ -442,7 +455,7 @@ def limit_record_triggers() -> list[pgtrigger.Trigger]:
     RETURN NEW;
 """,
         ),
-        pgtrigger.Trigger(
+        DefinerTrigger(
             name="acct_licence_notify",
             when=pgtrigger.After,
             operation=pgtrigger.Insert | pgtrigger.Update,
@@ -451,11 +464,11 @@ def limit_record_triggers() -> list[pgtrigger.Trigger]:
             func=f"""
     v_xid := {CURRENT_XID};
     v_seq := {NEXT_SEQ};
-    PERFORM pg_notify('{LICENCE_CHANNEL}', {_payload("NEW")});
+    PERFORM {EMIT_FUNCTION}('{LICENCE_CHANNEL}', {_payload("NEW")});
     RETURN NULL;
 """,
         ),
-        pgtrigger.Trigger(
+        DefinerTrigger(
             name="acct_licence_removed",
             when=pgtrigger.After,
             operation=pgtrigger.Delete,
@@ -464,17 +477,17 @@ def limit_record_triggers() -> list[pgtrigger.Trigger]:
             func=f"""
     v_xid := {CURRENT_XID};
     v_seq := {NEXT_SEQ};
-    PERFORM pg_notify('{LICENCE_CHANNEL}', {_removed_payload()});
+    PERFORM {EMIT_FUNCTION}('{LICENCE_CHANNEL}', {_removed_payload()});
     RETURN NULL;
 """,
         ),
-        pgtrigger.Trigger(
+        DefinerTrigger(
             name="acct_licence_truncate",
             when=pgtrigger.After,
             operation=pgtrigger.Truncate,
             level=pgtrigger.Statement,
             func=f"""
-    PERFORM pg_notify('{RESYNC_CHANNEL}', '{{"table":"limit_record","xid":' || {CURRENT_XID} || '}}');
+    PERFORM {EMIT_FUNCTION}('{RESYNC_CHANNEL}', '{{"table":"limit_record","xid":' || {CURRENT_XID} || '}}');
     RETURN NULL;
 """,
         ),

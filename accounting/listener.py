@@ -21,6 +21,19 @@ and its current `xmax`, and hands them to `on_connect`: after a failover to anot
 the recorded snapshots and transaction ids order nothing, and the service must forget them
 before it reseeds.
 
+The notifications are doorbells (accounting.notify, "The outbox"): PostgreSQL lets any session
+NOTIFY any channel, so the payload on a channel is never applied. A batch of notifications on
+the accounting channels makes the listener consume the outbox (`DRAIN_SQL`, on a connection of
+its own) and apply those rows, in id order, which is commit order for every row that another
+one must follow (the writers of one cap row, one limit row or one show's generation are
+serialised by that row's lock, and each writes its outbox row after taking it). A heartbeat is
+handled only after the doorbells received before it have been answered, so `fresh()` keeps its
+meaning. Only the lease holder consumes: a stopped old holder woken after a takeover, or one
+whose lock session died and who has not noticed yet, must not take the new holder's rows. The
+process's own belief (`may_consume`) is not enough for that, so the database fences the
+consuming statements by the lease generation (`DRAIN_FENCED_SQL`), and a doorbell that finds
+the outbox fenced tells the process it lost its lease.
+
 A payload that does not parse is logged with its raw text, counted and dropped. No
 exception escapes the loop: anything unexpected is logged, the connection is dropped and
 re-made with capped exponential backoff.
@@ -37,10 +50,19 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import psycopg
 
 from accounting import channels, db, metrics
+from accounting.notify import (
+    CLEAR_FENCED_SQL,
+    CLEAR_SQL,
+    DRAIN_FENCED_SQL,
+    DRAIN_SQL,
+    LEASE_GENERATION_SQL,
+    OUTBOX_CHANNELS,
+)
 from accounting.store import LimitChange, LimitKind, Store
 
 logger = logging.getLogger(__name__)
@@ -64,6 +86,10 @@ class ListenerStats:
     injected_drops: int = 0
     # Releases from Cuebot's AccountingNotifier dropped in Cuebot mode (see Listener.handle).
     cuebot_releases_ignored: int = 0
+    # Notifications on the accounting channels (doorbells), outbox drains, and the rows they applied.
+    doorbells: int = 0
+    drains: int = 0
+    outbox_rows: int = 0
     last_error: str | None = None
     last_reseed_seconds: float | None = None
     resyncs: int = 0
@@ -201,6 +227,10 @@ class Listener:
         backoff_max: float = 10.0,
         poll_timeout: float = 0.2,
         connect: Callable[[], psycopg.Connection] | None = None,
+        outbox_connect: Callable[[], psycopg.Connection] | None = None,
+        may_consume: Callable[[], bool] | None = None,
+        lease_generation: Callable[[], int | None] | None = None,
+        on_lease_lost: Callable[[], None] | None = None,
     ) -> None:
         self.store = store
         self.on_connect = on_connect
@@ -212,6 +242,18 @@ class Listener:
         self.backoff_max = backoff_max
         self.poll_timeout = poll_timeout
         self._connect = connect or (lambda: db.connect(autocommit=True, application_name="cuesched-listener"))
+        # The outbox is read on a connection of its own: the LISTEN session only ever reads (a
+        # query on a frozen path would block the loop that must notice the freeze).
+        self._outbox_connect = outbox_connect or (
+            lambda: db.connect(autocommit=True, application_name="cuesched-outbox")
+        )
+        self._outbox: psycopg.Connection | None = None
+        self.may_consume = may_consume or (lambda: True)
+        # The lease this process consumes under (None: no lease, the outbox is this process's).
+        self.lease_generation = lease_generation or (lambda: None)
+        self.on_lease_lost = on_lease_lost or (lambda: None)
+        # Doorbells received and not answered yet (the lease holder could not be sure it holds it).
+        self._rang = False
         self.stats = ListenerStats()
         self.connected = threading.Event()
         # Fault injection for the stress suite: drop this share of acct_release messages.
@@ -226,9 +268,13 @@ class Listener:
         self.ignore_xidless_releases = False
         self._cuebot_warned_at: float | None = None
 
-    # -- handling one notification (public so tests can feed raw payloads) --
+    # -- handling one message (public so tests can feed raw payloads) --
     def handle(self, channel: str, payload: str) -> str:
-        """Apply one notification; returns its outcome: applied, skipped or dropped:<reason>."""
+        """Apply one message as trusted; returns its outcome: applied, skipped or dropped:<reason>.
+
+        The loop calls it for outbox rows (what the triggers wrote) and heartbeats only, never
+        for a payload that came on a channel: that one any session could have sent.
+        """
         try:
             if channel == channels.RELEASE_CHANNEL:
                 if self.drop_release_ratio and self._rng.random() < self.drop_release_ratio:
@@ -297,6 +343,86 @@ class Listener:
             logger.warning("dropped malformed %s payload (%s): %r", channel, exc, payload[:2000])
             return "dropped:malformed"
 
+    # -- the outbox --
+    def _outbox_conn(self) -> psycopg.Connection:
+        if self._outbox is None or self._outbox.closed or self._outbox.broken:
+            self._outbox = self._outbox_connect()
+        return self._outbox
+
+    def _outbox_execute(self, unfenced: str, fenced: str) -> psycopg.Cursor[Any]:
+        """Consume under the lease, in the database: whatever this process believes of its lease."""
+        generation = self.lease_generation()
+        if generation is None:
+            return self._outbox_conn().execute(unfenced)
+        return self._outbox_conn().execute(fenced, {"generation": generation})
+
+    def _check_fence(self) -> None:
+        """A doorbell that found nothing: tell the process if the lease has moved on.
+
+        The old holder learns it lost the lease here at the first write after the takeover, not
+        at its next renewal, which a killed lock session can put off for good.
+        """
+        generation = self.lease_generation()
+        if generation is None:
+            return
+        row = self._outbox_conn().execute(LEASE_GENERATION_SQL).fetchone()
+        if row is not None and int(row[0]) != generation:
+            logger.error(
+                "listener: the outbox is fenced: the lease is at generation %d, this process holds %d",
+                int(row[0]),
+                generation,
+            )
+            self.on_lease_lost()
+
+    def clear_outbox(self) -> int:
+        """Drop what is in the outbox; only right before a reseed, which reads all of it anyway."""
+        if not self.may_consume():
+            return 0
+        cur = self._outbox_execute(CLEAR_SQL, CLEAR_FENCED_SQL)
+        return cur.rowcount
+
+    def drain(self) -> int:
+        """Consume the outbox and apply its rows in id order; returns how many rows were applied.
+
+        Raises when the outbox cannot be read (the session is then re-made, and its reseed heals
+        whatever the failed read had consumed); returns -1 when this process may not consume now.
+        """
+        if not self.may_consume():
+            return -1
+        rows = self._outbox_execute(DRAIN_SQL, DRAIN_FENCED_SQL).fetchall()
+        if not rows:
+            self._check_fence()
+        self._rang = False
+        self.stats.drains += 1
+        rows.sort()
+        for _id, channel, payload in rows:
+            outcome = self.handle(channel, payload)
+            self.stats.outbox_rows += 1
+            if self.on_event is not None:
+                self.on_event(channel, outcome)
+        return len(rows)
+
+    def handle_batch(self, notes: list[psycopg.Notify]) -> None:
+        """Answer a batch of notifications: doorbells by one drain, heartbeats after the drain."""
+        for note in notes:
+            if note.channel in OUTBOX_CHANNELS:
+                self.stats.doorbells += 1
+                self._rang = True
+                cuebot = self.ignore_xidless_releases and note.channel == channels.RELEASE_CHANNEL
+                if cuebot and '"xid"' not in note.payload and self.on_event is not None:
+                    self.on_event(note.channel, self._ignore_cuebot_release(note.payload))
+                elif cuebot and '"xid"' not in note.payload:
+                    self._ignore_cuebot_release(note.payload)
+                continue
+            if note.channel == channels.HEARTBEAT_CHANNEL and self._rang and self.drain() < 0:
+                # Not answered: this heartbeat cannot vouch for what came before it.
+                continue
+            outcome = self.handle(note.channel, note.payload)
+            if self.on_event is not None:
+                self.on_event(note.channel, outcome)
+        if self._rang:
+            self.drain()
+
     def _ignore_cuebot_release(self, payload: str) -> str:
         """Drop a Cuebot notifier release; warn loudly, at most once a minute (it comes per proc)."""
         self.stats.cuebot_releases_ignored += 1
@@ -361,6 +487,9 @@ class Listener:
         self.stats.server_id = identity.system_id
         self.stats.state = "reseeding"
         started = time.monotonic()
+        # Every row committed before this point is in the reseed below; later ones ring again.
+        self._rang = False
+        self.clear_outbox()
         if self.on_connect is not None:
             self.on_connect(identity)
         self.stats.last_reseed_seconds = time.monotonic() - started
@@ -377,13 +506,11 @@ class Listener:
             self.stats.last_reseed_seconds,
         )
         while not stop.is_set():
-            # Only reads on this connection: a query on a frozen path would block for good.
-            for note in conn.notifies(timeout=self.poll_timeout):
-                outcome = self.handle(note.channel, note.payload)
-                if self.on_event is not None:
-                    self.on_event(note.channel, outcome)
-                if stop.is_set():
-                    return
+            # Only reads on this connection: a query on a frozen path would block for good. One
+            # batch is everything received so far (at least one, or none after the poll timeout).
+            notes = list(conn.notifies(timeout=self.poll_timeout, stop_after=1))
+            if notes or self._rang:
+                self.handle_batch(notes)
             age = self.heartbeat_age()
             if self.heartbeat is not None and age is not None and age > self.deadline:
                 self.stats.wedges += 1
@@ -392,7 +519,13 @@ class Listener:
 
     def _close(self) -> None:
         conn, self._conn = self._conn, None
+        outbox, self._outbox = self._outbox, None
         self.stats.fresh_as_of = None
+        if outbox is not None and not outbox.closed:
+            try:
+                outbox.close()
+            except Exception:
+                pass
         if conn is not None and not conn.closed:
             try:
                 conn.close()

@@ -10,8 +10,10 @@ scheduler-managed does not depend on it.
 
 from __future__ import annotations
 
+from django.contrib.postgres.fields import ArrayField
 from django.db import models
 
+from accounting import host_memory
 from accounting import triggers as accounting_triggers
 
 SETTINGS_ROW_ID = 1
@@ -193,6 +195,26 @@ class OutsideLedger(models.Model):
 
     def __str__(self) -> str:
         return f"xid {self.xid} owes {self.cc} centicores to {self.tbl}:{self.k1}:{self.k2}"
+
+
+class HostLedger(models.Model):
+    """The hosts a transaction changed the memory of, recounted at its commit (accounting.host_memory).
+
+    Written by the proc and host triggers only; one row per transaction, deleted by the recount.
+    UNLOGGED (its migration), like the outside ledger: a row never outlives its transaction.
+    """
+
+    xid = models.BigIntegerField(primary_key=True)
+    hosts = ArrayField(models.TextField())
+    # The hosts whose reservations this transaction grew: refused above the host's memory.
+    grown = ArrayField(models.TextField())
+
+    class Meta:
+        db_table = host_memory.HOST_LEDGER_TABLE
+        triggers = host_memory.ledger_triggers()
+
+    def __str__(self) -> str:
+        return f"xid {self.xid} recounts {len(self.hosts)} host(s)"
 
 
 class IntegrityAlarm(models.Model):

@@ -37,6 +37,17 @@ notification is delivered if and only if its write commits:
 
 * `cuesched_heartbeat`: the scheduler's own liveness probe of its LISTEN path (text payload).
 
+The outbox: a notification is a doorbell, the row is the truth. PostgreSQL has no privilege on
+NOTIFY or LISTEN: any session may send any payload on any channel, and any session may listen
+to them. So the triggers never hand the scheduler a payload it must believe. Each message above
+but the heartbeat is also written, in the same transaction, as a row of `OUTBOX_TABLE` by
+`EMIT_FUNCTION` (`cuesched_acct_emit(channel, payload)`), a table no outside role may write
+(the `notify_outbox` migration of accounting). The scheduler's listener takes any notification
+on these channels as "look at the outbox", deletes what it finds there (`DRAIN_SQL`) and applies
+only those rows, in their order. A forged notification finds nothing of its own to apply; a
+replayed one finds its row already consumed. The payload stays on the channel as well, for the
+tools that watch it (a psql `LISTEN` while debugging, the tests); nothing applies it from there.
+
 `xid` is the writing transaction (`pg_current_xact_id()`), so the scheduler can tell whether a
 snapshot it read (`pg_current_snapshot()`) already contains the write. `seq` numbers the trigger
 invocations within that transaction: PostgreSQL drops a NOTIFY whose channel and payload repeat
@@ -63,6 +74,34 @@ HEARTBEAT_CHANNEL = "cuesched_heartbeat"
 # A licence limit's row changed (its use or its max): absolute values, see accounting.licences.
 LICENCE_CHANNEL = "acct_licence"
 CHANNELS = (RELEASE_CHANNEL, LIMIT_CHANNEL, RESYNC_CHANNEL, HEARTBEAT_CHANNEL, LICENCE_CHANNEL)
+# The channels whose messages the triggers also write to the outbox: on these a notification only rings.
+OUTBOX_CHANNELS = frozenset({RELEASE_CHANNEL, LIMIT_CHANNEL, RESYNC_CHANNEL, LICENCE_CHANNEL})
+
+# The outbox (see the module docstring). Written by EMIT_FUNCTION from the trigger functions, read
+# and deleted by members of the writer role (the scheduler's listener), by nobody else.
+OUTBOX_TABLE = "cuesched_acct_outbox"
+EMIT_FUNCTION = "cuesched_acct_emit"
+# What the listener applies on a doorbell: every committed row, consumed once (sorted by id after).
+DRAIN_SQL = f"DELETE FROM {OUTBOX_TABLE} RETURNING id, str_channel, str_payload"
+# On (re)connect, after LISTEN and before the reseed: what committed before it is in the reseed.
+CLEAR_SQL = f"DELETE FROM {OUTBOX_TABLE}"
+# The same two for a scheduler that books under a lease: they consume nothing unless the lease is
+# still at its generation. A holder does not know it lost the lease until its next renewal, and
+# its drain in between would take rows the new holder must apply (its Store then reads high for
+# good, until a recompute). The lease read and the scan share the DELETE's one snapshot (the
+# uncorrelated subquery runs once): if it still sees the old generation, the takeover committed
+# after that snapshot, so every row it deletes committed before the new holder's reseed, which
+# reads them. The lease row is not locked, so a stopped holder holds no takeover up.
+LEASE_GENERATION_SQL = "SELECT int_generation FROM cuesched_scheduler_lease WHERE id = 1"
+_FENCE = f"WHERE ({LEASE_GENERATION_SQL}) = %(generation)s"
+DRAIN_FENCED_SQL = f"DELETE FROM {OUTBOX_TABLE} {_FENCE} RETURNING id, str_channel, str_payload"
+CLEAR_FENCED_SQL = f"DELETE FROM {OUTBOX_TABLE} {_FENCE}"
+
+
+def emit_sql(channel: str, payload: str) -> str:
+    """The trigger-side call that sends `payload` (an SQL text expression) on `channel` through the outbox."""
+    return f"{EMIT_FUNCTION}('{channel}', {payload})"
+
 
 # Transaction-local marker read by the proc triggers (set_config(..., is_local => true)): the
 # Store already accounts for this transaction's proc writes, so they send no usage delta.

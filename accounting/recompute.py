@@ -50,7 +50,7 @@ from accounting.limits import (
     begin_snapshot,
 )
 from accounting.store import CounterSnapshot, PgSnapshot, Store
-from accounting.triggers import DISPLAY_LIFT_SQL, LOCK_KEYS_SHARED_SQL
+from accounting.triggers import DISPLAY_LIFT_SQL
 from accounting.units import usage_to_cores
 
 logger = logging.getLogger(__name__)
@@ -97,10 +97,14 @@ RECOMPUTE_WORK_MEM = "64MB"
 
 # The PostgreSQL side: the usage read by the Store side arrives as arrays, and five
 # data-modifying CTEs rewrite only the rows of still-managed shows whose totals differ (a
-# key with no procs left is 0). Run after LOCK_SHOWS_SQL in the same transaction. A row another
+# key with no procs left is 0). Run after LOCK_MANAGED_SHOWS_SQL in the same transaction, with its shows. A row another
 # session holds (an operator's UPDATE left open) is skipped (SKIP LOCKED) and written by the
 # next pass: the display write waits for nobody, so it can neither stall nor close a deadlock
 # cycle with an operator's multi-row cap write.
+LOCK_MANAGED_SHOWS_SQL = (
+    "SELECT pk_show FROM show WHERE b_scheduler_managed AND pk_show = ANY(%(shows)s::text[]) "
+    "ORDER BY pk_show FOR KEY SHARE SKIP LOCKED"
+)
 PG_REFRESH_SQL = """
 WITH managed AS MATERIALIZED (
   SELECT pk_show FROM show WHERE b_scheduler_managed AND pk_show = ANY(%(shows)s::text[])
@@ -447,7 +451,11 @@ class Recomputer:
         try:
             with conn.transaction():
                 params = refresh_params(usage)
-                conn.execute(LOCK_KEYS_SHARED_SQL)
+                # The managed shows' rows FOR KEY SHARE (accounting.keylocks): a flip of one waits
+                # for this write, whose display of SUM(proc) must not land after the flip's own
+                # rebuild. A show whose row a flip (or anybody) holds is left out, written next
+                # pass: the display waits for nobody.
+                params["shows"] = [r[0] for r in conn.execute(LOCK_MANAGED_SHOWS_SQL, params).fetchall()]
                 lifted: list[tuple[str, str, int]] = []
                 if self.cuebot:
                     conn.execute(DISPLAY_LIFT_SQL)

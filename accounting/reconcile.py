@@ -33,7 +33,6 @@ from accounting import blockers
 from accounting.triggers import (
     COUNTER_REBUILD_SQL,
     LOCK_DB_SHOWS_SQL,
-    LOCK_KEYS_SHARED_SQL,
     REBUILD_TABLES,
     RECONCILE_SQL,
     UNMANAGED_SHOWS_SQL,
@@ -103,18 +102,20 @@ def reconcile_unmanaged(conn: psycopg.Connection) -> ReconcileResult:
     return result
 
 
+SHOW_STILL_UNMANAGED_SQL = "SELECT NOT b_scheduler_managed FROM show WHERE pk_show = %s FOR KEY SHARE"
+
 def _reconcile_show(conn: psycopg.Connection, show: str, wait_ms: int) -> tuple[int, ...] | None:
     """Rebuild one show: per table the drift corrected, then (centicores, GPUs) found below
     SUM(proc); None if it is managed now. Raises LockNotAvailable past the lock wait."""
     with conn.transaction():
         conn.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
-        conn.execute(LOCK_KEYS_SHARED_SQL)
-        # Still unmanaged? A flip waits for the shared lock this transaction now holds.
-        row = conn.execute("SELECT NOT b_scheduler_managed FROM show WHERE pk_show = %s", (show,)).fetchone()
+        # Every wait of this show's rebuild (its row, its lock, its counter rows) is bounded.
+        conn.execute("SELECT set_config('lock_timeout', %s, true)", (f"{wait_ms}ms",))
+        # Still unmanaged? A flip of this show waits for the row lock this transaction now holds
+        # (accounting.keylocks), and one in progress holds this read off, bounded.
+        row = conn.execute(SHOW_STILL_UNMANAGED_SQL, (show,)).fetchone()
         if not row or not row[0]:
             return None
-        # Every later wait of this show's rebuild (its lock, its counter rows) is bounded.
-        conn.execute("SELECT set_config('lock_timeout', %s, true)", (f"{wait_ms}ms",))
         conn.execute(LOCK_DB_SHOWS_SQL, {"shows": [show]})
         conn.execute(COUNTER_REBUILD_SQL)
         # A fresh statement: its snapshot starts after every writer the locks waited for.

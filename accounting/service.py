@@ -138,6 +138,10 @@ class AccountingService:
             heartbeat=self.heartbeat,
             deadline=conf.heartbeat_deadline(),
             connect=listener_connect,
+            # A process that may have lost its lease leaves the outbox to the one that holds it.
+            may_consume=lambda: not self.lease_lost.is_set() and not self.lease_expired(),
+            lease_generation=lambda: self.lease_generation,
+            on_lease_lost=lambda: self.lease_lost.set(),
         )
         # The scheduler lease this process books under (set by SchedulerProcess; None = no fence,
         # for tests that drive the service alone), and the server the Store was seeded against.

@@ -8,8 +8,8 @@ scheduler never blocks its replacement.
 A lock alone is not a fence: if the holder's lock session dies (a DBA killing idle sessions,
 a proxy dropping it) while the process lives on, another scheduler takes the lock at once,
 and the first would keep booking until it notices. So whoever takes the lock also takes the
-lease (`take_lease`): under the exclusive accounting-keys lock, which waits for every
-in-flight proc write including the old holder's last booking batch, it bumps
+lease (`take_lease`): under `FOR UPDATE` of the lease row, which waits for every booking
+transaction in flight including the old holder's last batch (each reads the row FOR KEY SHARE), it bumps
 `cuesched_scheduler_lease.int_generation`. Every booking transaction checks the generation
 its scheduler took (`dispatch.engine.booking.write_batch`), so after a takeover the old holder
 cannot commit a single booking, and the new one bootstraps from a SUM(proc) that already
@@ -29,8 +29,8 @@ privilege to signal those backends: the same role, a member of it, or `pg_signal
 why and keeps waiting.
 
 Whatever the timing, safety rests on the generation alone: the takeover bumps it under the
-exclusive accounting-keys lock and `FOR UPDATE` of the lease row, and every booking transaction
-reads it `FOR KEY SHARE` after taking the keys lock shared, so a booking commits only under the
+`FOR UPDATE` of the lease row, and every booking transaction reads it `FOR KEY SHARE` before it
+writes anything, so a booking commits only under the
 generation current at its COMMIT. The deadline only decides when a standby may stop waiting.
 """
 
@@ -40,6 +40,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass
 
 import psycopg
@@ -166,40 +167,79 @@ def deadline_in(conn: psycopg.Connection) -> float | None:
 
 
 def take_lease(conn: psycopg.Connection, holder: str | None = None, *, ttl: float | None = None) -> int:
-    """Bump the lease generation, after every in-flight proc write has committed; returns it.
+    """Bump the lease generation, after every in-flight booking transaction has committed; returns it.
 
-    The exclusive accounting-keys lock is polled, never queued for: a queued exclusive request
-    would hold every later proc write of the farm behind it. A previous holder that is stopped
-    with a proc write open (its lock session may be gone already) would keep it busy forever, so
-    while waiting, once the previous lease's deadline has passed, its sessions are terminated
-    (on a second connection: this transaction must not end). Then this connection is tagged
-    with the new generation, like every connection the process opens from now on.
+    The lease row FOR UPDATE waits for every booking transaction in flight (each reads it FOR
+    KEY SHARE) and holds off later ones, which then read the new generation and write nothing.
+    Nothing else of the farm waits for it: a stuck proc writer of some show does not hold the
+    takeover up, nor does the takeover hold up that show's other writers. A previous holder that
+    is stopped with a booking open (its lock session may be gone already) would hold the row
+    forever, so the wait is tried in 0.5 s steps, and between them, once the previous lease's
+    deadline has passed, its sessions are terminated (on a second connection: this transaction
+    must not end). Before that, the previous holder's other open transactions (a completion,
+    a compensation: they hold their procs' key rows) are waited for the same way, so a stopped
+    holder's are ended once its deadline has passed and none is left holding rows the new
+    holder books on. Then this connection is tagged with the new generation, like every
+    connection the process opens from now on.
     """
     ttl = conf.lease_ttl() if ttl is None else ttl
+    _wait_for_the_previous_holders_transactions(conn)
     with conn.transaction(), conn.cursor() as cur:
         cur.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
         waited = 0
         while True:
             try:
-                db.take_keys_lock(cur, timeout=0.5, what="the lease takeover")
+                with conn.transaction():
+                    cur.execute("SELECT set_config('lock_timeout', '500ms', true)")
+                    cur.execute(LOCK_LEASE_ROW_SQL)
                 break
-            except db.KeysLockTimeout:
+            except psycopg.errors.LockNotAvailable:
                 waited += 1
                 if waited % 10 == 0:
                     logger.warning(
-                        "lease takeover: a proc write has kept the accounting-keys lock for %ds; the previous "
+                        "lease takeover: a booking transaction has held the lease row for %ds; the previous "
                         "holder's sessions are terminated once its lease deadline has passed, any other "
                         "session's only when it ends",
                         waited // 2,
                     )
                 _fence_on_the_side()
-        cur.execute(LOCK_LEASE_ROW_SQL)
+        cur.execute("SET LOCAL lock_timeout TO DEFAULT")
         row = cur.execute(TAKE_LEASE_SQL, {"holder": (holder or holder_name())[:255], "ttl": ttl}).fetchone()
     assert row is not None
     generation = int(row[0])
     db.set_lease_tag(generation)
     conn.execute("SELECT set_config('application_name', %s, false)", (db.tagged("cuesched-scheduler-lock"),))
     return generation
+
+
+# The previous generation's sessions inside a transaction (their state needs the same role or
+# pg_read_all_stats; another role's read as none, and the takeover does not wait for them).
+OPEN_HOLDER_TRANSACTIONS_SQL = """
+SELECT count(*) FROM pg_stat_activity a, (SELECT int_generation FROM cuesched_scheduler_lease WHERE id = 1) l
+WHERE a.datname = current_database() AND a.pid <> pg_backend_pid() AND a.xact_start IS NOT NULL
+  AND right(a.application_name, length(' [lease ' || l.int_generation || ']')) = ' [lease ' || l.int_generation || ']'
+"""
+
+
+def _wait_for_the_previous_holders_transactions(conn: psycopg.Connection) -> None:
+    """Until no session of the current lease generation is inside a transaction, fencing it
+    (terminating its sessions) once its deadline has passed. A live holder's transactions are
+    short, so this returns at once; a stopped one's end with the fence."""
+    waited = 0
+    while True:
+        row = conn.execute(OPEN_HOLDER_TRANSACTIONS_SQL).fetchone()
+        if not row or not row[0]:
+            return
+        waited += 1
+        if waited % 100 == 0:
+            logger.warning(
+                "lease takeover: the previous holder has %d session(s) inside a transaction; they are "
+                "terminated once its lease deadline has passed",
+                row[0],
+            )
+        if waited % 10 == 0:
+            _fence_on_the_side()
+        time.sleep(0.05)
 
 
 def _fence_on_the_side() -> None:

@@ -41,11 +41,21 @@ CUEBOT_OWNS: dict[tuple[str, str], tuple[str, str]] = {
     ("frame", "frame_stat_update"): ("update_frame_status_counts", _STATS),
     ("frame", "frame_stat_delete"): ("update_frame_status_counts", _STATS),
     ("folder", "folder_fanout"): ("after_insert_folder", "Cuebot's trigger creates folder_resource"),
-    ("job", "job_fanout"): ("after_insert_job", "Cuebot's trigger creates job_stat and job_resource"),
-    ("layer", "layer_fanout"): ("after_insert_layer", "Cuebot's trigger creates layer_stat and layer_resource"),
+    ("job", "job_fanout"): ("after_insert_job", "Cuebot's trigger creates job_stat, job_resource and job_mem"),
+    ("layer", "layer_fanout"): (
+        "after_insert_layer",
+        "Cuebot's trigger creates layer_stat, layer_resource and layer_mem",
+    ),
     ("frame", "frame_when_done_satisfy_depends"): (
         "update_frame_dep_to_wait",
         "Cuebot satisfies dependencies (its DependManager, then this trigger); both would count twice",
+    ),
+    # Cuebot's after_job_finished fires on the same change; what waits on the job Cuebot satisfies
+    # in Java after it (JobManagerSupport.shutdownJob), with types cuesched's trigger does not count.
+    ("job", "job_finished_satisfy_depends"): (
+        "after_job_finished",
+        "Cuebot satisfies what depends on a job it finishes or kills (its DependManager); this trigger "
+        "would set Cuebot's FRAME_ON_JOB rows inactive uncounted, and their frames would wait for ever",
     ),
     **{
         (table, name): (cuebot, _USAGE)

@@ -179,9 +179,9 @@ def cap_write_wait() -> float:
 
 
 def flip_lock_wait() -> float:
-    """How long a flip through the console or `accounting.actions.flip_show` polls for the
-    accounting-keys lock, seconds, before it fails naming the sessions inside a transaction that
-    hold it (every open transaction that wrote a proc does)."""
+    """How long a flip through the console or `accounting.actions.flip_show` waits for its show's
+    row (FOR UPDATE), seconds, before it fails naming the sessions inside a transaction that hold
+    it (every open transaction that wrote a proc of that show does)."""
     return env_float("CUESCHED_FLIP_LOCK_WAIT", 10.0)
 def lease_ttl() -> float:
     """The scheduler lease's deadline is renewed to now + this, seconds. Once it has passed, a

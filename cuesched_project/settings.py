@@ -38,6 +38,7 @@ INSTALLED_APPS = [
     "accounting",
     "pghistory",
     "ops",
+    "opencue_api",
     "django_q",
 ]
 

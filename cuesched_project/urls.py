@@ -28,6 +28,7 @@ urlpatterns = [
     path("admin/login/", console_login),
     path("admin/", admin.site.urls),
     re_path(r"^api$", api.not_found),  # not a redirect to /api/: a client gets JSON at once
+    path("api/", include("ops.services_api")),  # ops.service_actions' routes, before the API's catch-all
     path("api/", include("dispatch.jobs.urls")),
 ]
 

@@ -35,9 +35,13 @@ from dispatch.models import (
     HostStat,
     HostTag,
     Job,
+    JobEnv,
+    JobMem,
     JobResource,
     JobStat,
     Layer,
+    LayerEnv,
+    LayerMem,
     LayerResource,
     LayerStat,
     Point,
@@ -316,7 +320,7 @@ class JobAdmin(FarmAdmin):
     search_fields = ("str_name", "str_show", "str_shot", "str_user", "pk_job")
     raw_id_fields = ("folder", "show", "facility", "dept")
     list_select_related = ("show", "folder")
-    actions = JOB_ACTIONS  # pause, resume, kill, retry, eat: dispatch.jobs.actions
+    actions = JOB_ACTIONS  # pause, resume, kill, retry, eat: dispatch.jobs.controls
 
     @admin.display(description="ops console")
     def console(self, obj: Job) -> str:
@@ -337,7 +341,7 @@ class JobAdmin(FarmAdmin):
 
     @admin.display(description="memory")
     def memory(self, obj: Job) -> str:
-        """Reserved against reported RSS per layer (RQD reports it; our agents do not measure it)."""
+        """Reserved against max RSS per layer (layer_mem: every launcher reports it)."""
         from ops.why import layer_memory
 
         return format_html_join("", "<div class='job-memory'>{}</div>", ((m.text,) for m in layer_memory(obj.pk)))
@@ -404,12 +408,18 @@ class LayerAdmin(ReadOnlyAdmin, FarmAdmin):
     def memory_min(self, obj: Layer) -> str:
         return memory_kb(obj.int_mem_min)
 
+    @admin.display(description="max RSS", ordering="mem__int_max_rss")
+    def max_rss(self, obj: Layer) -> str:
+        mem = getattr(obj, "mem", None)
+        return memory_kb(mem.int_max_rss) if mem is not None and mem.int_max_rss else "—"
+
     list_display = (
         "str_name",
         "job",
         "int_dispatch_order",
         "cores_min",
         "memory_min",
+        "max_rss",
         "int_gpus_min",
         "b_threadable",
         "str_tags",
@@ -417,7 +427,47 @@ class LayerAdmin(ReadOnlyAdmin, FarmAdmin):
     list_filter = ("str_type", "b_threadable")
     search_fields = ("str_name", "str_tags", "job__str_name", "pk_layer")
     raw_id_fields = ("job",)
+    list_select_related = ("job", "mem")
+
+
+@admin.register(JobMem)
+class JobMemAdmin(ReadOnlyAdmin, FarmAdmin):
+    """Cuebot's job_mem: the job's max RSS, the largest of its frames' runs (KB)."""
+
+    list_display = ("job", "int_max_rss", "int_gpu_mem_max")
+    search_fields = ("job__str_name", "pk_job_mem")
+    raw_id_fields = ("job",)
     list_select_related = ("job",)
+
+
+@admin.register(LayerMem)
+class LayerMemAdmin(ReadOnlyAdmin, FarmAdmin):
+    """Cuebot's layer_mem: the layer's max RSS, the largest of its frames' runs (KB)."""
+
+    list_display = ("layer", "job", "int_max_rss", "int_gpu_mem_max")
+    search_fields = ("layer__str_name", "job__str_name", "pk_layer_mem")
+    raw_id_fields = ("layer", "job")
+    list_select_related = ("layer", "job")
+
+
+@admin.register(JobEnv)
+class JobEnvAdmin(ReadOnlyAdmin, FarmAdmin):
+    """Cuebot's job_env: the spec's job `env`, one variable a row."""
+
+    list_display = ("job", "str_key", "str_value")
+    search_fields = ("job__str_name", "str_key", "pk_job_env")
+    raw_id_fields = ("job",)
+    list_select_related = ("job",)
+
+
+@admin.register(LayerEnv)
+class LayerEnvAdmin(ReadOnlyAdmin, FarmAdmin):
+    """Cuebot's layer_env: the spec's layer `env`, over the job's."""
+
+    list_display = ("layer", "job", "str_key", "str_value")
+    search_fields = ("layer__str_name", "job__str_name", "str_key", "pk_layer_env")
+    raw_id_fields = ("layer", "job")
+    list_select_related = ("layer", "job")
 
 
 @admin.register(LayerResource)

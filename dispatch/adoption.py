@@ -22,7 +22,8 @@ functions, triggers, views). The difference is the plan, with these rules:
   keys) are never added to Cuebot's tables (they would refuse Cuebot's own writes), except the
   non-negative amounts of dispatch/nonnegative.py (a negative reserved amount cancels other
   procs' use; Cuebot never writes one): `--check` names the rows that break them and `--apply`
-  refuses until they are fixed;
+  refuses until they are fixed; and the move-lock unique indexes of accounting/move_locks.py,
+  which lead with the table's primary key and so can refuse no row;
 - cuesched's functions are added when missing; one whose name exists with another body is
   replaced only if it is certainly cuesched's (below), otherwise reported and left alone;
 - cuesched's triggers are added, except where Cuebot keeps a trigger that does the same work
@@ -43,7 +44,8 @@ triggers that are certainly cuesched's and differ from the reference are replace
   by someone else (Cuebot taking the name) has no mark, and one rewritten in place (CREATE OR
   REPLACE keeps the comment) no longer matches its hash, so it is reported, not overwritten;
 - pgtrigger's own objects: a `pgtrigger_<name>_<5 hex>()` function whose body opens with
-  pgtrigger's ignore guard (`_pgtrigger_should_ignore(TG_NAME)`), and a trigger of the same name
+  pgtrigger's ignore guard (`_pgtrigger_should_ignore(TG_NAME)`) or, for the accounting triggers,
+  `DEFINER_MARK` (accounting.triggers.definer), and a trigger of the same name
   with pgtrigger's 40-hex hash as its comment running such a function. No Cuebot object calls
   pgtrigger's guard, so this also covers databases adopted before the mark existed. pgtrigger's
   5-hex suffix hashes the model and trigger name, not the body: a new body keeps its name and is
@@ -76,9 +78,11 @@ from django.core.management.base import CommandError
 from django.db import OperationalError, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 
+from accounting.host_memory import REBUILD_SQL as HOST_MEMORY_REBUILD_SQL
 from accounting.licences import COUNT_LATERAL, limit_max_problem, limit_max_sql
 from accounting.trigger_health import CUEBOT_OWNS, ENABLED, PGTRIGGER_NAME, trigger_base
 from accounting.triggers import CUEBOT_ACCOUNTS, NORMALIZE_CUEBOT_JOB_CAPS_SQL
+from accounting.triggers.definer import DEFINER_MARK
 from accounting.writer_role import ENSURE_SQL as ENSURE_WRITER_ROLE_SQL
 from cuesched_project.dburl import url_from_settings
 from dispatch import conf, nonnegative
@@ -118,6 +122,8 @@ OWN_COLUMNS = frozenset(
         # A kill in progress: the proc stays booked until its run has ended (dispatch.engine.kills).
         ("proc", "ts_kill"),
         ("proc", "str_kill"),
+        # Why a frame's last run ended as it did (a memory failure, a timeout, NIMBY: issue 29).
+        ("frame", "str_reason"),
         # A licence limit's use, counted from proc by cuesched's triggers (see LICENCE_RECOUNT).
         ("limit_record", "int_running"),
         ("limit_record", "int_frames"),
@@ -139,11 +145,20 @@ LICENCE_RECOUNT = [
 # A migration's data step, which adoption runs (after the triggers) in the transaction that
 # records the migration as applied: the schema part of a migration reaches an adopted database
 # through the catalog diff, but its RunSQL on existing rows would be skipped with it, and a row
-# the new triggers assume rewritten would stay as it was.
+# the new triggers assume rewritten would stay as it was. dispatch.0041_services_seed has none on
+# purpose: `service` and `show_service` are Cuebot's tables there (0040 creates nothing on them,
+# since they exist), with Cuebot's own seed and its operators' edits, which a reseed would undo.
 DATA_STEPS: dict[tuple[str, str], tuple[str, str]] = {
     ("dispatch", "0016_cuebot_job_caps"): (
         "job caps written as -1 before, which Cuebot can never book, stored as its unlimited",
         NORMALIZE_CUEBOT_JOB_CAPS_SQL,
+    ),
+    # Cuebot keeps host idle memory in its Java; a host it left off the truth would refuse every
+    # later write of its procs' memory, so each host is recounted once (Cuebot's own
+    # RECONCILE_IDLE_RESOURCES rule) in the transaction that installs the ledger's triggers.
+    ("dispatch", "0032_memuse_host_memory"): (
+        "every host's idle memory recounted from SUM(proc.int_mem_reserved) (accounting.host_memory)",
+        ";\n".join(HOST_MEMORY_REBUILD_SQL),
     ),
     # A role is no catalog object of the database, so no diff brings it: the triggers honour the
     # writer claim of its members only, and without it cuesched's own bookings would be refused.
@@ -153,7 +168,8 @@ DATA_STEPS: dict[tuple[str, str], tuple[str, str]] = {
     ),
 }
 
-# Every function pgtrigger compiles opens with this guard; no Cuebot function calls it.
+# Every function pgtrigger compiles opens with this guard, and every one cuesched's accounting
+# triggers compile (accounting.triggers.definer) with DEFINER_MARK instead; no Cuebot function has either.
 PGTRIGGER_GUARD = '"public"._pgtrigger_should_ignore(TG_NAME)'
 # The COMMENT adoption puts on every function it creates or replaces: the proof, on later runs,
 # that the function is cuesched's and unchanged since (the hash is of its whole definition).
@@ -530,7 +546,7 @@ def make_plan(ref: Catalog, live: Catalog, applied: set[tuple[str, str]], record
             if covering:
                 plan.skipped.append(f"index {name} on {table}{columns}: Cuebot's {covering[0]} covers it")
                 continue
-            if definition.startswith("CREATE UNIQUE"):
+            if definition.startswith("CREATE UNIQUE") and not _leads_with_primary_key(live, table, columns):
                 plan.skipped.append(f"unique index {name} on Cuebot's {table} (would refuse Cuebot's writes)")
                 continue
         plan.steps.append(Step("index", f"{table}.{name}", [definition]))
@@ -581,13 +597,15 @@ def function_owner(live: Catalog, signature: str) -> str | None:
 
     Two proofs, nothing else (a name alone is never one): the function carries adoption's MARK
     with the hash of the very definition it has now, or it is pgtrigger's (pgtrigger's name
-    pattern and pgtrigger's ignore guard calling _pgtrigger_should_ignore(TG_NAME), which no
-    Cuebot function calls). A marked function whose definition changed since was rewritten by
-    someone else (a Cuebot migration reusing the name, a DBA): not certain."""
+    pattern and pgtrigger's ignore guard calling _pgtrigger_should_ignore(TG_NAME), or the
+    accounting triggers' DEFINER_MARK, which no Cuebot function has). A marked function whose
+    definition changed since was rewritten by someone else (a Cuebot migration reusing the name, a DBA): not certain."""
     definition = live.functions[signature]
     if live.function_comments.get(signature) == _mark_of(definition):
         return "marked by adoption"
-    if PGTRIGGER_NAME.match(_function_name(signature)) and signature.endswith("()") and PGTRIGGER_GUARD in definition:
+    if PGTRIGGER_NAME.match(_function_name(signature)) and signature.endswith("()") and (
+        PGTRIGGER_GUARD in definition or DEFINER_MARK in definition
+    ):
         return "pgtrigger's"
     return None
 
@@ -821,6 +839,16 @@ CUEBOT_WRITE_ORDER = (
     "folder_resource",
     "point",
 )
+
+
+def _leads_with_primary_key(live: Catalog, table: str, columns: tuple[str, ...]) -> bool:
+    """A unique index whose leading columns are the table's primary key can refuse no row: it is
+    added to Cuebot's table too (accounting.move_locks: it only makes its columns key columns)."""
+    for (t, _), (typ, definition) in live.constraints.items():
+        if t == table and typ == "p":
+            key = _key_columns(definition)
+            return bool(key) and columns[: len(key)] == key
+    return False
 
 
 def _lock_order(table: str) -> tuple[int, str]:

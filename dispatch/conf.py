@@ -116,11 +116,28 @@ def lost_host_sweep_interval() -> float:
 
 
 def host_fit_policy() -> str:
-    """`tightest` (best fit on idle cores, the reference's core saturation) or `loosest`."""
-    value = env_str("CUESCHED_HOST_FIT_POLICY", "tightest").lower()
-    if value not in {"tightest", "loosest"}:
-        raise ValueError(f"CUESCHED_HOST_FIT_POLICY must be tightest or loosest, got {value!r}")
+    """`scored` (the host a booking strands the least of, scoring cores, memory and GPUs as the
+    Rust scheduler's E-PVM placement does), `tightest` (best fit on idle cores, the reference's
+    core saturation, the default before issue 28) or `loosest`."""
+    value = env_str("CUESCHED_HOST_FIT_POLICY", "scored").lower()
+    if value not in {"scored", "tightest", "loosest"}:
+        raise ValueError(f"CUESCHED_HOST_FIT_POLICY must be scored, tightest or loosest, got {value!r}")
     return value
+
+
+def placement_candidates() -> int:
+    """Scored policy: host shapes (idle cores, memory in GB, GPUs) scored per choice before the
+    best so far is taken; a perfect fit ends the search sooner. The Rust scheduler scores up to
+    500 hosts; one host per shape scores the same choice for far fewer."""
+    return max(1, env_int("CUESCHED_PLACEMENT_CANDIDATES", 64))
+
+
+def gpu_backfill() -> bool:
+    """Let frames that ask no GPU use all of a host with idle GPUs. Off (the default, Cuebot's
+    rule), they must leave 1 GPU, 1 core, 4 GB of memory and 4 GB of GPU memory free there. Either
+    way, while a GPU frame waits that such a host could run, no new CPU frame goes to it, so the
+    host drains back to GPU work (OpenCue issue #991)."""
+    return env_bool("CUESCHED_GPU_BACKFILL", False)
 
 
 def proc_mem_used_start() -> int:
@@ -147,6 +164,11 @@ def simulated_runtime_max() -> float:
 def simulated_failure_rate() -> float:
     """Share of simulated frames that exit 1 (exercises retries)."""
     return env_float("CUESCHED_SIM_FAILURE_RATE", 0.0)
+
+
+def simulated_rss_fraction() -> float:
+    """A simulated frame's max RSS, as a share of the memory it booked (recorded at its end)."""
+    return min(10.0, max(0.0, env_float("CUESCHED_SIM_RSS_FRACTION", 0.5)))
 
 
 def simulated_launch_failure_rate() -> float:
@@ -219,6 +241,22 @@ def demo_password_file() -> str:
     return env_str("CUESCHED_DEMO_PASSWORD_FILE", str(settings.BASE_DIR / ".cuesched" / _password_name()))
 
 
+def agent_memory_interval() -> float:
+    """Seconds between an agent's measures of a running frame's memory (the RSS of its whole
+    process tree), each followed by the reservation (dispatch.engine.memory). At most 5 s: a
+    frame can take gigabytes in that time."""
+    return min(5.0, max(0.2, env_float("CUESCHED_AGENT_MEMORY_INTERVAL", 2.0)))
+
+
+def memory_kill_free_fraction() -> float:
+    """A host whose free memory (the smaller of what it reports and its memory less its frames'
+    RSS) falls under this fraction of its memory loses the frame furthest over its reservation,
+    killed as a memory failure (exit 33), before the kernel picks a victim. Cuebot kills at
+    physical memory over 90 % used AND swap over 5 % used, which a host without swap never
+    meets; cuesched reads physical memory only, at the same 10 %. 0 turns the kill off."""
+    return min(0.9, max(0.0, env_float("CUESCHED_MEMORY_KILL_FREE_FRACTION", 0.1)))
+
+
 def agent_kill_poll() -> float:
     """How often a running frame checks its proc: a kill mark, or the proc gone (released), stops it."""
     return env_float("CUESCHED_AGENT_KILL_POLL", 1.0)
@@ -281,7 +319,8 @@ def rqd_port() -> int:
 
 def rqd_default_alloc() -> str:
     """Allocation name a new RQD host joins at its first startup report (Cuebot puts it in the
-    facility's default allocation); empty refuses unknown hosts until an operator creates them."""
+    facility's default allocation); empty: an unknown host waits, answered UNAVAILABLE so RQD
+    retries, until an operator admits it (`manage.py rqd_hosts admit`)."""
     return env_str("CUESCHED_RQD_DEFAULT_ALLOC", "")
 
 

@@ -25,6 +25,7 @@ from ops import (
     job_pages,
     limits_admin,  # noqa: F401 - registers the licence limit admins
     permissions,
+    services_admin,  # noqa: F401 - registers the service and show-override admins
 )
 from ops.admin_views import COLUMN_LABELS, shown_value
 from ops.models import Console, FolderCapEvent, JobCapEvent, KillSwitchEvent, ShowManagedEvent, SubscriptionCapEvent

@@ -460,7 +460,7 @@ _FARM_TARGET_URLS = {"job": "admin:dispatch_job_change", "frame": "admin:dispatc
 def farm_action_events(
     who: str = "", q: str = "", days: int | None = None, limit: int = 200, people: bool = False
 ) -> list[dict[str, Any]]:
-    """The job, frame and host controls (dispatch.jobs.actions writes a FarmAction row in each
+    """The job, frame and host controls (dispatch.jobs.audit writes a FarmAction row in each
     control's transaction) as audit entries: what was done, to what, how many rows, by whom.
     A frame control's target is its job (the row names the job)."""
     qs = FarmAction.objects.all()

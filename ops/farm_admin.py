@@ -9,7 +9,8 @@ their registrations (imported once from `ops.admin`) with:
 * a reason column on the job list, computed for the whole page in ONE query (`REASONS_SQL`):
   the first of paused, finished, show inactive, waiting on dependency, at job cap, folder full,
   show at burst, no host can ever run it, no host fits now;
-* actions that call `dispatch.jobs.actions` (and nothing else), each behind its permission:
+* actions that call `dispatch.jobs.controls` and `dispatch.jobs.host_controls` (and nothing
+  else), each behind its permission:
   job pause/resume/retry/eat/priority and frame retry/eat (`ops.control_jobs`), job and frame
   kill (`ops.kill_work`), host lock/unlock/drain (`ops.control_hosts`); the destructive ones
   (kill, eat, drain) go through a confirmation page first;
@@ -41,8 +42,19 @@ from django.utils.html import format_html
 from accounting.units import format_cap
 from dispatch import admin as dispatch_admin
 from dispatch import conf as dispatch_conf
-from dispatch.jobs import actions as job_actions
-from dispatch.models import FarmAction, Frame, Host, Job, Proc
+from dispatch.jobs.action_base import JobNotFound
+from dispatch.jobs.controls import (
+    MAX_PRIORITY,
+    eat_frames,
+    kill_frames,
+    kill_job,
+    pause_job,
+    resume_job,
+    retry_frames,
+    set_priority,
+)
+from dispatch.jobs.host_controls import drain_hosts, lock_hosts, unlock_hosts
+from dispatch.models import FarmAction, Frame, Host, Job, Proc, WaitingHost
 from ops import permissions
 from ops.admin_views import refresh_seconds
 from ops.readonly_admin import ReadOnlyAdmin
@@ -87,7 +99,7 @@ class PriorityForm(ActionForm):
 class FarmListMixin:
     """Refreshing results, the console's own permission checks for the actions, and no raw forms.
 
-    Farm rows (jobs, frames, hosts, procs) change only through `dispatch.jobs.actions`, with
+    Farm rows (jobs, frames, hosts, procs) change only through `dispatch.jobs`' actions, with
     their audit row, for every role, the superuser included: a raw form could set a job
     FINISHED under running frames (booked cores left under a finished job, no audit), and a
     raw delete of a job fails on its job_resource row (500). So there is no add, change or
@@ -177,7 +189,7 @@ def _each_job(
         count += 1
         try:
             total += run(job)
-        except (ValidationError, job_actions.JobNotFound) as exc:
+        except (ValidationError, JobNotFound) as exc:
             errors.append(f"{job.str_name}: {'; '.join(getattr(exc, 'messages', [str(exc)]))}")
     jobs_word = "job" if count == 1 else "jobs"
     _report(modeladmin, request, f"{done}: {total} (over {count} selected {jobs_word})", errors)
@@ -397,23 +409,23 @@ class JobListAdmin(FarmListMixin, dispatch_admin.JobAdmin):
     def max_cores(self, obj: Job) -> str:
         return format_cap(obj.resource.int_max_cores)
 
-    # The actions: each one calls dispatch.jobs.actions once per job (its own transaction).
+    # The actions: each one calls dispatch.jobs.controls once per job (its own transaction).
     def _jobs(self, queryset: QuerySet[Job]) -> list[Job]:
         return list(queryset.select_related(None).only("pk_job", "str_name").order_by("pk_job"))
 
     @admin.action(description="Pause the selected jobs", permissions=["control_jobs"])
     def pause_job_selected(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
-        run = lambda job: job_actions.pause_job(job, actor=request.user).changed  # noqa: E731
+        run = lambda job: pause_job(job, actor=request.user).changed  # noqa: E731
         _each_job(self, request, self._jobs(queryset), run, "Jobs paused")
 
     @admin.action(description="Resume the selected jobs", permissions=["control_jobs"])
     def resume_job_selected(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
-        run = lambda job: job_actions.resume_job(job, actor=request.user).changed  # noqa: E731
+        run = lambda job: resume_job(job, actor=request.user).changed  # noqa: E731
         _each_job(self, request, self._jobs(queryset), run, "Jobs resumed")
 
     @admin.action(description="Retry the dead frames of the selected jobs", permissions=["control_jobs"])
     def retry_frames_selected(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
-        run = lambda job: job_actions.retry_frames(job, actor=request.user).changed  # noqa: E731
+        run = lambda job: retry_frames(job, actor=request.user).changed  # noqa: E731
         _each_job(self, request, self._jobs(queryset), run, "Frames to retry")
 
     @admin.action(
@@ -427,7 +439,7 @@ class JobListAdmin(FarmListMixin, dispatch_admin.JobAdmin):
         )  # fmt: skip
         if page is not None:
             return page
-        run = lambda job: job_actions.eat_frames(job, actor=request.user).changed  # noqa: E731
+        run = lambda job: eat_frames(job, actor=request.user).changed  # noqa: E731
         _each_job(self, request, jobs, run, "Frames eaten")
         return None
 
@@ -445,8 +457,8 @@ class JobListAdmin(FarmListMixin, dispatch_admin.JobAdmin):
         killed, stopped, eaten, errors = 0, 0, 0, []
         for job in jobs:
             try:
-                detail = job_actions.kill_job(job, actor=request.user).detail
-            except (ValidationError, job_actions.JobNotFound) as exc:
+                detail = kill_job(job, actor=request.user).detail
+            except (ValidationError, JobNotFound) as exc:
                 errors.append(f"{job.str_name}: {'; '.join(getattr(exc, 'messages', [str(exc)]))}")
                 continue
             killed += int(bool(detail.get("finished")))
@@ -464,16 +476,16 @@ class JobListAdmin(FarmListMixin, dispatch_admin.JobAdmin):
     @admin.action(description="Set the priority of the selected jobs (the value beside)", permissions=["control_jobs"])
     def set_priority_selected(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
         raw = request.POST.get("priority", "").strip()
-        if not raw.isdigit() or int(raw) > job_actions.MAX_PRIORITY:
+        if not raw.isdigit() or int(raw) > MAX_PRIORITY:
             self.message_user(
                 request,
-                f"Give the priority, a whole number from 0 to {job_actions.MAX_PRIORITY}, "
+                f"Give the priority, a whole number from 0 to {MAX_PRIORITY}, "
                 f"in the field beside the action (got {raw!r}). Nothing was changed.",
                 messages.ERROR,
             )
             return
         value = int(raw)
-        run = lambda job: job_actions.set_priority(job, value, actor=request.user).changed  # noqa: E731
+        run = lambda job: set_priority(job, value, actor=request.user).changed  # noqa: E731
         _each_job(self, request, self._jobs(queryset), run, f"Priority set to {value}")
 
 
@@ -550,13 +562,13 @@ class FrameListAdmin(FarmListMixin, dispatch_admin.FrameAdmin):
         for job_id, ids in by_job.items():
             try:
                 total += run(job_id, ids).changed
-            except (ValidationError, job_actions.JobNotFound) as exc:
+            except (ValidationError, JobNotFound) as exc:
                 errors.append(f"{names.get(job_id, job_id)}: {'; '.join(getattr(exc, 'messages', [str(exc)]))}")
         _report(self, request, f"{done}: {total} (over {sum(map(len, by_job.values()))} selected frames)", errors)
 
     @admin.action(description="Retry the selected frames (dead ones)", permissions=["control_jobs"])
     def retry_selected(self, request: HttpRequest, queryset: QuerySet[Frame]) -> None:
-        run = lambda job, ids: job_actions.retry_frames(job, ids, actor=request.user)  # noqa: E731
+        run = lambda job, ids: retry_frames(job, ids, actor=request.user)  # noqa: E731
         self._each(request, queryset, run, "Frames to retry")
 
     @admin.action(description="Eat the selected frames…", permissions=["control_jobs"])
@@ -569,7 +581,7 @@ class FrameListAdmin(FarmListMixin, dispatch_admin.FrameAdmin):
         )  # fmt: skip
         if page is not None:
             return page
-        run = lambda job, ids: job_actions.eat_frames(job, ids, actor=request.user)  # noqa: E731
+        run = lambda job, ids: eat_frames(job, ids, actor=request.user)  # noqa: E731
         self._each(request, queryset, run, "Frames eaten")
         return None
 
@@ -582,7 +594,7 @@ class FrameListAdmin(FarmListMixin, dispatch_admin.FrameAdmin):
         )  # fmt: skip
         if page is not None:
             return page
-        run = lambda job, ids: job_actions.kill_frames(job, ids, actor=request.user)  # noqa: E731
+        run = lambda job, ids: kill_frames(job, ids, actor=request.user)  # noqa: E731
         self._each(request, queryset, run, "Frames killed")
         return None
 
@@ -675,11 +687,11 @@ class HostListAdmin(FarmListMixin, dispatch_admin.HostAdmin):
     @admin.action(description="Lock the selected hosts (nothing new books; running frames go on)",
                   permissions=["control_hosts"])  # fmt: skip
     def lock_selected(self, request: HttpRequest, queryset: QuerySet[Host]) -> None:
-        self._run(request, queryset, job_actions.lock_hosts, "Hosts locked")
+        self._run(request, queryset, lock_hosts, "Hosts locked")
 
     @admin.action(description="Unlock the selected hosts", permissions=["control_hosts"])
     def unlock_selected(self, request: HttpRequest, queryset: QuerySet[Host]) -> None:
-        self._run(request, queryset, job_actions.unlock_hosts, "Hosts unlocked")
+        self._run(request, queryset, unlock_hosts, "Hosts unlocked")
 
     @admin.action(description="Drain the selected hosts…", permissions=["control_hosts"])
     def drain_selected(self, request: HttpRequest, queryset: QuerySet[Host]) -> HttpResponse | None:
@@ -691,7 +703,7 @@ class HostListAdmin(FarmListMixin, dispatch_admin.HostAdmin):
         )  # fmt: skip
         if page is not None:
             return page
-        self._run(request, queryset, job_actions.drain_hosts, "Hosts draining")
+        self._run(request, queryset, drain_hosts, "Hosts draining")
         return None
 
 
@@ -754,6 +766,15 @@ class FarmActionAdmin(ReadOnlyAdmin):
     show_full_result_count = False
 
 
+class WaitingHostAdmin(ReadOnlyAdmin):
+    """Read-only: RQD hosts the gateway heard but does not know; `manage.py rqd_hosts admit`
+    registers one (an audited action), so the list is where an operator sees who is waiting."""
+
+    list_display = ("str_name", "str_address", "int_cores", "int_mem", "int_reports", "ts_first_seen", "ts_last_seen")
+    search_fields = ("str_name", "str_address")
+    ordering = ("str_name",)
+
+
 def register(site: admin.AdminSite) -> None:
     """Put the farm lists in place of the plain `dispatch.admin` ones (called once by ops.admin)."""
     for model, cls in ((Job, JobListAdmin), (Frame, FrameListAdmin), (Host, HostListAdmin), (Proc, ProcListAdmin)):
@@ -762,3 +783,5 @@ def register(site: admin.AdminSite) -> None:
         site.register(model, cls)
     if not site.is_registered(FarmAction):
         site.register(FarmAction, FarmActionAdmin)
+    if not site.is_registered(WaitingHost):
+        site.register(WaitingHost, WaitingHostAdmin)

@@ -7,7 +7,8 @@ per frame. The frame page: the same figures for one frame, why it is not booking
 tailed live while the frame runs (`frame_log`: text/plain from a byte offset, the API's rule).
 
 Reads only; every control on these pages posts to `act`, which checks the role and calls
-`dispatch.jobs.actions` (pause, resume, retry, eat, kill, kill frames, priority) or
+`dispatch.jobs.controls` (pause, resume, retry, eat, kill, kill frames, priority) or
+`dispatch.jobs.depends` (add or drop a dependency on another job) or
 `set_max_cores`: one durable transaction each with its `FarmAction` audit row, as the farm
 lists and the API do. Every query is bounded by the page (a job's layers, one page of frames,
 the grouped dependencies), whatever the size of the farm.
@@ -29,9 +30,21 @@ from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
-from dispatch.jobs import actions as job_actions
 from dispatch.jobs import api
-from dispatch.models import Frame, Job, Layer
+from dispatch.jobs.action_base import JobActionResult
+from dispatch.jobs.controls import (
+    MAX_PRIORITY,
+    eat_frames,
+    kill_frames,
+    kill_job,
+    pause_job,
+    resume_job,
+    retry_frames,
+    set_max_cores,
+    set_priority,
+)
+from dispatch.jobs.depends import add_depend, drop_depend
+from dispatch.models import Frame, Job, JobMem, Layer, LayerMem
 from dispatch.models.jobs import FRAME_STATES
 from ops import permissions
 from ops.admin_views import _context, why_summary
@@ -146,7 +159,10 @@ def _controls(request: HttpRequest) -> dict[str, bool]:
 
 def job_page(request: HttpRequest, pk: str) -> HttpResponse:
     job = _job_or_404(pk)
-    layers = list(Layer.objects.filter(job=job).select_related("stat").order_by("int_dispatch_order", "str_name"))
+    layers = list(
+        Layer.objects.filter(job=job).select_related("stat", "mem").order_by("int_dispatch_order", "str_name")
+    )
+    job_mem = JobMem.objects.filter(job=job).values_list("int_max_rss", flat=True).first()
     state = request.GET.get("state", "").upper()
     layer_pk = request.GET.get("layer", "")
     frames = Frame.objects.filter(job=job).select_related("layer")
@@ -181,6 +197,7 @@ def job_page(request: HttpRequest, pk: str) -> HttpResponse:
         max_cores=("unlimited" if resource.int_max_cores < 0 else cores(resource.int_max_cores)) if resource else "—",
         max_cores_value=(resource.int_max_cores // 100 if resource.int_max_cores >= 0 else -1) if resource else "",
         booked_cores=_booked_cores(job.pk),
+        job_max_rss=memory_kb(job_mem) if job_mem else "—",
         started=local_time(job.ts_started),
         stopped=local_time(job.ts_stopped),
         layers=[
@@ -190,6 +207,8 @@ def job_page(request: HttpRequest, pk: str) -> HttpResponse:
                 "progress": progress(getattr(layer, "stat", None)),
                 "cores": cores(layer.int_cores_min),
                 "memory": memory_kb(layer.int_mem_min),
+                # layer_mem: the largest max RSS of its frames' runs, beside what a frame reserves.
+                "max_rss": _max_rss(getattr(layer, "mem", None)),
                 "selected": layer.pk == layer_pk,
             }
             for layer in layers
@@ -204,6 +223,10 @@ def job_page(request: HttpRequest, pk: str) -> HttpResponse:
         **_controls(request),
     )
     return render(request, "ops/job.html", context)
+
+
+def _max_rss(mem: LayerMem | None) -> str:
+    return memory_kb(mem.int_max_rss) if mem is not None and mem.int_max_rss else "—"
 
 
 def _booked_cores(job: str) -> str:
@@ -262,13 +285,13 @@ def frame_log(request: HttpRequest, pk: str) -> HttpResponse:
 # --- controls ---------------------------------------------------------------------------------
 
 JOB_CONTROLS = {
-    "pause": ("control_jobs", lambda job, scope, actor: job_actions.pause_job(job, actor=actor), "Job paused"),
-    "resume": ("control_jobs", lambda job, scope, actor: job_actions.resume_job(job, actor=actor), "Job resumed"),
-    "retry": ("control_jobs", lambda job, scope, actor: job_actions.retry_frames(job, **scope, actor=actor),
+    "pause": ("control_jobs", lambda job, scope, actor: pause_job(job, actor=actor), "Job paused"),
+    "resume": ("control_jobs", lambda job, scope, actor: resume_job(job, actor=actor), "Job resumed"),
+    "retry": ("control_jobs", lambda job, scope, actor: retry_frames(job, **scope, actor=actor),
               "Dead frames back to waiting"),
-    "eat": ("control_jobs", lambda job, scope, actor: job_actions.eat_frames(job, **scope, actor=actor),
+    "eat": ("control_jobs", lambda job, scope, actor: eat_frames(job, **scope, actor=actor),
             "Frames eaten (done without running)"),
-    "kill": ("kill_work", lambda job, scope, actor: job_actions.kill_job(job, actor=actor),
+    "kill": ("kill_work", lambda job, scope, actor: kill_job(job, actor=actor),
              "Job killed; running frames stopped and released"),
 }  # fmt: skip
 _ROLE_CHECKS = {
@@ -284,7 +307,7 @@ def _scope(request: HttpRequest) -> dict[str, Any]:
     return {"frames": frames or None, "layer": layer}
 
 
-def _kill_frames(job: Job, request: HttpRequest) -> job_actions.JobActionResult:
+def _kill_frames(job: Job, request: HttpRequest) -> JobActionResult:
     """Kill the posted frames, or the running frames of the posted layer."""
     frames = request.POST.getlist("frame")
     layer = request.POST.get("layer")
@@ -294,14 +317,20 @@ def _kill_frames(job: Job, request: HttpRequest) -> job_actions.JobActionResult:
             raise ValidationError("the layer has no running frame to kill")
     if not frames:
         raise ValidationError("choose the frames to kill")
-    return job_actions.kill_frames(job, frames, actor=request.user)
+    return kill_frames(job, frames, actor=request.user)
 
 
-def _result_text(done: str, result: job_actions.JobActionResult) -> str:
+def _result_text(done: str, result: JobActionResult) -> str:
     n = result.changed
     text = f"{done}: {n} {'row' if n == 1 else 'rows'} changed"
     if result.action in ("retry", "eat", "kill_frames"):
         text = f"{done}: {n} {'frame' if n == 1 else 'frames'}"
+    if result.action == "depend":
+        text = f"{done}: {n} waiting {'frame' if n == 1 else 'frames'} now depending"
+        if result.detail.get("satisfied"):
+            text = f"{done}: already satisfied (what it waits for is done), nothing waits"
+    if result.action == "undepend":
+        text = f"{done}: {n} {'frame' if n == 1 else 'frames'} released to waiting"
     if result.detail.get("finished"):
         text += "; the job has nothing left to run and is finished"
     if result.detail.get("reopened"):
@@ -323,10 +352,10 @@ def act(request: HttpRequest, pk: str) -> HttpResponse:
     elif action == "priority":
         permissions.require(permissions.can_control_jobs(request.user))
         raw = request.POST.get("priority", "").strip()
-        if not raw.isdigit() or int(raw) > job_actions.MAX_PRIORITY:
-            messages.error(request, f"Priority is a whole number from 0 to {job_actions.MAX_PRIORITY} (got {raw!r}).")
+        if not raw.isdigit() or int(raw) > MAX_PRIORITY:
+            messages.error(request, f"Priority is a whole number from 0 to {MAX_PRIORITY} (got {raw!r}).")
             return HttpResponseRedirect(back)
-        run, done = (lambda: job_actions.set_priority(job, int(raw), actor=request.user)), f"Priority set to {raw}"
+        run, done = (lambda: set_priority(job, int(raw), actor=request.user)), f"Priority set to {raw}"
     elif action == "max_cores":
         permissions.require(permissions.can_edit_caps(request.user))
         raw = request.POST.get("max_cores", "").strip()
@@ -336,8 +365,20 @@ def act(request: HttpRequest, pk: str) -> HttpResponse:
             messages.error(request, f"Max cores is a whole number of cores, -1 for unlimited (got {raw!r}).")
             return HttpResponseRedirect(back)
         confirm = request.POST.get("confirm") == "yes"
-        run = lambda: job_actions.set_max_cores(job, value, actor=request.user, confirm_stop=confirm)  # noqa: E731
+        run = lambda: set_max_cores(job, value, actor=request.user, confirm_stop=confirm)  # noqa: E731
         done = f"Max cores set to {'unlimited' if value < 0 else f'{value} cores'}"
+    elif action in ("depend", "undepend"):
+        permissions.require(permissions.can_control_jobs(request.user))
+        run_depend = add_depend if action == "depend" else drop_depend
+        fields = {k: (request.POST.get(k) or "").strip() or None for k in ("on_job", "layer", "on_layer", "type")}
+        if fields["on_job"] is None:
+            messages.error(request, "Name the job to wait on. Nothing was changed.")
+            return HttpResponseRedirect(back)
+        run = lambda: run_depend(  # noqa: E731
+            job, fields["on_job"], layer=fields["layer"], on_layer=fields["on_layer"], kind=fields["type"],
+            actor=request.user,
+        )  # fmt: skip
+        done = "Dependency added" if action == "depend" else "Dependency dropped"
     elif action in JOB_CONTROLS:
         role, call, done = JOB_CONTROLS[action]
         permissions.require(_ROLE_CHECKS[role](request.user))

@@ -10,7 +10,9 @@ Two sources, both shown:
   start-after time, job/folder/subscription caps reached (Store figures for managed shows,
   trigger-kept figures otherwise, with SUM(proc) beside them), and no bookable host (UP,
   OPEN, pinged recently, one of the layer's tags, the job's facility and OS, enough idle
-  cores, memory and GPUs, on an allocation the show still has burst room on).
+  cores, memory and GPUs, on an allocation the show still has burst room on), and the GPU-host
+  rule's reserve (a frame without a GPU leaves 1 GPU, 1 core, 4 GB and 4 GB of GPU memory on
+  a GPU host; the scheduler's record also says when waiting GPU frames made a host decline).
 
 Each reason has numbers and what would unblock it. Blockers that never clear come first and
 say so ("No host can ever run a frame of layer ..."): no host carries the layer's tags, none is
@@ -30,11 +32,13 @@ from accounting.licences import limit_max_problem, limit_max_sql
 from accounting.triggers import CUEBOT_ACCOUNTS
 from accounting.units import centicores_to_cores
 from dispatch import conf as dispatch_conf
+from dispatch.engine import gpu_hosts, sizing
 from dispatch.engine.feed import FRAME_READY
-from dispatch.engine.placement import parse_tags
+from dispatch.engine.placement import Demand, parse_tags
 
 CENTI = 100
 KB_PER_GB = 1024 * 1024
+_SIZED_LAYERS = 20  # ready layers sized on their hosts (one host query each); the rest by what they ask
 
 JOB_SQL = """
 SELECT j.pk_job, j.str_name, j.str_state, j.b_paused, j.pk_show, s.str_name, s.b_scheduler_managed, s.b_active,
@@ -51,7 +55,7 @@ WHERE j.pk_job = %(job)s
 LAYERS_SQL = f"""
 SELECT l.pk_layer, l.str_name, l.str_tags, l.int_cores_min, l.int_mem_min, l.int_gpus_min, l.int_gpu_mem_min,
        l.b_threadable, l.ts_start_after, l.ts_start_after > now(),
-       COUNT(*) AS waiting, COUNT(*) FILTER (WHERE {FRAME_READY}) AS ready
+       COUNT(*) AS waiting, COUNT(*) FILTER (WHERE {FRAME_READY}) AS ready, l.int_cores_max
 FROM layer l JOIN frame f ON f.pk_layer = l.pk_layer AND f.str_state = 'WAITING'
 WHERE l.pk_job = %(job)s AND (%(layer)s::text IS NULL OR l.pk_layer = %(layer)s)
 GROUP BY l.pk_layer
@@ -77,7 +81,7 @@ HOSTS_SQL = """
 SELECT h.pk_host, h.str_name, h.pk_alloc, a.pk_facility, hs.str_os, hs.str_state, h.str_lock_state,
        hs.ts_ping >= now() - make_interval(secs => %(stale_after)s),
        h.int_cores, h.int_cores_idle, LEAST(h.int_mem_idle, hs.int_mem_free), h.int_gpus_idle,
-       LEAST(h.int_gpu_mem_idle, hs.int_gpu_mem_free)
+       LEAST(h.int_gpu_mem_idle, hs.int_gpu_mem_free), h.int_thread_mode, h.int_mem_idle
 FROM host h JOIN host_stat hs ON hs.pk_host = h.pk_host JOIN alloc a ON a.pk_alloc = h.pk_alloc
 WHERE EXISTS (SELECT 1 FROM host_tag t WHERE t.pk_host = h.pk_host AND t.str_tag = ANY(%(tags)s::text[]))
 """
@@ -108,15 +112,18 @@ FROM tagged
 """
 FRAME_SQL = """
 SELECT f.pk_frame, f.str_name, f.str_state, f.int_depend_count, f.pk_job, f.pk_layer, f.str_host,
-       f.int_mem_reserved, f.int_mem_max_used
+       f.int_mem_reserved, f.int_mem_max_used, f.str_reason
 FROM frame f WHERE f.pk_frame = %(frame)s
 """
-# Memory per layer, KB: what a frame reserves, the largest RSS a run reported (RQD's reports, the
-# completion's max RSS), and what the running frames use now. A layer whose frames use more
+# Memory per layer, KB: what a frame reserves, the largest RSS a run reported (the layer's
+# layer_mem, which every launcher's reports and completions raise, and its frames' last runs),
+# and what the running frames use now. A layer whose frames use more
 # than they reserve crowds its hosts; one that reserves far more than it uses books too few.
 MEMORY_SQL = """
 SELECT l.str_name, l.int_mem_min,
-       COALESCE(MAX(f.int_mem_max_used), 0)::bigint, COUNT(*) FILTER (WHERE f.int_mem_max_used > 0),
+       GREATEST(COALESCE(MAX(f.int_mem_max_used), 0),
+                COALESCE((SELECT MAX(lm.int_max_rss) FROM layer_mem lm WHERE lm.pk_layer = l.pk_layer), 0))::bigint,
+       COUNT(*) FILTER (WHERE f.int_mem_max_used > 0),
        COALESCE((SELECT SUM(p.int_mem_used) FROM proc p WHERE p.pk_layer = l.pk_layer), 0)::bigint,
        COALESCE((SELECT MAX(p.int_mem_max_used) FROM proc p WHERE p.pk_layer = l.pk_layer), 0)::bigint
 FROM layer l LEFT JOIN frame f ON f.pk_layer = l.pk_layer
@@ -182,6 +189,9 @@ class Why:
     recorded: Reason | None = None
     frame: dict[str, Any] | None = None
     memory: list[LayerMemory] = field(default_factory=list)
+    # Per ready layer whose frames book more than they ask (cores from memory, thread mode):
+    # "render: asks 1 core, books 8 on h1: its 32 GB are ..." (dispatch.engine.sizing).
+    sizing: list[str] = field(default_factory=list)
 
     @property
     def primary(self) -> Reason | None:
@@ -210,10 +220,52 @@ def _gb(kb: int) -> str:
 
 
 def _whole_cores_needed(cores_min: int, threadable: bool) -> int:
-    """The least whole cores one frame books (placement's index floor; 0/negative: whole host, >= 1)."""
-    if not threadable or cores_min <= 0:
-        return 1
-    return max(1, cores_min // CENTI)
+    """The least whole cores one frame asks (placement's index floor; 0/negative: whole host, >= 1)."""
+    return sizing.asked_cores(Demand(cores_min, 0, 0, 0, 0, threadable))
+
+
+@dataclass(frozen=True)
+class _HostNow:
+    """What sizing reads of a HOSTS_SQL row: the ledger's cores and idle memory, the thread mode."""
+
+    name: str
+    cores_total: int
+    cores_idle: int
+    mem_idle: int
+    thread_mode: int
+
+
+def _host_now(h: tuple[Any, ...]) -> _HostNow:
+    return _HostNow(name=h[1], cores_total=h[8], cores_idle=h[9], mem_idle=h[14], thread_mode=h[13])
+
+
+def _layer_demand(layer: tuple[Any, ...]) -> Demand:
+    _pk, _name, _tags, cores_min, mem_min, gpus_min, gpu_mem_min, threadable = layer[:8]
+    return Demand(cores_min, layer[12] or 0, mem_min, gpus_min, gpu_mem_min, threadable)
+
+
+def _sized(layer: tuple[Any, ...], facility: str, job_os: str | None) -> tuple[int, str] | None:
+    """The least cores a frame of the layer books on a host that could take it now, and why.
+
+    None when no bookable host of its tags has the memory: the host checks say why. A frame
+    sized from its memory needs more room under the caps than its layer asks, so the caps are
+    judged on this, as the dispatch loop judges them.
+    """
+    tags = sorted(parse_tags(layer[2]))
+    if not tags:
+        return None
+    demand = _layer_demand(layer)
+    best: tuple[int, str] | None = None
+    for h in _all(HOSTS_SQL, {"tags": tags, "stale_after": dispatch_conf.lost_host_timeout()}):
+        if not (h[5] == "UP" and h[6] == "OPEN" and h[7] and h[3] == facility and (job_os is None or h[4] == job_os)):
+            continue
+        if h[10] < demand.mem or h[11] < demand.gpus or h[12] < demand.gpu_mem:
+            continue
+        host = _host_now(h)
+        cores, _rule = sizing.size(demand, host)
+        if cores and (best is None or cores < best[0]):
+            best = (cores, sizing.describe(demand, host, host.name))
+    return best
 
 
 def recorded_reason(view: dict[str, Any] | None, job: str) -> Reason | None:
@@ -295,8 +347,17 @@ def explain_job(job: str, view: dict[str, Any] | None, *, layer: str | None = No
     if why.reasons:
         return _finish(why, view)
 
-    # Caps: the smallest frame of any ready layer is what must still fit.
-    need = min(_whole_cores_needed(r[3], r[7]) for r in ready_layers)
+    # Caps: the smallest frame of any ready layer is what must still fit, sized on the hosts
+    # that could take it now (a 32 GB frame asking 1 core books 8 on a 128 GB, 32-core host).
+    needs = []
+    for r in ready_layers[:_SIZED_LAYERS]:
+        asked = _whole_cores_needed(r[3], r[7])
+        found = _sized(r, facility, job_os)
+        if found is not None and found[0] != asked:
+            why.sizing.append(f"Layer {r[1]}: {found[1]}.")
+        needs.append(found[0] if found is not None else asked)
+    need = min(needs + [_whole_cores_needed(r[3], r[7]) for r in ready_layers[_SIZED_LAYERS:]])
+    sized_note = f" ({why.sizing[0][:-1]})" if why.sizing and len(ready_layers) == 1 else ""
     need_gpus = min(int(r[5]) for r in ready_layers)
     booked = _one(BOOKED_SQL, {"job": job, "folder": folder}) or (0, 0, 0, 0)
     db_job, db_job_gpus, db_folder, db_folder_gpus = (int(v) for v in booked)
@@ -306,9 +367,17 @@ def explain_job(job: str, view: dict[str, Any] | None, *, layer: str | None = No
     job_gpus = store_job["gpus"] if store_job else (db_job_gpus if managed else j_gpus)
     folder_cores = store_folder["cores"] if store_folder else centicores_to_cores(db_folder if managed else f_cores)
     folder_gpus = store_folder["gpus"] if store_folder else (db_folder_gpus if managed else f_gpus)
-    _cap_reason(why, "job", f"job {name}", job_cores, j_max, need, centicores_to_cores(db_job), "max cores")
+    _cap_reason(why, "job", f"job {name}", job_cores, j_max, need, centicores_to_cores(db_job), "max cores", sized_note)
     _cap_reason(
-        why, "folder", f"folder {folder_name}", folder_cores, f_max, need, centicores_to_cores(db_folder), "max cores"
+        why,
+        "folder",
+        f"folder {folder_name}",
+        folder_cores,
+        f_max,
+        need,
+        centicores_to_cores(db_folder),
+        "max cores",
+        sized_note,
     )
     if need_gpus > 0:
         _gpu_reason(why, "job", f"job {name}", job_gpus, j_max_gpus, need_gpus)
@@ -336,7 +405,7 @@ def explain_job(job: str, view: dict[str, Any] | None, *, layer: str | None = No
         why.reasons.append(
             Reason(
                 "subscription_burst",
-                f"Subscription at burst: {', '.join(sub_text)} cores; the smallest frame needs {need}.",
+                f"Subscription at burst: {', '.join(sub_text)} cores; the smallest frame needs {need}{sized_note}.",
                 "Raise the burst, or wait for frames of this show to finish.",
             )
         )
@@ -373,7 +442,9 @@ def _limit_reason(why: Why, ready_layers: list[tuple[Any, ...]]) -> None:
     )
 
 
-def _cap_reason(why: Why, vertex: str, label: str, used: int, max_cc: int, need: int, db: int, what: str) -> None:
+def _cap_reason(
+    why: Why, vertex: str, label: str, used: int, max_cc: int, need: int, db: int, what: str, note: str = ""
+) -> None:
     if max_cc < 0:
         return
     cap = centicores_to_cores(max_cc)
@@ -392,7 +463,7 @@ def _cap_reason(why: Why, vertex: str, label: str, used: int, max_cc: int, need:
     if used >= cap:
         message = f"The {label} is at its {what}: {figures}."
     else:
-        message = f"The {label} has {cap - used} core(s) left under its {what} ({figures}); a frame needs {need}."
+        message = f"The {label} has {cap - used} core(s) left under its {what} ({figures}); a frame needs {need}{note}."
     why.reasons.append(
         Reason(
             f"{vertex}_max_cores",
@@ -419,6 +490,7 @@ def _host_reason(layer: tuple[Any, ...], facility: str, job_os: str | None, allo
     _pk_layer, lname, str_tags, cores_min, mem_min, gpus_min, gpu_mem_min, threadable = layer[:8]
     tags = sorted(parse_tags(str_tags))
     need = _whole_cores_needed(cores_min, threadable)
+    demand_ = _layer_demand(layer)
     demand = [f"{need} core(s)", f"{_gb(mem_min)} free"]
     if gpus_min:
         demand.append(f"{gpus_min} GPU(s)")
@@ -450,8 +522,8 @@ def _host_reason(layer: tuple[Any, ...], facility: str, job_os: str | None, allo
             "Raise the burst of the show's subscription on the hosts' allocation, or subscribe it there.",
         ),
         (
-            f"no host with {need} idle core(s) and tag {tag_text}",
-            lambda h: h[9] >= need * CENTI and h[8] >= need * CENTI,
+            f"no host with tag {tag_text} has the idle cores a frame books there",
+            lambda h: sizing.size(demand_, _host_now(h))[0] > 0,
             unblock_free,
         ),
         (f"no host with {what}", lambda h: h[10] >= mem_min, unblock_free),
@@ -466,12 +538,38 @@ def _host_reason(layer: tuple[Any, ...], facility: str, job_os: str | None, allo
             if before and "free" in text:
                 best = max(h[10] for h in before)
                 detail = f" ({len(before)} candidate host(s); the most free memory is {_gb(best)})"
-            elif before and "idle core" in text:
-                best = max(h[9] for h in before) // CENTI
-                detail = f" ({len(before)} candidate host(s); the most idle cores is {best})"
+            elif before and "idle cores" in text:
+                most = max(before, key=lambda h: h[9])
+                detail = f" ({len(before)} candidate host(s); {sizing.describe(demand_, _host_now(most), most[1])})"
             elif before:
                 detail = f" ({len(before)} host(s) passed the previous checks)"
             return Reason("no_host", f"Layer {lname}: {text}{detail}.", unblock)
+    if not gpus_min and not dispatch_conf.gpu_backfill():
+        # The GPU-host rule's reserve (dispatch/engine/gpu_hosts.py). Its other half, GPU frames
+        # waiting for the host, only the scheduler's record can say (`gpu_host_kept`).
+        kept = [
+            h
+            for h in remaining
+            if h[11] > 0
+            and gpu_hosts.decline_cpu_frame(
+                cores=sizing.size(demand_, _host_now(h))[0] * CENTI,
+                mem=mem_min,
+                gpu_mem=gpu_mem_min,
+                cores_idle=h[9],
+                mem_idle=h[10],
+                gpu_mem_idle=h[12],
+                gpu_wanted=False,
+                backfill=False,
+            )
+        ]
+        if len(kept) == len(remaining):
+            return Reason(
+                "gpu_host_kept",
+                f"Layer {lname}: the {len(kept)} host(s) with room are GPU hosts, kept for GPU work: a frame "
+                "without a GPU must leave 1 GPU, 1 core, 4 GB of memory and 4 GB of GPU memory free there.",
+                "Add hosts without GPUs with that tag, or set CUESCHED_GPU_BACKFILL=1 to let CPU frames use all "
+                "of an idle GPU host.",
+            )
     return None
 
 
@@ -559,8 +657,9 @@ def explain_frame(frame: str, view: dict[str, Any] | None) -> Why:
     row = _one(FRAME_SQL, {"frame": frame})
     if row is None:
         raise LookupError(frame)
-    pk, name, state, depend_count, job, layer, host, mem_reserved, mem_max_used = row
+    pk, name, state, depend_count, job, layer, host, mem_reserved, mem_max_used, reason = row
     info = {
+        "reason": reason or "",
         "pk": pk,
         "name": name,
         "state": state,
@@ -573,6 +672,9 @@ def explain_frame(frame: str, view: dict[str, Any] | None) -> Why:
         why = explain_job(job, view)
         where = f" on {host}" if host else ""
         why.reasons = [Reason("frame_state", f"Frame {name} is {state}{where}, not WAITING.", "Nothing to book.")]
+        if reason:
+            # Why its last run ended so (a timeout, a memory failure no host can fit): issue 29.
+            why.reasons.insert(0, Reason("frame_end", f"Frame {name} is {state}: {reason}.", "Retry the frame."))
         why.recorded = None
     elif depend_count:
         why = explain_job(job, view)

@@ -4,12 +4,14 @@ Reference §3.7 books one frame per transaction. Here a batch of bookings (alrea
 in the Store for managed shows) is written in ONE transaction, with the reference's guards
 kept row by row but executed set-based:
 
-0. the transaction is READ COMMITTED whatever the server's default, its first statement takes
-   the accounting-keys lock shared (the one every proc trigger takes, and flips, key moves and
-   a lease takeover take exclusively), and its second checks the scheduler lease: a
-   scheduler that lost its lease cannot commit a single booking, and the takeover waits for
-   this batch. The same statement records the transaction id, so an unknown COMMIT outcome
-   is later settled from `pg_xact_status`, not from which procs happen to exist;
+0. the transaction is READ COMMITTED whatever the server's default, its first statement checks
+   the scheduler lease (FOR KEY SHARE of its row): a scheduler that lost its lease cannot
+   commit a single booking, and the takeover waits for this batch. The same statement records
+   the transaction id, so an unknown COMMIT outcome is later settled from `pg_xact_status`,
+   not from which procs happen to exist. After the batch's limit rows, one statement locks its
+   key rows (accounting.keylocks: its shows, jobs and layers FOR KEY SHARE, its hosts FOR NO
+   KEY UPDATE), so no flip or move of those keys commits under it, and a show whose row a
+   flip or move holds is skipped this cycle while the others book;
 1. each booking's managed decision is checked against `show.b_scheduler_managed` and, for a
    Store booking, the show's flip generation the Store was seeded at: a show flipped since
    (even there and back) loses its bookings, so a Store-booked proc is never counted by the
@@ -50,6 +52,8 @@ from psycopg import errors as pg_errors
 
 from accounting import blockers as acct_blockers
 from accounting import triggers as acct_triggers
+from accounting.host_memory import HOST_LEDGER_RECOUNT_CONSTRAINT
+from accounting.keylocks import LOCK_KEYS_OF_BOOKINGS_SQL, LOCK_KEYS_OF_PROCS_SQL
 from accounting.licences import LIMIT_MAX_CONSTRAINT
 from accounting.notify import STORE_ACCOUNTED_SQL
 from accounting.service import BookingResult
@@ -60,8 +64,10 @@ from dispatch.engine.placement import HostRec
 
 logger = logging.getLogger(__name__)
 
-# Exit statuses after which a new start does not count as a retry (Cuebot's list).
-NO_RETRY_EXIT_STATUSES = (-1, 256, 286, 299, 301, 302, 399)
+# Exit statuses after which a new start does not count as a retry: Cuebot's list, and 33, which
+# cuesched records for every memory failure (dispatch.engine.completion): that frame is retried
+# with more memory and is never charged a retry for it.
+NO_RETRY_EXIT_STATUSES = (-1, 33, 256, 286, 299, 301, 302, 399)
 EXIT_STATUS_FRAME_CLEARED = 299
 
 # Rejection tables reported by the batch writer (the Store's own are subscription, folder, job, ...).
@@ -93,10 +99,10 @@ CAP_REFUSALS = frozenset(_CAP_TABLES.values())
 _RETRY_SQLSTATES = {"40P01", "40001"}  # deadlock, serialization failure
 _MAX_GROUP_ATTEMPTS = 6
 
-# The lease check (and the transaction id an unknown COMMIT is settled by), right after the lock.
+# The lease check (and the transaction id an unknown COMMIT is settled by), the first statement.
 # FOR KEY SHARE: the takeover's FOR UPDATE of the row waits for this transaction and this one for
-# a takeover in progress, so the generation read is the one in force until COMMIT (the keys lock
-# taken just before orders them too); the holder's deadline renewals do not conflict with it.
+# a takeover in progress, so the generation read is the one in force until COMMIT; the holder's
+# deadline renewals do not conflict with it.
 LEASE_SQL = (
     "SELECT (SELECT int_generation FROM cuesched_scheduler_lease WHERE id = 1 FOR KEY SHARE),"
     " pg_current_xact_id()::text::bigint"
@@ -120,8 +126,8 @@ shows AS (
   WHERE s.pk_show IN (SELECT DISTINCT pk_show FROM b)
 ),
 -- Owner and keys as the Store booked them: the flag (and, for a Store booking, the flip
--- generation of its seed), the host's allocation and the job's folder. The accounting-keys
--- lock this transaction holds keeps all of them still until COMMIT.
+-- generation of its seed), the host's allocation and the job's folder. The key rows this
+-- transaction locked before this statement (accounting.keylocks) keep all of them still until COMMIT.
 checked AS MATERIALIZED (
   SELECT b.*,
          (s.b_scheduler_managed = b.managed AND (NOT b.managed OR s.generation = b.generation)) AS owner_ok,
@@ -352,9 +358,6 @@ def write_batch(
     with conn.cursor() as cur:
         cur.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
         try:
-            # Its own statement: the next one's snapshot starts after any flip, key move or
-            # lease takeover this waited for.
-            cur.execute(acct_triggers.LOCK_KEYS_SHARED_SQL)
             cur.execute(LEASE_SQL)
             current, xid = cur.fetchone() or (None, None)
             result.xid = xid
@@ -529,33 +532,56 @@ ORDER BY ll.pk_limit_record
 LOCK_LIMIT_SQL = (
     "SELECT 1 FROM limit_record WHERE pk_limit_record = ANY(%s::text[]) ORDER BY pk_limit_record FOR UPDATE"
 )
+# The licence limits of the procs about to go, locked first and in key order: the booking
+# transaction takes its limit rows first too, so neither ever holds a frame or host row while it
+# waits for a limit row the other holds (with an operator's UPDATE of that limit queued between
+# them, the cycle was found by the operator's wait: "deadlock detected ... in relation
+# limit_record"). The DELETE's licence trigger then finds them held.
+LOCK_LIMITS_OF_PROCS_SQL = """
+SELECT 1 FROM limit_record r
+WHERE r.pk_limit_record IN (
+  SELECT ll.pk_limit_record FROM proc p JOIN layer_limit ll ON ll.pk_layer = p.pk_layer
+  WHERE p.pk_proc = ANY(%(proc)s::text[]))
+ORDER BY r.pk_limit_record FOR UPDATE OF r
+"""
+
 RESTORE_LOCK_TIMEOUT_SQL = "SET LOCAL lock_timeout TO DEFAULT"
+# Every check of the batch at its statement, but the host memory ledger's recount once per
+# booking statement: its statement records the same hosts twice (the proc INSERT's trigger and
+# the host UPDATE's), and an IMMEDIATE recount ran once for each record. Deferred, the two records
+# are one ledger row; RECOUNT_NOW_SQL, in the group's savepoint right after the statement, runs
+# that one recount there (a refusal is still the group's, bisected as before).
+CONSTRAINTS_SQL = f"SET CONSTRAINTS ALL IMMEDIATE; SET CONSTRAINTS {HOST_LEDGER_RECOUNT_CONSTRAINT} DEFERRED"
+RECOUNT_NOW_SQL = (
+    f"SET CONSTRAINTS {HOST_LEDGER_RECOUNT_CONSTRAINT} IMMEDIATE; "
+    f"SET CONSTRAINTS {HOST_LEDGER_RECOUNT_CONSTRAINT} DEFERRED"
+)
 SHOWS_IN_LOCK_ORDER_SQL = "SELECT s FROM unnest(%s::text[]) AS s ORDER BY hashtext(s), s"
 
 
 def _bound_lock_waits(cur: psycopg.Cursor, bookings: Sequence[Booking], result: BatchResult) -> set[str]:
     """Bound every later lock wait of the batch, and lock its limit rows first; returns pk_proc skipped.
 
-    After the accounting-keys lock and the lease (which wait as long as the connection's
-    lock_timeout allows), no statement of the batch waits longer than CUESCHED_BOOKING_LOCK_WAIT
-    for a lock, and foreign keys are checked per statement (the proc's show, job, host and
-    layer rows are locked FOR KEY SHARE inside its show's savepoint, not at COMMIT, where a
-    session holding one of them would fail the whole batch). A limit whose row another session
-    holds costs only its bookings.
+    After the lease (which waits as long as the connection's lock_timeout allows), no statement
+    of the batch waits longer than CUESCHED_BOOKING_LOCK_WAIT for a lock, and foreign keys are
+    checked per statement (not at COMMIT, where a session holding one of their rows would fail
+    the whole batch), the memory recount right after each booking statement (CONSTRAINTS_SQL).
+    A limit whose row another session holds costs only its bookings. Then the batch's key rows
+    (`_lock_keys`): limits first, as every proc writer of cuesched takes them.
     """
     wait_ms = max(1, int(conf.booking_lock_wait() * 1000))
     cur.execute("SELECT set_config('lock_timeout', %s, true)", (f"{wait_ms}ms",))
-    cur.execute("SET CONSTRAINTS ALL IMMEDIATE")
+    cur.execute(CONSTRAINTS_SQL)
     layers = sorted({b.layer.pk for b in bookings})
     if not layers:
-        return set()
+        return _lock_keys(cur, bookings, result)
     cur.execute(BATCH_LIMITS_SQL, (layers,))
     of_layer: dict[str, set[str]] = {}
     for layer, limit in cur.fetchall():
         of_layer.setdefault(layer, set()).add(limit)
     limits = sorted({lim for lims in of_layer.values() for lim in lims})
     if not limits or _try_locks(cur, LOCK_LIMIT_SQL, limits):
-        return set()
+        return _lock_keys(cur, bookings, result)
     busy: set[str] = set()
     error: BaseException | None = None
     for limit in limits:  # one by one, still in key order: the busy ones are skipped
@@ -566,7 +592,60 @@ def _bound_lock_waits(cur: psycopg.Cursor, bookings: Sequence[Booking], result: 
             error = exc
     skipped = [b for b in bookings if of_layer.get(b.layer.pk, set()) & busy]
     _skip_locked(cur, skipped, result, error, what=f"limit {', '.join(sorted(busy))}")
+    gone = {b.pk_proc for b in skipped}
+    return gone | _lock_keys(cur, [b for b in bookings if b.pk_proc not in gone], result)
+
+
+def _lock_keys(cur: psycopg.Cursor, bookings: Sequence[Booking], result: BatchResult) -> set[str]:
+    """Lock the batch's keys (accounting.keylocks); returns pk_proc of the shows skipped.
+
+    Its own statement, before any write: the batch's later statements see every flip or move it
+    waited for, and none can commit under them until COMMIT (the booking's owner, generation
+    and keys checks rely on it). Show, job and layer rows FOR KEY SHARE, hosts FOR NO KEY
+    UPDATE (the batch takes their cores next). A row a flip or move holds costs only the shows
+    whose bookings need it, for this cycle.
+    """
+    if not bookings or _try_params(cur, LOCK_KEYS_OF_BOOKINGS_SQL, _key_params(bookings)):
+        return set()
+    skipped: list[Booking] = []
+    error: BaseException | None = None
+    for show in sorted({b.layer.job.show for b in bookings}):
+        group = [b for b in bookings if b.layer.job.show == show]
+        try:
+            _lock_params_or_raise(cur, LOCK_KEYS_OF_BOOKINGS_SQL, _key_params(group))
+        except pg_errors.LockNotAvailable as exc:
+            skipped.extend(group)
+            error = exc
+    _skip_locked(cur, skipped, result, error, what="a key row a flip or move holds")
     return {b.pk_proc for b in skipped}
+
+
+def _key_params(group: Sequence[Booking]) -> dict[str, list[str]]:
+    return {
+        "show": [b.layer.job.show for b in group],
+        "job": [b.layer.job.pk for b in group],
+        "layer": [b.layer.pk for b in group],
+        "host": [b.host.pk for b in group],
+    }
+
+
+def _try_params(cur: psycopg.Cursor, sql: str, params: dict[str, Any]) -> bool:
+    try:
+        _lock_params_or_raise(cur, sql, params)
+    except pg_errors.LockNotAvailable:
+        return False
+    return True
+
+
+def _lock_params_or_raise(cur: psycopg.Cursor, sql: str, params: Any) -> None:
+    cur.execute("SAVEPOINT dispatch_lock")
+    try:
+        cur.execute(sql, params)
+    except BaseException:
+        cur.execute("ROLLBACK TO SAVEPOINT dispatch_lock")
+        cur.execute("RELEASE SAVEPOINT dispatch_lock")
+        raise
+    cur.execute("RELEASE SAVEPOINT dispatch_lock")
 
 
 def _try_locks(cur: psycopg.Cursor, sql: str, keys: list[str]) -> bool:
@@ -578,14 +657,7 @@ def _try_locks(cur: psycopg.Cursor, sql: str, keys: list[str]) -> bool:
 
 
 def _lock_or_raise(cur: psycopg.Cursor, sql: str, keys: list[str]) -> None:
-    cur.execute("SAVEPOINT dispatch_lock")
-    try:
-        cur.execute(sql, (keys,))
-    except BaseException:
-        cur.execute("ROLLBACK TO SAVEPOINT dispatch_lock")
-        cur.execute("RELEASE SAVEPOINT dispatch_lock")
-        raise
-    cur.execute("RELEASE SAVEPOINT dispatch_lock")
+    _lock_params_or_raise(cur, sql, (keys,))
 
 
 def _skip_locked(
@@ -640,6 +712,7 @@ def _write_group(
         try:
             cur.execute(BOOK_SQL, _params(pending, extra))
             rows = cur.fetchall()
+            cur.execute(RECOUNT_NOW_SQL)
         except psycopg.Error as exc:
             _undo_savepoint(cur)
             if isinstance(exc, pg_errors.LockNotAvailable):
@@ -740,7 +813,10 @@ def compensate(conn: psycopg.Connection, bookings: Sequence[Booking]) -> Compens
     with conn.cursor() as cur:
         cur.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
         try:
-            cur.execute(acct_triggers.LOCK_KEYS_SHARED_SQL)
+            # Limits, then the key rows, as every proc writer of cuesched takes them.
+            keys = {"proc": [b.pk_proc for b in bookings]}
+            cur.execute(LOCK_LIMITS_OF_PROCS_SQL, keys)
+            cur.execute(LOCK_KEYS_OF_PROCS_SQL, keys)
             cur.execute("SELECT pg_current_xact_id()::text::bigint")
             row = cur.fetchone()
             out.xid = None if row is None else row[0]

@@ -5,7 +5,7 @@ A frame's proc is the record that its cores are taken. Deleting it when a kill i
 host got round to stopping it: RQD only at its next status report, seconds later, while the
 freed cores were booked again. So a kill now
 
-1. **marks** the run's proc in the kill's own transaction (`dispatch.jobs.actions.kill_job` /
+1. **marks** the run's proc in the kill's own transaction (`dispatch.jobs.controls.kill_job` /
    `kill_frames`): `proc.ts_kill` (when it was asked for) and `proc.str_kill` (what the frame
    becomes when the run has ended: `JOB`, eaten, or `FRAME`, back to WAITING), and sends a hint on
    `cuesched_kill`. The proc stays booked, counted by every counter; a job kill also finishes the
@@ -44,14 +44,34 @@ import psycopg
 
 from accounting import db as acct_db
 from dispatch import conf
+from dispatch.engine.kill_marks import (
+    KILL_FRAME,
+    KILL_JOB,
+    KILL_LLU,
+    KILL_MEMORY,
+    KILL_NIMBY,
+    KILL_REASONS,
+    KILL_TIMEOUT,
+)
 from dispatch.engine.launcher import Launcher, RunKill
 from dispatch.engine.placement import in_shard, shard_params
 
 logger = logging.getLogger(__name__)
 
+__all__ = [
+    "KILL_FRAME",
+    "KILL_JOB",
+    "KILL_LLU",
+    "KILL_MEMORY",
+    "KILL_NIMBY",
+    "KILL_REASONS",
+    "KILL_TIMEOUT",
+    "KillSender",
+    "mark_timeouts",
+    "pending_kills",
+]
+
 KILL_CHANNEL = "cuesched_kill"
-KILL_JOB = "JOB"  # the frame is eaten when its run ends (the job is finished)
-KILL_FRAME = "FRAME"  # the frame goes back to WAITING when its run ends (runs again elsewhere)
 
 # A job kill marks every proc of the job; a frame kill never downgrades a job kill's mark.
 # ts_kill keeps the first request's time (how long a kill has been waiting is measured from it).
@@ -66,6 +86,36 @@ WHERE pk_job = %(job)s
   AND pk_frame IN (SELECT pk_frame FROM frame WHERE pk_job = %(job)s
                    AND (pk_frame = ANY(%(frames)s::text[]) OR str_name = ANY(%(frames)s::text[])))
 RETURNING pk_proc
+"""
+# Timeouts (issue 29), marked by whoever hears the host: RQD's reports through the gateway (its
+# log's last update, llu_time) and cuesched's agents (the log's mtime). Run time counts from the
+# booking (proc.ts_dispatched), so a frame is marked once it has run past timeout x 60 s, at the
+# first report after that: within one report interval, never Cuebot's integer-minute test
+# (HostReportHandler.killTimedOutFrames, a minute late). A proc already marked (a job kill) keeps
+# its mark. The run ends DEAD, not retried, with the reason (dispatch.engine.completion).
+MARK_TIMEOUTS_SQL = f"""
+WITH marked AS (
+  UPDATE proc p SET ts_kill = now(),
+    str_kill = CASE WHEN l.int_timeout > 0
+                     AND p.ts_dispatched < now() - make_interval(secs => l.int_timeout * %(minute)s::float8)
+                    THEN '{KILL_TIMEOUT}' ELSE '{KILL_LLU}' END
+  FROM layer l, unnest(%(procs)s::text[], %(llu)s::float8[]) AS m(pk_proc, llu)
+  WHERE p.pk_proc = m.pk_proc AND (%(host)s::text IS NULL OR p.pk_host = %(host)s) AND p.ts_kill IS NULL
+    AND l.pk_layer = p.pk_layer
+    AND ((l.int_timeout > 0 AND p.ts_dispatched < now() - make_interval(secs => l.int_timeout * %(minute)s::float8))
+      OR (l.int_timeout_llu > 0 AND m.llu > 0
+          AND to_timestamp(m.llu) < now() - make_interval(secs => l.int_timeout_llu * %(minute)s::float8)))
+  RETURNING p.pk_proc, p.pk_frame, p.pk_job, p.str_kill
+),
+audit AS (
+  -- The kill's audit row (dispatch.models.farm_actions), as an operator's frame kill writes one.
+  INSERT INTO cuesched_farm_action (str_action, str_target_kind, str_target, str_target_name, int_changed,
+                                    detail, str_username)
+  SELECT 'timeout_kill', 'frame', m.pk_job, j.str_name, 1,
+         jsonb_build_object('frame', f.str_name, 'proc', m.pk_proc, 'kill', m.str_kill), 'cuesched'
+  FROM marked m JOIN job j ON j.pk_job = m.pk_job JOIN frame f ON f.pk_frame = m.pk_frame
+)
+SELECT pk_proc, pk_frame, str_kill FROM marked
 """
 KILLING_OF_JOB_SQL = "SELECT pk_proc FROM proc WHERE pk_job = %s AND ts_kill IS NOT NULL ORDER BY pk_proc"
 NOTIFY_SQL = f"SELECT pg_notify('{KILL_CHANNEL}', %s)"
@@ -82,6 +132,32 @@ LIMIT %(limit)s
 PENDING_LIMIT = 5000
 
 
+def mark_timeouts(
+    conn: psycopg.Connection, llu: dict[str, float], *, host: str | None = None, minute: float = 60.0
+) -> list[tuple[str, str, str]]:
+    """Mark the runs of `llu` ({pk_proc: the log's last update, epoch s; 0 unknown}) that are past
+    their layer's timeout or timeout_llu; returns (pk_proc, pk_frame, kill) of those marked.
+
+    `minute`: the seconds in one minute of `timeout` / `timeout_llu`. Always 60 in production: no
+    setting or environment variable reaches it, and neither the RQD gateway nor the agents pass it.
+    Only the stress suite's frame_life phase (dispatch.lab.stress.frame_life) passes less, so hung
+    frames time out within its few seconds under load.
+
+    One transaction with its hint on the kill channel, so the scheduler's sender sends the kill at
+    once (the gateway and the agent also stop the run themselves on seeing the mark)."""
+    if not llu:
+        return []
+    procs = sorted(llu)
+    with conn.transaction():
+        rows = conn.execute(
+            MARK_TIMEOUTS_SQL,
+            {"procs": procs, "llu": [float(llu[p]) for p in procs], "host": host, "minute": float(minute)},
+        ).fetchall()
+        if rows:
+            conn.execute(NOTIFY_SQL, ("timeout",))
+    for pk_proc, pk_frame, kill in rows:
+        logger.warning("proc %s of frame %s: past its layer's %s; killing it", pk_proc, pk_frame, kill.lower())
+    return [tuple(r) for r in rows]
 
 
 def pending_kills(conn: psycopg.Connection, shard: tuple[int, int] = (0, 1)) -> list[RunKill]:

@@ -66,6 +66,7 @@ from accounting.store import (
 )
 from cuesched_project import conf as project_conf
 from dispatch import conf
+from dispatch.engine import gpu_hosts, sizing
 from dispatch.engine.booking import (
     CAP_REFUSALS,
     REJECT_GENERATION,
@@ -94,7 +95,7 @@ from dispatch.engine.completion import (
 from dispatch.engine.feed import FreeHosts, JobWork, LiveUsage, Skips, fetch_pending, has_waiting_or_running
 from dispatch.engine.kills import KillSender
 from dispatch.engine.launcher import Launcher, get_launcher
-from dispatch.engine.placement import ALL, CENTI, HostRec, HostView, Shard
+from dispatch.engine.placement import ALL, CENTI, Demand, HostRec, HostView, Shard
 
 logger = logging.getLogger(__name__)
 
@@ -198,6 +199,8 @@ class CycleStats:
     frames_considered: int = 0
     batches: int = 0
     no_host: int = 0
+    # Frames that asked no GPU and found no host because GPU hosts declined them (gpu_hosts).
+    gpu_declined: int = 0
     skipped_flip: int = 0
     # Managed jobs left alone because the Store is behind their show's accounting generation.
     skipped_behind: int = 0
@@ -220,6 +223,7 @@ class CycleStats:
             "frames_considered",
             "batches",
             "no_host",
+            "gpu_declined",
             "skipped_flip",
             "skipped_behind",
             "db_errors",
@@ -284,7 +288,13 @@ class DispatchLoop:
         self._last_managed_jobs: list[str] = []
         self._connect = connect or (lambda: acct_db.connect(autocommit=True, application_name="cuesched-dispatch"))
         self._conn: psycopg.Connection | None = None
-        self.view = HostView(conf.host_fit_policy(), stale_after=self.lost_host_timeout, shard=shard)
+        self.view = HostView(
+            conf.host_fit_policy(),
+            stale_after=self.lost_host_timeout,
+            shard=shard,
+            candidates=conf.placement_candidates(),
+            gpu_backfill=conf.gpu_backfill(),
+        )
         self._hosts_loaded_at = float("-inf")
         self._host_changes_at = float("-inf")
         self.host_changes_interval = conf.host_changes_interval()
@@ -764,6 +774,7 @@ class DispatchLoop:
         )
         stats.seconds["feed"] += time.perf_counter() - t0
         self._last_managed_jobs = [j.pk for j in jobs if j.managed_in_db]
+        self.view.set_gpu_wants(_gpu_wants(jobs))
         if not jobs:
             self._feed_frames = self.max_frames
             return
@@ -955,7 +966,7 @@ class DispatchLoop:
         least_skipped = 0
         booked_any = False
         view = self.view
-        tightest = view.fit == "tightest"
+        keeps_hint = view.keeps_hint
 
         if share_only:
 
@@ -993,12 +1004,28 @@ class DispatchLoop:
                         outcome = _NO_HOST
                         break
                     host, cores = found
+                    if job_cap is not None and job_used + cores > job_cap and job_cap > job_used:
+                        # Sized on the host placement liked best (cores from memory, a whole host),
+                        # the frame passes the job's cores left; on another host it may book
+                        # within them. Ask once more with the job's room as the bound: a cap
+                        # refuses a booking, it must not refuse the frame every host would size alike.
+                        left = job_cap - job_used
+                        within = view.find(
+                            demand,
+                            layer.tags,
+                            facility=job.facility,
+                            os=job.os,
+                            room=lambda alloc, left=left: min(room_of(alloc), left),
+                        )
+                        if within is not None:
+                            host, cores = within
                     if job_cap is not None and job_used + cores > job_cap:
                         stats.rejected["job_precheck"] += 1
                         self._record_why(
                             job.pk,
                             "job_max_cores",
-                            f"job at max cores {job_used}/{job_cap} (the next frame needs {cores})",
+                            f"job at max cores {job_used}/{job_cap} "
+                            f"(the next frame needs {_needs(demand, host, cores)})",
                             _CAP_WHY["job"][3],
                         )
                         least_skipped = cores if not least_skipped else min(least_skipped, cores)
@@ -1010,7 +1037,7 @@ class DispatchLoop:
                             job.pk,
                             "folder_max_cores",
                             f"folder has {max(room[folder_key], 0)} cores left under its max "
-                            f"(the next frame needs {cores})",
+                            f"(the next frame needs {_needs(demand, host, cores)})",
                             _CAP_WHY["folder"][3],
                         )
                         full_folders.add(job.folder)
@@ -1036,7 +1063,7 @@ class DispatchLoop:
                             job.pk,
                             reason,
                             f"{what} {result.current}/{result.limit} {unit} (the next frame needs "
-                            f"{cores if unit == 'cores' else demand.gpus})",
+                            f"{_needs(demand, host, cores) if unit == 'cores' else demand.gpus})",
                             unblock,
                         )
                         if result.table == "subscription":
@@ -1072,7 +1099,7 @@ class DispatchLoop:
                         acct_generation=result.generation if isinstance(result, Applied) else -1,
                     )
                     view.take(host, centi, demand.mem, demand.gpus, demand.gpu_mem)
-                    if tightest:
+                    if keeps_hint:
                         hint, hint_generation = host, view.generation
                     room[(show, host.alloc)] = room.get((show, host.alloc), 0) - cores
                     if (show, host.alloc) in share:
@@ -1086,16 +1113,22 @@ class DispatchLoop:
                 if booking is None:
                     if outcome is _NO_HOST:
                         stats.no_host += 1
+                        declined = gpu_hosts.describe(view.gpu_declined)
+                        if declined:
+                            stats.gpu_declined += 1
                         self._record_why(
                             job.pk,
-                            "no_host",
+                            "gpu_host_kept" if declined else "no_host",
                             f"no UP and OPEN host with {max(demand.cores_min // CENTI, 1)} idle cores, "
                             f"{demand.mem // (1024 * 1024)} GB free memory"
                             + (f", {demand.gpus} GPUs" if demand.gpus else "")
                             + f" and a tag of {' | '.join(sorted(layer.tags)) or '(none)'}"
                             + (f" on OS {job.os}" if job.os else "")
-                            + " in an allocation the show can still book",
-                            "free or add hosts with those tags, or lower the layer's cores or memory",
+                            + " in an allocation the show can still book"
+                            + (f"; {declined}" if declined else ""),
+                            "GPU hosts are kept for GPU work: add CPU hosts, or set CUESCHED_GPU_BACKFILL=1"
+                            if declined
+                            else "free or add hosts with those tags, or lower the layer's cores or memory",
                         )
                         anywhere = view.find(demand, layer.tags, facility=job.facility, os=job.os, room=_unlimited)
                         if anywhere is None:
@@ -1285,6 +1318,17 @@ class DispatchLoop:
         self.view.set_ledger(result.host_rows, freed)
 
 
+def _needs(demand: Demand, host: HostRec, cores: int) -> str:
+    """What a refusal says the next frame needs: its cores, and why when that is not what it asks.
+
+    A frame sized from its memory may book 8 cores for a layer asking 1; "the next frame needs
+    8: asks 1 core, books 8 on h1: its 32 GB are ..." keeps a capped job from looking stuck.
+    """
+    if cores == sizing.asked_cores(demand):
+        return str(cores)
+    return f"{cores}: {sizing.describe(demand, host, host.name)}"
+
+
 def _licence_why(result: LimitExceeded, store: Store) -> tuple[str, str, str]:
     """(reason, message, unblock) of a booking the Store refused on a licence limit, with its numbers."""
     reason, what, _unit, unblock = _CAP_WHY[result.table]
@@ -1298,6 +1342,16 @@ def _licence_why(result: LimitExceeded, store: Store) -> tuple[str, str, str]:
     else:
         message = f"{what}: limit {result.key}"
     return reason, message, unblock
+
+
+def _gpu_wants(jobs: list[JobWork]) -> gpu_hosts.GpuWants:
+    """The GPU layers with frames in this cycle's read: the work GPU hosts are kept for."""
+    return gpu_hosts.GpuWants(
+        gpu_hosts.GpuWant(layer.tags, job.facility, job.os, layer.demand.gpus, layer.demand.gpu_mem)
+        for job in jobs
+        for layer in job.layers
+        if layer.demand.gpus > 0 and layer.frames
+    )
 
 
 def _unlimited(_alloc: str) -> int:

@@ -10,8 +10,15 @@ Placement rules (reference §3.6): the host is UP and OPEN and has pinged within
 timeout (a silent host is not given new work), in the job's facility, in an
 allocation the show has room on; one of its tags (host_tag.str_tag) is one of the layer's
 tags; the job's OS is NULL or equal to host_stat.str_os; idle cores, effective memory
-(LEAST(host.int_mem_idle, host_stat.int_mem_free)), GPUs and GPU memory cover the frame.
-Among those, the tightest fit on idle cores wins by default.
+(LEAST(host.int_mem_idle, host_stat.int_mem_free)), GPUs and GPU memory cover the frame; a
+frame that asks no GPU meets the GPU-host rule (`gpu_hosts`). Among those, the host whose
+booking strands the least (`scoring`, the Rust scheduler's E-PVM score over cores, memory and
+GPUs) wins by default; `tightest` (fewest idle cores) and `loosest` are the other policies.
+
+The index is tag -> idle whole cores -> (idle memory in whole GB, idle GPUs) -> hosts. Hosts in
+one cell score nearly alike, so a search scores one host per cell, tightest cores first, and
+stops at a perfect score or after `candidates` cells: the cost of a choice grows with the
+shapes of idle hosts, not with their number.
 """
 
 from __future__ import annotations
@@ -23,10 +30,18 @@ from typing import Any
 
 import psycopg
 
+from dispatch.engine import gpu_hosts, sizing
+from dispatch.engine.scoring import DEFAULT_WEIGHTS, Weights, stranding_score
+
 logger = logging.getLogger(__name__)
 
 CENTI = 100
-THREAD_MODE_ALL = 1
+KB_PER_GB = 1024 * 1024
+THREAD_MODE_ALL = sizing.THREAD_MODE_ALL
+FIT_POLICIES = ("scored", "tightest", "loosest")
+
+# The index's cell of a host: (idle whole cores, (idle memory in whole GB, idle GPUs)).
+Cell = tuple[int, int]
 
 # A dispatch worker's share of the farm, (index, count). Hosts and jobs are dealt out by the
 # hash of their id, so two workers never pick the same frame or the same host: what they
@@ -116,42 +131,53 @@ class Demand:
     gpu_mem: int
     threadable: bool
 
-    def whole_cores_on(self, host: HostRec) -> int:
-        """Whole cores a frame books on this host (reference §3.7, without the AUTO memory rule)."""
-        if not self.threadable:
-            return 1
-        if host.thread_mode == THREAD_MODE_ALL:
-            cores = host.idle_whole_cores
-            if self.cores_max > 0:
-                cores = min(cores, self.cores_max // CENTI)
-            return cores
-        if self.cores_min > 0:
-            return max(1, self.cores_min // CENTI)
-        # 0 means the whole host, a negative value all but |n| cores (truncated toward zero).
-        total = host.cores_total // CENTI
-        return total + int(self.cores_min / CENTI)
-
     @property
     def index_floor(self) -> int:
         """The least idle whole cores a host can have and still take the frame."""
-        if not self.threadable or self.cores_min <= 0:
-            return 1
-        return max(1, self.cores_min // CENTI)
+        return sizing.asked_cores(self)
 
 
 class HostView:
-    """Bookable hosts indexed by tag, then by whole idle cores."""
+    """Bookable hosts indexed by tag, then by whole idle cores, then by idle memory and GPUs."""
 
-    def __init__(self, fit: str = "tightest", *, stale_after: float = 300.0, shard: Shard = ALL) -> None:
+    def __init__(
+        self,
+        fit: str = "scored",
+        *,
+        stale_after: float = 300.0,
+        shard: Shard = ALL,
+        candidates: int = 64,
+        gpu_backfill: bool = False,
+        weights: Weights = DEFAULT_WEIGHTS,
+    ) -> None:
+        if fit not in FIT_POLICIES:
+            raise ValueError(f"host fit policy must be one of {', '.join(FIT_POLICIES)}, got {fit!r}")
         self.fit = fit
         self.stale_after = stale_after
         self.shard = shard
+        self.candidates = max(1, candidates)
+        self.gpu_backfill = gpu_backfill
+        self.weights = weights
         self.hosts: dict[str, HostRec] = {}
-        self._by_tag: dict[str, dict[int, set[str]]] = {}
+        self._by_tag: dict[str, dict[int, dict[Cell, set[str]]]] = {}
         self._max_cores = 0
         # Bumped by every change other than `take`: while it holds, a host `find` chose for a
         # layer is still that layer's best choice as long as it fits (see `fits`).
         self.generation = 0
+        # The GPU layers waiting this cycle (`set_gpu_wants`), and why GPU hosts declined the
+        # frame of the last `find` (reason -> hosts), for the why-not-booking record.
+        self.gpu_wants = gpu_hosts.NO_WANTS
+        self.gpu_declined: dict[str, int] = {}
+
+    @property
+    def keeps_hint(self) -> bool:
+        """Whether a host `find` chose stays the layer's choice while it fits (see `fits`)."""
+        return self.fit != "loosest"
+
+    def set_gpu_wants(self, wants: gpu_hosts.GpuWants) -> None:
+        """The GPU work waiting this cycle: while it wants a GPU host, no CPU frame goes there."""
+        self.gpu_wants = wants
+        self.generation += 1
 
     # -- loading --------------------------------------------------------------------------
     def load(self, conn: psycopg.Connection) -> None:
@@ -159,12 +185,16 @@ class HostView:
         with conn.cursor() as cur:
             cur.execute(HOSTS_SQL, {"stale_after": self.stale_after, **shard_params(self.shard)})
             rows = cur.fetchall()
+        self.replace(_host_from_row(row) for row in rows)
+
+    def replace(self, hosts: Iterable[HostRec]) -> None:
+        """Replace the whole view with these hosts (what `load` read; benchmarks build their own)."""
         self.hosts.clear()
         self._by_tag.clear()
         self._max_cores = 0
         self.generation += 1
-        for row in rows:
-            self._put(_host_from_row(row))
+        for host in hosts:
+            self._put(host)
 
     def reload_hosts(self, conn: psycopg.Connection, pks: Iterable[str]) -> None:
         """Re-read some hosts (after a failed guard); a host no longer bookable leaves the view."""
@@ -228,8 +258,10 @@ class HostView:
     ) -> tuple[HostRec, int] | None:
         """The best host for one frame and the whole cores it would book there, or None.
 
-        `room(alloc)` gives the whole cores the show may still book on an allocation.
+        `room(alloc)` gives the whole cores the show may still book on an allocation. Afterwards
+        `gpu_declined` says how many GPU hosts the GPU-host rule made decline the frame.
         """
+        self.gpu_declined = {}
         buckets = [b for b in (self._by_tag.get(t) for t in tags) if b]
         if not buckets:
             return None
@@ -237,23 +269,47 @@ class HostView:
         if floor > self._max_cores:
             return None
         keys = range(floor, self._max_cores + 1)
-        if self.fit != "tightest":
+        if self.fit == "loosest":
             keys = reversed(keys)
+        scored = self.fit == "scored"
+        # A cell whose hosts all have less memory than the frame asks is passed over unread.
+        least_gb = demand.mem // KB_PER_GB
         seen: set[str] = set()
+        best: tuple[HostRec, int] | None = None
+        best_score = float("inf")
+        cells = 0
         for k in keys:
             for by_cores in buckets:
-                pks = by_cores.get(k)
-                if not pks:
+                by_cell = by_cores.get(k)
+                if not by_cell:
                     continue
-                for pk in pks:
-                    if pk in seen:
+                for (mem_gb, _gpus), pks in by_cell.items():
+                    if mem_gb < least_gb or not pks:
                         continue
-                    seen.add(pk)
-                    host = self.hosts[pk]
-                    cores = self._fits(host, demand, facility, os, room)
-                    if cores and (exclude is None or pk not in exclude):
-                        return host, cores
-        return None
+                    for pk in pks:
+                        if pk in seen:
+                            continue
+                        seen.add(pk)
+                        host = self.hosts[pk]
+                        cores = self._fits(host, demand, facility, os, room)
+                        if not cores or (exclude is not None and pk in exclude):
+                            continue
+                        if not scored:
+                            return host, cores
+                        score = self.score(host, demand, cores)
+                        if score < best_score:
+                            best, best_score = (host, cores), score
+                        cells += 1
+                        break  # one host per cell: its neighbours score alike
+                    if best is not None and (best_score <= 0.0 or cells >= self.candidates):
+                        return best
+        return best
+
+    def score(self, host: HostRec, demand: Demand, cores: int) -> float:
+        """What booking the frame (`cores` whole cores) on this host strands; lower is better."""
+        idle = (host.cores_idle, host.mem_effective, host.gpus_idle, host.gpu_mem_effective)
+        ask = (cores * CENTI, demand.mem, demand.gpus, demand.gpu_mem)
+        return stranding_score(idle, ask, self.weights)
 
     def fits(self, host: HostRec, demand: Demand, *, facility: str, os: str | None, room: Callable[[str], int]) -> int:
         """Whole cores the frame would book on this host now, 0 if it does not fit.
@@ -261,22 +317,25 @@ class HostView:
         With the tightest-fit policy, a host `find` returned for a layer stays the layer's best
         choice while it fits and `generation` has not moved: `take` only ever lowers the idle
         cores of the host it books, so every host a tighter search would visit first was
-        visited already and still fails. The loop uses this to place a layer's next frame
-        without a search.
+        visited already and still fails. With the scored policy the same holds of the score:
+        booking a frame lowers the host's idle resources and the frames it could still take
+        together, so its score for the same layer does not change, and no other host's does
+        (exactly for a frame of fixed cores; a threadable frame sized from memory may book a
+        little more as the host's idle memory falls, Cuebot's rule, and `_fits` sizes it anew).
+        The loop uses this to place a layer's next frame without a search.
         """
         if self.hosts.get(host.pk) is not host:
             return 0
         return self._fits(host, demand, facility, os, room)
 
-    @staticmethod
-    def _fits(host: HostRec, demand: Demand, facility: str, os: str | None, room: Callable[[str], int]) -> int:
+    def _fits(self, host: HostRec, demand: Demand, facility: str, os: str | None, room: Callable[[str], int]) -> int:
         if host.facility != facility:
             return 0
         if os is not None and host.os != os:
             return 0
         if not demand.threadable and host.thread_mode == THREAD_MODE_ALL:
             return 0
-        cores = demand.whole_cores_on(host)
+        cores = sizing.size(demand, host)[0]  # cores from memory, thread mode, min/max (dispatch.engine.sizing)
         if cores <= 0 or cores * CENTI > host.cores_idle or cores * CENTI > host.cores_total:
             return 0
         if demand.mem > host.mem_effective or demand.gpus > host.gpus_idle:
@@ -285,12 +344,28 @@ class HostView:
             return 0
         if room(host.alloc) < cores:
             return 0
+        if demand.gpus == 0 and host.gpus_idle > 0:
+            declined = gpu_hosts.decline_cpu_frame(
+                cores=cores * CENTI,
+                mem=demand.mem,
+                gpu_mem=demand.gpu_mem,
+                cores_idle=host.cores_idle,
+                mem_idle=host.mem_effective,
+                gpu_mem_idle=host.gpu_mem_effective,
+                gpu_wanted=self.gpu_wants.want(
+                    host.tags, host.facility, host.os, host.gpus_idle, host.gpu_mem_effective
+                ),
+                backfill=self.gpu_backfill,
+            )
+            if declined is not None:
+                self.gpu_declined[declined] = self.gpu_declined.get(declined, 0) + 1
+                return 0
         return cores
 
     # -- bookkeeping ----------------------------------------------------------------------
     def take(self, host: HostRec, cores: int, mem: int, gpus: int, gpu_mem: int) -> None:
         """Reserve in memory what a booking about to be written will take (centicores, KB)."""
-        old = host.idle_whole_cores
+        old = _cell(host)
         host.cores_idle -= cores
         host.mem_idle -= mem
         host.mem_free -= mem
@@ -305,7 +380,7 @@ class HostView:
         if host is None:
             return
         self.generation += 1
-        old = host.idle_whole_cores
+        old = _cell(host)
         host.cores_idle += cores
         host.mem_idle += mem
         host.mem_free = min(host.mem_free + mem, host.mem_total) if host.mem_total else host.mem_free + mem
@@ -327,7 +402,10 @@ class HostView:
             host = self.hosts.get(pk)
             if host is None:
                 continue
-            old = host.idle_whole_cores
+            old = _cell(host)
+            # GPU memory a completion gave back goes back into the cached free GPU memory too,
+            # as `take` took it from both (no agent report refreshes it between two reloads).
+            host.gpu_mem_free += max(0, gpu_mem_idle - host.gpu_mem_idle)
             host.cores_idle = cores_idle
             host.mem_idle = mem_idle
             host.gpus_idle = gpus_idle
@@ -343,31 +421,44 @@ class HostView:
     # -- index internals ------------------------------------------------------------------
     def _put(self, host: HostRec) -> None:
         self.hosts[host.pk] = host
-        k = host.idle_whole_cores
+        k, cell = _cell(host)
         self._max_cores = max(self._max_cores, host.cores_total // CENTI)
         for tag in host.tags:
-            self._by_tag.setdefault(tag, {}).setdefault(k, set()).add(host.pk)
+            self._by_tag.setdefault(tag, {}).setdefault(k, {}).setdefault(cell, set()).add(host.pk)
 
     def _drop(self, pk: str) -> None:
         host = self.hosts.pop(pk, None)
         if host is None:
             return
-        k = host.idle_whole_cores
+        k, cell = _cell(host)
         for tag in host.tags:
-            bucket = self._by_tag.get(tag, {}).get(k)
-            if bucket is not None:
-                bucket.discard(pk)
+            by_cell = self._by_tag.get(tag, {}).get(k)
+            if by_cell is not None:
+                _discard(by_cell, cell, pk)
 
-    def _reindex(self, host: HostRec, old: int) -> None:
-        new = host.idle_whole_cores
+    def _reindex(self, host: HostRec, old: tuple[int, Cell]) -> None:
+        new = _cell(host)
         if new == old:
             return
         for tag in host.tags:
             by_cores = self._by_tag[tag]
-            bucket = by_cores.get(old)
-            if bucket is not None:
-                bucket.discard(host.pk)
-            by_cores.setdefault(new, set()).add(host.pk)
+            by_cell = by_cores.get(old[0])
+            if by_cell is not None:
+                _discard(by_cell, old[1], host.pk)
+            by_cores.setdefault(new[0], {}).setdefault(new[1], set()).add(host.pk)
+
+
+def _cell(host: HostRec) -> tuple[int, Cell]:
+    """Where a host sits in the index: its idle whole cores, then (idle memory GB, idle GPUs)."""
+    return host.idle_whole_cores, (max(host.mem_effective, 0) // KB_PER_GB, host.gpus_idle)
+
+
+def _discard(by_cell: dict[Cell, set[str]], cell: Cell, pk: str) -> None:
+    bucket = by_cell.get(cell)
+    if bucket is not None:
+        bucket.discard(pk)
+        if not bucket:
+            del by_cell[cell]  # cells come and go with memory: an empty one must not be scanned
 
 
 def _host_from_row(row: Sequence[Any]) -> HostRec:

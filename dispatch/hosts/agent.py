@@ -57,12 +57,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import psycopg
 from django.conf import settings
 
 from accounting import db as acct_db
 from dispatch import conf
+from dispatch.engine import kills
 from dispatch.engine.completion import EXIT_STATUS_DOWN_HOST, EXIT_STATUS_KILLED, Completion, complete
+from dispatch.engine.memory import KILL_MEMORY, Use, follow_use
 from dispatch.jobs import logs as frame_logs
 from dispatch.jobs.frameset import Chunk, FrameRangeError, chunk_frames, parse_frames, substitute_tokens
 
@@ -170,15 +173,35 @@ def meminfo() -> dict[str, int]:
 
 
 def free_memory_kb(spec: HostSpec) -> int:
-    """Free memory to report, KB: the advertised total minus what the machine really uses
-    (MemTotal - MemAvailable). Without a --memory override that is MemAvailable itself."""
+    """Free memory to report, KB: MemAvailable, at most the advertised total.
+
+    With a --memory override the host is a share of a bigger machine, and the machine's other
+    users (other agents' frames, the database) are not this host's: what its own frames use is
+    taken off where it is judged, from their RSS (dispatch.engine.memory). Subtracting the whole
+    machine's use from the share, as before, read a 2 GB agent on a busy 24 GB machine as out of
+    memory with nothing running."""
     info = meminfo()
-    real_total, available = info.get("MemTotal", 0), info.get("MemAvailable", 0)
+    available = info.get("MemAvailable", 0)
     total = spec.resolved_memory()
-    if not real_total:
+    if not info.get("MemTotal", 0):
         return total
-    used = max(0, real_total - available)
-    return max(0, min(total, total - used))
+    return max(0, min(total, available))
+
+
+def tree_rss_kb(pid: int) -> int:
+    """RSS of a frame's whole process tree, KB: the process and every descendant (as RQD measures it)."""
+    try:
+        root = psutil.Process(pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0
+    total = 0
+    for proc in tree:
+        try:
+            total += proc.memory_info().rss
+        except psutil.Error:
+            continue  # it ended between the listing and the read
+    return total // 1024
 
 
 def _new_id() -> str:
@@ -449,7 +472,12 @@ SELECT p.pk_proc, p.pk_frame, p.pk_layer, p.pk_job, p.int_cores_reserved, p.int_
        p.int_gpus_reserved, p.int_gpu_mem_reserved,
        f.str_name, f.int_number, f.int_dispatch_order, f.int_retries,
        l.str_name, l.str_cmd, l.str_range, l.int_chunk_size,
-       j.str_name, j.str_shot, j.str_user, s.str_name, h.str_name
+       j.str_name, j.str_shot, j.str_user, s.str_name, h.str_name, l.int_timeout, l.int_timeout_llu, p.pk_host,
+       l.b_threadable, j.int_uid,
+       COALESCE((SELECT jsonb_object_agg(e.str_key, COALESCE(e.str_value, '')) FROM job_env e
+                 WHERE e.pk_job = p.pk_job AND e.str_key IS NOT NULL), '{}'::jsonb),
+       COALESCE((SELECT jsonb_object_agg(e.str_key, COALESCE(e.str_value, '')) FROM layer_env e
+                 WHERE e.pk_layer = p.pk_layer AND e.str_key IS NOT NULL), '{}'::jsonb)
 FROM proc p
 JOIN frame f ON f.pk_frame = p.pk_frame
 JOIN layer l ON l.pk_layer = p.pk_layer
@@ -458,7 +486,7 @@ JOIN show s ON s.pk_show = p.pk_show
 JOIN host h ON h.pk_host = p.pk_host
 WHERE p.pk_proc = %s AND f.str_state = 'RUNNING'
 """
-KILL_STATE_SQL = "SELECT ts_kill IS NOT NULL FROM proc WHERE pk_proc = %s"
+KILL_STATE_SQL = "SELECT ts_kill IS NOT NULL, str_kill FROM proc WHERE pk_proc = %s"
 LOCK_PROC_SQL = "SELECT pg_try_advisory_lock(hashtext('cuesched-run:' || %s))"
 
 _PASSED_ENV = frozenset(("PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LC_ALL", "TZ", "TMPDIR", "TERM"))
@@ -488,6 +516,13 @@ class RunContext:
     user: str
     show: str
     host: str
+    timeout: int = 0  # minutes (layer.int_timeout); 0: none
+    timeout_llu: int = 0  # minutes of log silence (layer.int_timeout_llu); 0: none
+    pk_host: str = ""  # the host's id: where the frame's memory reports go
+    threadable: bool = True  # layer.b_threadable: CUE_THREADABLE
+    uid: int | None = None  # job.int_uid: RQD's RunFrame.uid (the agent runs frames as itself)
+    job_env: dict[str, str] = field(default_factory=dict)  # job_env, the spec's job `env`
+    layer_env: dict[str, str] = field(default_factory=dict)  # layer_env, over the job's
 
 
 @dataclass
@@ -565,13 +600,19 @@ def log_path(root: Path, ctx: RunContext) -> Path:
     return frame_logs.agent_log_path(root, ctx.show, ctx.job, ctx.layer, ctx.number)
 
 
-def frame_env(ctx: RunContext, chunk: Chunk, log: Path) -> dict[str, str]:
-    """The RQD-style CUE_* environment, on a few basics of the agent's own (PATH, HOME, ...).
+def frame_env(ctx: RunContext, chunk: Chunk, log: Path, *, host_basics: bool = True) -> dict[str, str]:
+    """The frame's environment, as Cuebot's RunFrame builds it: the job's `env`, the layer's over
+    it, then the RQD-style CUE_* variables over both (a job cannot fake its CUE_JOB or threads).
 
-    Never the agent's whole environment: it holds the database URL and Django's secret key,
-    which a frame's command has no business reading.
+    `host_basics` (the agent) puts them on a few basics of the agent's own (PATH, HOME, ...),
+    which a job's or layer's `env` may replace; never the agent's whole environment: it holds
+    the database URL and Django's secret key, which a frame's command has no business reading.
+    RQD adds its own basics on its side (and appends a RunFrame's PATH to its own), so the rqd
+    launcher sends none of the agent's.
     """
-    env = {k: v for k, v in os.environ.items() if k in _PASSED_ENV}
+    env = {k: v for k, v in os.environ.items() if k in _PASSED_ENV} if host_basics else {}
+    env.update(ctx.job_env)
+    env.update(ctx.layer_env)
     env.update(
         {
             "CUE3": "1",
@@ -594,9 +635,39 @@ def frame_env(ctx: RunContext, chunk: Chunk, log: Path) -> dict[str, str]:
             "CUE_GPU_MEMORY": str(ctx.gpu_mem),
             "CUE_LOG_PATH": str(log.parent),
             "CUE_FRAMESPEC": chunk.spec,
+            "CUE_THREADABLE": "1" if ctx.threadable else "0",
+            # A Python frame writes its log as it goes, not in 8 KB blocks at exit: the log's
+            # mtime is what timeout_llu reads, and the console tails the log.
+            "PYTHONUNBUFFERED": "1",
         }
     )
     return env
+
+
+def _copy_log(pipe: Any, out: Any) -> None:
+    """Copy the frame's output to its log line by line, unbuffered, as RQD does: each line
+    lands (and moves the log's mtime, which timeout_llu reads) as soon as the frame writes it."""
+    try:
+        for line in iter(pipe.readline, b""):
+            out.write(line)
+    except (OSError, ValueError):  # the log closed under a killed run: nothing more to copy
+        pass
+    finally:
+        pipe.close()
+
+
+def _timed_out(ctx: RunContext, started: float, log: Path) -> tuple[bool, float]:
+    """(past the layer's timeout or timeout_llu now, the log's mtime) by the agent's own clock."""
+    try:
+        mtime = log.stat().st_mtime
+    except OSError:
+        mtime = 0.0
+    now = time.time()
+    if ctx.timeout and now - started > ctx.timeout * 60:
+        return True, mtime
+    if ctx.timeout_llu and mtime and now - mtime > ctx.timeout_llu * 60:
+        return True, mtime
+    return False, mtime
 
 
 def _terminate(popen: subprocess.Popen[bytes], grace: float) -> None:
@@ -614,8 +685,14 @@ def _terminate(popen: subprocess.Popen[bytes], grace: float) -> None:
 
 
 def _exit_status(returncode: int) -> int:
-    """A signal death reads as the shell reports it (128 + signal)."""
+    """A signal death reads as the shell reports it (128 + signal): what the log and the frame show."""
     return 128 - returncode if returncode < 0 else returncode
+
+
+def _raw_exit(returncode: int) -> tuple[int, int]:
+    """(exit status, signal) as RQD reports them: a signal death is status 1 and the signal apart,
+    so the completion path tells a SIGKILL from a command that exited 137 (issue 29)."""
+    return (1, -returncode) if returncode < 0 else (returncode, 0)
 
 
 def run_frame(pk_proc: str, host: str, *, log_root: str | None = None) -> dict[str, Any]:
@@ -677,7 +754,7 @@ def _run(conn: psycopg.Connection, ctx: RunContext, root: Path, result: RunResul
             popen = subprocess.Popen(
                 argv,
                 stdin=subprocess.DEVNULL,
-                stdout=out,
+                stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 env=frame_env(ctx, chunk, log),
                 cwd=str(log.parent),
@@ -691,13 +768,30 @@ def _run(conn: psycopg.Connection, ctx: RunContext, root: Path, result: RunResul
             _report(conn, ctx, status, result)
             return
         result.ran = True
+        copier = threading.Thread(target=_copy_log, args=(popen.stdout, out), name=f"log-{ctx.pk_proc}", daemon=True)
+        copier.start()
         logger.info("agent %s: frame %s started (pid %d): %s", ctx.host, ctx.frame_name, popen.pid, command)
+        memory_every = conf.agent_memory_interval()
+        measured = time.monotonic()
+        peak = 0  # the run's max RSS (KB) over its samples: its completion carries it
         while True:
             try:
-                returncode = popen.wait(timeout=poll)
+                returncode = popen.wait(timeout=min(poll, memory_every))
                 break
             except subprocess.TimeoutExpired:
                 pass
+            if ctx.timeout or ctx.timeout_llu:
+                due, mtime = _timed_out(ctx, result.started_at, log)
+                if due:
+                    try:
+                        for _p, _f, kill in kills.mark_timeouts(conn, {ctx.pk_proc: mtime}):
+                            limit = "timeout" if kill == kills.KILL_TIMEOUT else "timeout_llu"
+                            out.write(f"=== killed: past the layer's {limit}\n".encode())
+                    except psycopg.Error as exc:
+                        logger.warning("agent %s: cannot mark the timeout of %s (%s)", ctx.host, ctx.pk_proc, exc)
+            if time.monotonic() - measured >= memory_every:
+                measured = time.monotonic()
+                peak = max(peak, _follow_memory(conn, ctx, popen.pid))
             state = _kill_state(conn, ctx.pk_proc)
             if state is None:
                 _terminate(popen, grace)
@@ -710,16 +804,39 @@ def _run(conn: psycopg.Connection, ctx: RunContext, root: Path, result: RunResul
                 _terminate(popen, grace)
                 result.killed = True
                 returncode = popen.wait()
-                out.write(f"=== killed: a kill of proc {ctx.pk_proc} was requested\n".encode())
+                why = "for memory: the host ran low and this frame was the furthest over its reservation (exit 33)"
+                reason = why if _kill_kind(conn, ctx.pk_proc) == KILL_MEMORY else "was requested"
+                out.write(f"=== killed: a kill of proc {ctx.pk_proc} {reason}\n".encode())
                 logger.info("agent %s: frame %s killed (a kill was requested)", ctx.host, ctx.frame_name)
                 break
+        copier.join(5)  # the frame's last lines land before the exit line
         result.stopped_at = time.time()
         status = _exit_status(returncode)
         out.write(
             f"=== exit status {status} after {result.stopped_at - result.started_at:.2f}s, "
             f"stopped {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n".encode()
         )
-    _report(conn, ctx, status, result)
+    _report(conn, ctx, status, result, raw=_raw_exit(returncode), max_rss=peak)
+
+
+def _follow_memory(conn: psycopg.Connection, ctx: RunContext, pid: int) -> int:
+    """Report the frame's RSS: its reservation follows it, or the host's memory kill picks it.
+    The report also raises the layer's and job's max RSS (dispatch.engine.memory). Returns the RSS."""
+    rss = tree_rss_kb(pid)
+    try:
+        follow_use(conn, ctx.pk_host, [Use(ctx.pk_proc, rss)])
+    except psycopg.Error as exc:
+        logger.warning("agent %s: memory report of proc %s failed (%s); retried", ctx.host, ctx.pk_proc, exc)
+    return rss
+
+
+def _kill_kind(conn: psycopg.Connection, pk_proc: str) -> str | None:
+    """The proc's kill mark (JOB, FRAME, MEMORY), None when gone or unreadable."""
+    try:
+        row = conn.execute(KILL_STATE_SQL, (pk_proc,)).fetchone()
+    except psycopg.Error:
+        return None
+    return None if row is None else row[1]
 
 
 def _kill_state(conn: psycopg.Connection, pk_proc: str) -> bool | None:
@@ -734,9 +851,21 @@ def _kill_state(conn: psycopg.Connection, pk_proc: str) -> bool | None:
     return None if row is None else bool(row[0])
 
 
-def _report(conn: psycopg.Connection, ctx: RunContext, status: int, result: RunResult) -> None:
-    """Write the end through the release path, on a fresh connection if the run's one broke."""
+def _report(
+    conn: psycopg.Connection,
+    ctx: RunContext,
+    status: int,
+    result: RunResult,
+    *,
+    raw: tuple[int, int] | None = None,
+    max_rss: int = 0,
+) -> None:
+    """Write the end through the release path, on a fresh connection if the run's one broke.
+
+    `status` is what the result shows (128 + signal for a signal death); `raw` is (exit status,
+    signal) as the completion path classifies them."""
     result.exit_status = status
+    exit_status, exit_signal = raw if raw is not None else (status, 0)
     spare: psycopg.Connection | None = None
     try:
         for attempt in range(1, 6):
@@ -745,7 +874,7 @@ def _report(conn: psycopg.Connection, ctx: RunContext, status: int, result: RunR
                     if spare is not None:
                         spare.close()
                     conn = spare = acct_db.connect(autocommit=True, application_name=f"cuesched-agent-{ctx.host}")
-                out = complete(conn, [Completion(ctx.pk_proc, status)])
+                out = complete(conn, [Completion(ctx.pk_proc, exit_status, exit_signal=exit_signal, max_rss=max_rss)])
                 result.states = dict(out.states)
                 logger.info("agent %s: frame %s exit %d -> %s", ctx.host, ctx.frame_name, status, out.states or "no-op")
                 return

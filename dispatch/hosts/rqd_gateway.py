@@ -15,7 +15,7 @@ paths our own agents use, on the gateway's own psycopg connections:
   back to WAITING, no retry counted), so each release is the proc delete's trigger, in the
   same transaction as the delete.
 * **ReportStatus** is the heartbeat: host_stat ping and free memory, each reported frame's
-  memory (RSS, max RSS) on its proc (never on the RUNNING frame row: see PROC_MEMORY_SQL).
+  memory (RSS, max RSS) on its proc (never on the RUNNING frame row: see dispatch.engine.memory).
   Then it reconciles: a frame RQD runs whose proc is gone (compensated, lost-host swept) or
   marked for a kill (dispatch.engine.kills) is killed on RQD; a proc of this host RQD no
   longer reports, booked more than `CUESCHED_RQD_ORPHAN_GRACE` seconds ago, is released the
@@ -25,21 +25,24 @@ paths our own agents use, on the gateway's own psycopg connections:
   keyed by proc (RQD's resource_id): the end of a run whose proc was marked for a kill is
   recorded as killed (the completion path reads the mark); a late report of a run whose proc
   is gone is a no-op; a report from
-  a host other than the proc's is refused (INVALID_ARGUMENT). A signal death reads as
-  128 + signal, as our agents report it.
+  a host other than the proc's is refused (INVALID_ARGUMENT). The exit status and signal go to
+  the completion path raw, as RQD sent them, which classifies memory failures and NIMBY kills
+  from them (the frame records a signal death as 128 + signal).
 
 RQD keys its frames by `frame_id` (our pk_frame) and reports `resource_id` (our pk_proc), as
 Cuebot sets them. The report handlers are plain functions of a connection, so the rqd launcher's
 active poll (`RqdLauncher.heartbeat`) applies a polled status report exactly as a pushed one.
 
-A database error answers UNAVAILABLE (RQD's client retries that code); bad input (a host
-unknown with no default allocation, a report without a host name, a value the database cannot
-hold such as a NUL byte) answers INVALID_ARGUMENT / FAILED_PRECONDITION with the reason, writes
-nothing, and the server goes on.
+A database error answers UNAVAILABLE (RQD's client retries that code), and so does a host that
+is unknown with no default allocation: it is listed in `cuesched_waiting_host` for an operator to
+admit (dispatch.hosts.waiting), since any other answer makes RQD 1.37 exit. Bad input (a report
+without a host name, a value the database cannot hold such as a NUL byte) answers
+INVALID_ARGUMENT / FAILED_PRECONDITION with the reason, writes nothing, and the server goes on.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import threading
@@ -56,11 +59,16 @@ from accounting import db as acct_db
 from dispatch import conf
 from dispatch.engine.completion import (
     EXIT_STATUS_DOWN_HOST,
+    EXIT_STATUS_NIMBY,
+    SIGTERM,
     Completion,
     CompletionResult,
     complete,
     complete_in_transaction,
 )
+from dispatch.engine.kills import mark_timeouts
+from dispatch.engine.memory import Use, follow_use
+from dispatch.hosts import waiting
 from dispatch.hosts.agent import CENTI, HostSpec, register_host
 
 logger = logging.getLogger(__name__)
@@ -165,19 +173,22 @@ UPDATE host_stat SET ts_ping = now(), int_mem_free = %(free)s, int_gpu_mem_free 
 WHERE pk_host = %(host)s
 """
 
-# Memory per running frame, KB, on its proc only (the procs of this host; max never goes down).
-# Never on the RUNNING frame row: the completion path finds that row by its version (ctid), so a
-# concurrent UPDATE of it would make a completion delete the proc and leave the frame RUNNING.
-# The frame gets its max RSS in the completion's own transaction (`report_completion`).
-PROC_MEMORY_SQL = """
-UPDATE proc p SET int_mem_used = m.rss, int_mem_max_used = GREATEST(p.int_mem_max_used, m.max_rss),
-  int_virt_used = m.vsize, int_virt_max_used = GREATEST(p.int_virt_max_used, m.max_vsize),
-  int_gpu_mem_used = m.gpu, int_gpu_mem_max_used = GREATEST(p.int_gpu_mem_max_used, m.max_gpu), ts_ping = now()
-FROM unnest(%(proc)s::text[], %(rss)s::bigint[], %(max_rss)s::bigint[], %(vsize)s::bigint[],
-            %(max_vsize)s::bigint[], %(gpu)s::bigint[], %(max_gpu)s::bigint[])
-     AS m(pk_proc, rss, max_rss, vsize, max_vsize, gpu, max_gpu)
-WHERE p.pk_proc = m.pk_proc AND p.pk_host = %(host)s
-RETURNING p.pk_proc
+# Cuebot's HostReportHandler.changeNimbyState: a host whose RQD reports its NIMBY lock (its owner
+# is using it) is NIMBY_LOCKED, so nothing is booked there (placement and the booking guard take
+# OPEN hosts only), and OPEN again once RQD reports it unlocked. An operator's LOCKED is left
+# alone either way. ts_last_updated moves so the scheduler's incremental host read sees it.
+NIMBY_SQL = """
+UPDATE host SET str_lock_state = CASE WHEN %(locked)s THEN 'NIMBY_LOCKED' ELSE 'OPEN' END,
+  b_nimby = %(enabled)s, ts_last_updated = now()
+WHERE pk_host = %(host)s
+  AND ((%(locked)s AND str_lock_state = 'OPEN') OR (NOT %(locked)s AND str_lock_state = 'NIMBY_LOCKED'))
+RETURNING str_lock_state
+"""
+# The change's audit row (dispatch.models.farm_actions), as an operator's host lock writes one.
+NIMBY_AUDIT_SQL = """
+INSERT INTO cuesched_farm_action (str_action, str_target_kind, str_target, str_target_name, int_changed, detail,
+                                  str_username)
+VALUES (%(action)s, 'host', %(host)s, %(name)s, 1, '{"source": "RQD NIMBY"}'::jsonb, 'rqd')
 """
 # Procs of the host that RQD did not report, booked long enough ago that their launch has landed.
 ORPHAN_PROCS_SQL = """
@@ -192,15 +203,15 @@ SELECT pk_proc, pk_frame, ts_kill IS NOT NULL FROM proc
 WHERE pk_host = %(host)s AND (pk_proc = ANY(%(procs)s::text[]) OR pk_frame = ANY(%(frames)s::text[]))
 """
 
-# The run's max RSS on the frame, after the release ended it, in the same transaction (the frame
-# row is already this transaction's: no version race with another completion).
+# The run's max GPU memory on the frame, after the release ended it, in the same transaction (the
+# frame row is already this transaction's: no version race with another completion). Its max RSS
+# travels in the Completion: the release writes it on the frame, layer_mem and job_mem.
 FRAME_OF_PROC_SQL = (
     "SELECT p.pk_frame, h.str_name, h.str_rqd_address FROM proc p JOIN host h ON h.pk_host = p.pk_host"
     " WHERE p.pk_proc = %s"
 )
 COMPLETION_MEMORY_SQL = """
-UPDATE frame SET int_mem_max_used = GREATEST(int_mem_max_used, %(max_rss)s),
-  int_gpu_mem_max_used = GREATEST(int_gpu_mem_max_used, %(max_gpu)s)
+UPDATE frame SET int_gpu_mem_max_used = GREATEST(int_gpu_mem_max_used, %(max_gpu)s)
 WHERE pk_frame = %(frame)s
 """
 
@@ -212,6 +223,7 @@ class StatusResult:
     to_kill: list[tuple[str, str]] = field(default_factory=list)  # (frame_id, resource_id)
     orphans_released: int = 0
     completion: CompletionResult | None = None
+    timed_out: list[tuple[str, str, str]] = field(default_factory=list)  # (pk_proc, pk_frame, kill)
 
 
 def _state_name(state: int) -> str:
@@ -257,9 +269,11 @@ def _register(
     if existing is None:
         alloc = conf.rqd_default_alloc() or None
         if alloc is None:
-            raise ReportError(
-                f"host {host.name!r} is unknown and CUESCHED_RQD_DEFAULT_ALLOC is not set: "
-                "set it, or register the host first"
+            # Never an answer that makes RQD exit: UNAVAILABLE, and listed for an operator.
+            waiting.record(conn, _spec(host, core, None), address)
+            raise waiting.HostWaiting(
+                f"host {host.name!r} is unknown and CUESCHED_RQD_DEFAULT_ALLOC is not set: it waits for an "
+                f"operator (manage.py rqd_hosts admit {host.name} --alloc ALLOC); RQD retries meanwhile"
             )
     pk_host = register_host(_spec(host, core, alloc), conn)
     if address is not None:
@@ -301,6 +315,17 @@ def _ping(conn: psycopg.Connection, pk_host: str, host: report_pb2.RenderHost) -
             "state": _state_name(host.state),
         },
     )
+    with conn.transaction():
+        row = conn.execute(
+            NIMBY_SQL, {"host": pk_host, "locked": bool(host.nimby_locked), "enabled": bool(host.nimby_enabled)}
+        ).fetchone()
+        if row is not None:
+            action = "nimby_lock" if host.nimby_locked else "nimby_unlock"
+            conn.execute(NIMBY_AUDIT_SQL, {"action": action, "host": pk_host, "name": host.name})
+    if row is not None:
+        logger.warning(
+            "rqd host %s: NIMBY %s; host %s", host.name, "locked" if host.nimby_locked else "unlocked", row[0]
+        )
 
 
 def report_startup(conn: psycopg.Connection, boot: report_pb2.BootReport, address: str | None) -> StatusResult:
@@ -343,21 +368,22 @@ def report_status(
     frames = list(report.frames)
     reported = [f.resource_id for f in frames if f.resource_id]
     if frames:
-        with conn.transaction(), conn.cursor() as cur:
-            cur.execute(
-                PROC_MEMORY_SQL,
-                {
-                    "host": pk_host,
-                    "proc": [f.resource_id for f in frames],
-                    "rss": [max(0, f.rss) for f in frames],
-                    "max_rss": [max(0, f.max_rss) for f in frames],
-                    "vsize": [max(0, f.vsize) for f in frames],
-                    "max_vsize": [max(0, f.max_vsize) for f in frames],
-                    "gpu": [max(0, f.used_gpu_memory) for f in frames],
-                    "max_gpu": [max(0, f.max_used_gpu_memory) for f in frames],
-                },
-            )
-            out.memory_rows = len(cur.fetchall())
+        # Memory per running frame, KB, on its proc only (never on the RUNNING frame row: the
+        # completion finds that row by its version); the reservations follow it, and a host
+        # running out of memory loses the frame furthest over its reservation.
+        followed = follow_use(
+            conn,
+            pk_host,
+            [
+                Use(f.resource_id, f.rss, f.max_rss, f.vsize, f.max_vsize, f.used_gpu_memory, f.max_used_gpu_memory)
+                for f in frames
+            ],
+        )
+        out.memory_rows = followed.recorded
+        # Timeouts from this report: run time from the booking, silence from RQD's llu_time (the
+        # log's mtime, epoch seconds). A run marked here is killed below with the marked ones.
+        llu = {f.resource_id: max(0, f.llu_time) for f in frames if f.resource_id}
+        out.timed_out = mark_timeouts(conn, llu, host=pk_host)
         rows = conn.execute(
             KNOWN_PROCS_SQL, {"host": pk_host, "procs": reported, "frames": [f.frame_id for f in frames]}
         ).fetchall()
@@ -387,9 +413,19 @@ def report_status(
     return out
 
 
-def exit_status_of(report: report_pb2.FrameCompleteReport) -> int:
-    """RQD reports a signal death as exit 1 and the signal apart; our agents report 128 + signal."""
-    return 128 + report.exit_signal if report.exit_signal > 0 else report.exit_status
+def completion_of(report: report_pb2.FrameCompleteReport) -> Completion:
+    """The raw end as RQD sent it (a signal death is exit 1 and the signal apart; the frame records
+    128 + signal). A frame RQD killed with SIGTERM while its host reports the NIMBY lock is a NIMBY
+    kill, as Cuebot's determineFrameState reads it: exit 286. `nimby` tells the completion path
+    that this RQD runs its NIMBY at all: RQD 1.37 reports the frames its lock kills before it sets
+    the lock flag (Nimby.__lock_host_for_rendering), so their reports say only "signal 9"."""
+    status, signal_ = report.exit_status, max(0, report.exit_signal)
+    if report.host.nimby_locked and signal_ == SIGTERM:
+        status = EXIT_STATUS_NIMBY
+    nimby = bool(report.host.nimby_enabled or report.host.nimby_locked)
+    return Completion(
+        report.frame.resource_id, status, exit_signal=signal_, nimby=nimby, max_rss=max(0, report.frame.max_rss)
+    )
 
 
 def report_completion(
@@ -413,11 +449,11 @@ def report_completion(
             raise ReportError(
                 f"host {report.host.name!r} reports the end of proc {frame.resource_id}, which runs on {row[1]!r}"
             )
-        result = complete_in_transaction(cur, [Completion(frame.resource_id, exit_status_of(report))])
-        if row is not None and result.released:
+        result = complete_in_transaction(cur, [completion_of(report)])
+        if row is not None and result.released and frame.max_used_gpu_memory > 0:
             cur.execute(
                 COMPLETION_MEMORY_SQL,
-                {"frame": row[0], "max_rss": max(0, frame.max_rss), "max_gpu": max(0, frame.max_used_gpu_memory)},
+                {"frame": row[0], "max_gpu": max(0, frame.max_used_gpu_memory)},
             )
     logger.info(
         "rqd host %s: frame %s exit %d signal %d after %ds -> %s",
@@ -446,7 +482,14 @@ class ReportServicer(report_pb2_grpc.RqdReportInterfaceServicer):
     def __init__(self, clients: RqdClients | None = None) -> None:
         self._local = _Connections()
         self.clients = clients or RqdClients()
-        self.counts: dict[str, int] = {"startup": 0, "status": 0, "completion": 0, "errors": 0, "killed": 0}
+        self.counts: dict[str, int] = {
+            "startup": 0,
+            "status": 0,
+            "completion": 0,
+            "errors": 0,
+            "killed": 0,
+            "waiting": 0,
+        }
         self._counts_lock = threading.Lock()
         self._all: list[psycopg.Connection] = []  # every worker's, to close them at stop
         # Stray kills leave the report's worker: a wedged RQD would hold it for the timeout per
@@ -471,6 +514,10 @@ class ReportServicer(report_pb2_grpc.RqdReportInterfaceServicer):
     def _run(self, context: grpc.ServicerContext, what: str, fn: Any) -> Any:
         try:
             return fn(self._conn())
+        except waiting.HostWaiting as exc:
+            self._count("waiting")
+            logger.warning("rqd gateway: %s: %s", what, exc)
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except ReportError as exc:
             self._count("errors")
             logger.warning("rqd gateway: %s refused: %s", what, exc)
@@ -574,7 +621,12 @@ def start_gateway(
     bind = conf.rqd_gateway_bind() if bind is None else bind
     port = conf.rqd_gateway_port() if port is None else port
     servicer = ReportServicer()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rqd-gateway"))
+    # No SO_REUSEPORT (grpc's default): a second server on the port would be handed some of the
+    # render nodes' connections. The second one fails to start instead.
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rqd-gateway"),
+        options=[("grpc.so_reuseport", 0)],
+    )
     report_pb2_grpc.add_RqdReportInterfaceServicer_to_server(servicer, server)
     target = f"{bind}:{port}"
     cert, key = tls if tls is not None else (conf.rqd_gateway_tls_cert(), conf.rqd_gateway_tls_key())
@@ -583,9 +635,13 @@ def start_gateway(
             raise ValueError("TLS needs both CUESCHED_RQD_GATEWAY_TLS_CERT and CUESCHED_RQD_GATEWAY_TLS_KEY")
         with open(cert, "rb") as c, open(key, "rb") as k:
             creds = grpc.ssl_server_credentials([(k.read(), c.read())])
-        bound = server.add_secure_port(target, creds)
+        add = functools.partial(server.add_secure_port, target, creds)
     else:
-        bound = server.add_insecure_port(target)
+        add = functools.partial(server.add_insecure_port, target)
+    try:
+        bound = add()
+    except RuntimeError:  # grpc 1.85 raises where older releases returned 0
+        bound = 0
     if not bound:
         raise OSError(f"cannot listen on {target}")
     server.start()

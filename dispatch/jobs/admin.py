@@ -1,7 +1,7 @@
 """Job controls in the admin, and the admin pages of the depend and API token tables.
 
 `JOB_ACTIONS` are the change-list actions of `JobAdmin` (pause, resume, kill, retry, eat):
-each calls `dispatch.jobs.actions` once per selected job, one transaction each, as the API and the
+each calls `dispatch.jobs.controls` once per selected job, one transaction each, as the API and the
 `job` command do. Importing this module (dispatch.admin does) registers the two admins.
 """
 
@@ -13,13 +13,14 @@ from django.contrib import admin, messages
 from django.db.models import Model, QuerySet
 from django.http import HttpRequest
 
-from dispatch.jobs import actions as job_actions
+from dispatch.jobs.action_base import JobActionResult
+from dispatch.jobs.controls import eat_frames, kill_job, pause_job, resume_job, retry_frames
 from dispatch.models import ApiToken, Depend, Job
 
 AdminAction = Callable[[admin.ModelAdmin, HttpRequest, QuerySet[Job]], None]
 
 
-def _job_action(run: Callable[..., job_actions.JobActionResult], label: str, done: str) -> AdminAction:
+def _job_action(run: Callable[..., JobActionResult], label: str, done: str) -> AdminAction:
     def action(modeladmin: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Job]) -> None:
         jobs = list(queryset.select_related(None).only("pk_job", "str_name"))
         total = sum(run(job, actor=request.user).changed for job in jobs)
@@ -30,11 +31,11 @@ def _job_action(run: Callable[..., job_actions.JobActionResult], label: str, don
 
 
 JOB_ACTIONS: list[AdminAction] = [
-    _job_action(job_actions.pause_job, "Pause the selected jobs", "Jobs paused"),
-    _job_action(job_actions.resume_job, "Resume the selected jobs", "Jobs resumed"),
-    _job_action(job_actions.kill_job, "Kill the selected jobs (their running frames are killed)", "Frames moved"),
-    _job_action(job_actions.retry_frames, "Retry the DEAD frames of the selected jobs", "Frames to retry"),
-    _job_action(job_actions.eat_frames, "Eat the waiting, dead and depending frames", "Frames eaten"),
+    _job_action(pause_job, "Pause the selected jobs", "Jobs paused"),
+    _job_action(resume_job, "Resume the selected jobs", "Jobs resumed"),
+    _job_action(kill_job, "Kill the selected jobs (their running frames are killed)", "Frames moved"),
+    _job_action(retry_frames, "Retry the DEAD frames of the selected jobs", "Frames to retry"),
+    _job_action(eat_frames, "Eat the waiting, dead and depending frames", "Frames eaten"),
 ]
 
 

@@ -15,10 +15,17 @@ full contract with examples is docs/api.md):
 | POST | /api/jobs/<id or name>/retry, eat | none, or {"frames": [names or ids], "layer": name} | 200 |
 | POST | /api/jobs/<id or name>/priority | {"priority": n} | 200 |
 | POST | /api/jobs/<id or name>/max-cores | {"max_cores": whole cores, -1 unlimited, 0 with "confirm": true} | 200 |
+| POST | /api/jobs/<id or name>/depend, undepend | {"on_job", "on_layer", "layer", "type"} | 200 |
 | GET | /api/limits | | 200 {"limits": [{"id", "name", "max", "host_limit", "running", ...}]} |
 | POST | /api/limits | {"name": ..., "max": n (-1 unlimited), "host_limit": false} | 201 the limit |
 | GET | /api/limits/<id or name> | | 200 the limit and its use |
 | POST | /api/limits/<id or name> | {"max": n} and/or {"host_limit": bool} | 200 the limit, "changed", "warnings" |
+| GET | /api/services | | 200 {"services": [{"id", "name", "cores", "memory", "tags", "timeout", ...}]} |
+| POST | /api/services | {"name", "threadable", "cores", "memory": "8GB", "tags", ...} | 201 the service |
+| GET, POST, DELETE | /api/services/<id or name> | POST: the fields to change | 200 the service ("changed") |
+| GET | /api/shows/<id or name>/services | | 200 {"show", "services": [the show's overrides]} |
+| POST | /api/shows/<id or name>/services | {"name": service, fields over the service's} | 201 the override |
+| GET, POST, DELETE | /api/shows/<show>/services/<id or service name> | POST: the fields to change | 200 |
 
 A page is `{"count", "limit", "offset", "next", "previous", "results"}` (`next` and `previous`
 are the URLs of the neighbouring pages, or null), in a stable order so that paging through a
@@ -35,7 +42,9 @@ Who may do what: any active user with a token may submit (as themselves; as anot
 only with the rights below) and read jobs; a user controls their own jobs
 (job.str_user == username); staff and holders of `dispatch.change_job` control any job.
 Licence limits are read by any token user and created or changed by holders of
-`ops.edit_caps` (the console's cap editors): a limit is a cap of every show.
+`ops.edit_caps` (the console's cap editors): a limit is a cap of every show. Services and the
+shows' overrides of them likewise (ops.service_actions: every change audited): a service sets
+what every layer naming it books.
 
 Only token authentication is accepted (session cookies are ignored), so the views are
 CSRF-exempt: a bearer token is never sent by a browser on its own.
@@ -58,9 +67,21 @@ from django.views.decorators.csrf import csrf_exempt
 
 from accounting import actions as cap_actions
 from accounting.units import centicores_to_cores_cap, gpus_cap
-from dispatch.jobs import actions
 from dispatch.jobs import logs as frame_logs
-from dispatch.jobs.spec import SpecError, load_spec
+from dispatch.jobs.action_base import JobActionResult, JobNotFound, resolve_job
+from dispatch.jobs.controls import (
+    eat_frames,
+    kill_job,
+    pause_job,
+    resume_job,
+    retry_frames,
+    set_max_cores,
+    set_priority,
+)
+from dispatch.jobs.depends import add_depend, drop_depend
+from dispatch.jobs.plan import SpecError
+from dispatch.jobs.spec import load_spec
+from dispatch.jobs.submit import submit_job
 from dispatch.jobs.tokens import user_for_token
 from dispatch.models import Frame, Job, JobResource, JobStat, Layer, LayerStat, LimitRecord, Proc
 from dispatch.models.jobs import FRAME_STATES, JOB_STATES
@@ -90,10 +111,22 @@ ROUTES = (
     "POST /api/jobs/<job>/eat",
     "POST /api/jobs/<job>/priority",
     "POST /api/jobs/<job>/max-cores",
+    "POST /api/jobs/<job>/depend",
+    "POST /api/jobs/<job>/undepend",
     "GET /api/limits",
     "POST /api/limits",
     "GET /api/limits/<limit>",
     "POST /api/limits/<limit>",
+    "GET /api/services",
+    "POST /api/services",
+    "GET /api/services/<service>",
+    "POST /api/services/<service>",
+    "DELETE /api/services/<service>",
+    "GET /api/shows/<show>/services",
+    "POST /api/shows/<show>/services",
+    "GET /api/shows/<show>/services/<service>",
+    "POST /api/shows/<show>/services/<service>",
+    "DELETE /api/shows/<show>/services/<service>",
 )
 
 
@@ -130,7 +163,7 @@ def _authenticate(request: HttpRequest) -> AbstractBaseUser:
     return user
 
 
-def _body(request: HttpRequest, *, required: bool) -> dict[str, Any]:
+def json_body(request: HttpRequest, *, required: bool) -> dict[str, Any]:
     if not request.body.strip():
         if required:
             raise ApiError(400, "the request body is empty: send a JSON object")
@@ -167,7 +200,7 @@ def unexpected_error(request: HttpRequest, exc: BaseException) -> JsonResponse:
     return error_response(ApiError(500, f"internal error ({type(exc).__name__}); the server log has the details"))
 
 
-def _api(*methods: str) -> Callable[[Callable[..., JsonResponse]], Callable[..., JsonResponse]]:
+def api_view(*methods: str) -> Callable[[Callable[..., JsonResponse]], Callable[..., JsonResponse]]:
     """Method check, token authentication and the error format, around one view."""
 
     def deco(view: Callable[..., JsonResponse]) -> Callable[..., JsonResponse]:
@@ -193,8 +226,8 @@ def _api(*methods: str) -> Callable[[Callable[..., JsonResponse]], Callable[...,
 
 def _job(ref: str) -> Job:
     try:
-        return actions.resolve_job(ref)
-    except actions.JobNotFound as exc:
+        return resolve_job(ref)
+    except JobNotFound as exc:
         raise ApiError(404, str(exc)) from None
 
 
@@ -204,7 +237,7 @@ def not_found(request: HttpRequest, *args: Any, **kwargs: Any) -> JsonResponse:
     return error_response(ApiError(404, f"no API route {request.path!r}; routes: {', '.join(ROUTES)}"))
 
 
-@_api("GET", "POST")
+@api_view("GET", "POST")
 def jobs(request: HttpRequest, user: AbstractBaseUser) -> JsonResponse:
     """/api/jobs: GET lists jobs, POST submits one."""
     if request.method == "POST":
@@ -214,19 +247,19 @@ def jobs(request: HttpRequest, user: AbstractBaseUser) -> JsonResponse:
 
 def submit(request: HttpRequest, user: AbstractBaseUser) -> JsonResponse:
     """POST /api/jobs: validate and write a job spec."""
-    spec = _body(request, required=True)
+    spec = json_body(request, required=True)
     username = user.get_username()
     owner = spec.get("user")
     if isinstance(owner, str) and owner != username and not may_control_any(user):
         raise ApiError(403, f"user {username!r} may not submit jobs as {owner!r}")
     try:
-        result = actions.submit_job(spec, user=username, actor=user)
+        result = submit_job(spec, user=username, actor=user)
     except SpecError as exc:
         raise ApiError(400, *exc.errors) from None
     return JsonResponse({"job": result.job_id, "name": result.name, "frames": result.frames}, status=201)
 
 
-@_api("GET")
+@api_view("GET")
 def job_detail(request: HttpRequest, user: AbstractBaseUser, ref: str) -> JsonResponse:
     """GET /api/jobs/<id or name>: the job's state, counters and caps, per layer too."""
     job = _job(ref)
@@ -365,7 +398,7 @@ def summarize_job(job: Job) -> dict[str, Any]:
     }
 
 
-@_api("GET")
+@api_view("GET")
 def job_layers(request: HttpRequest, user: AbstractBaseUser, ref: str) -> JsonResponse:
     """GET /api/jobs/<id or name>/layers: the job's layers in dispatch order, with frame counts."""
     job = _job(ref)
@@ -375,7 +408,7 @@ def job_layers(request: HttpRequest, user: AbstractBaseUser, ref: str) -> JsonRe
     return _page(request, rows, limit, offset, lambda layer: describe_layer(layer, stats.get(layer.pk_layer)))
 
 
-@_api("GET")
+@api_view("GET")
 def job_frames(request: HttpRequest, user: AbstractBaseUser, ref: str) -> JsonResponse:
     """GET /api/jobs/<id or name>/frames: the job's frames by layer then number, by layer and state."""
     job = _job(ref)
@@ -435,7 +468,7 @@ def log_response(log: frame_logs.FrameLog, offset: int) -> HttpResponse:
     return response
 
 
-@_api("GET")
+@api_view("GET")
 def frame_log(request: HttpRequest, user: AbstractBaseUser, ref: str, frame_ref: str) -> HttpResponse:
     """GET /api/jobs/<job>/frames/<frame>/log[?offset=N]: the log as text/plain, from byte N."""
     job = _job(ref)
@@ -522,35 +555,56 @@ def _one_field(body: dict[str, Any], key: str) -> Any:
     return body[key]
 
 
-def _set_max_cores(job: Job, body: dict[str, Any], user: AbstractBaseUser) -> actions.JobActionResult:
+DEPEND_FIELDS = {"on_job", "on_layer", "layer", "type"}
+
+
+def _depend(job: Job, body: dict[str, Any], user: AbstractBaseUser, *, drop: bool) -> JobActionResult:
+    """{"on_job": J, "on_layer": L, "layer": L, "type": "job" | "layer" | "frame"}: `on_job` required."""
+    unknown = sorted(set(body) - DEPEND_FIELDS)
+    if unknown:
+        raise ApiError(400, f"unknown field(s) {', '.join(unknown)}: expected {', '.join(sorted(DEPEND_FIELDS))}")
+    if not isinstance(body.get("on_job"), str) or not body["on_job"]:
+        raise ApiError(400, '"on_job" (the job to wait for, by id or name) is required')
+    for key in ("on_layer", "layer", "type"):
+        if body.get(key) is not None and not isinstance(body[key], str):
+            raise ApiError(400, f'"{key}" must be a string')
+    run = drop_depend if drop else add_depend
+    return run(
+        job, body["on_job"], layer=body.get("layer"), on_layer=body.get("on_layer"), kind=body.get("type"), actor=user
+    )
+
+
+def _set_max_cores(job: Job, body: dict[str, Any], user: AbstractBaseUser) -> JobActionResult:
     """{"max_cores": N}; 0 books nothing and needs {"max_cores": 0, "confirm": true} (one meaning of 0)."""
     confirm = body.get("confirm", False)
     if not isinstance(confirm, bool):
         raise ApiError(400, '"confirm" must be true or false')
     fields = {k: v for k, v in body.items() if k != "confirm"}
-    return actions.set_max_cores(job, _one_field(fields, "max_cores"), actor=user, confirm_stop=confirm)
+    return set_max_cores(job, _one_field(fields, "max_cores"), actor=user, confirm_stop=confirm)
 
 
-ACTIONS: dict[str, Callable[[Job, dict[str, Any], AbstractBaseUser], actions.JobActionResult]] = {
-    "pause": lambda job, body, user: actions.pause_job(job, actor=user),
-    "resume": lambda job, body, user: actions.resume_job(job, actor=user),
-    "kill": lambda job, body, user: actions.kill_job(job, actor=user),
-    "retry": lambda job, body, user: actions.retry_frames(job, actor=user, **_frames_args(body)),
-    "eat": lambda job, body, user: actions.eat_frames(job, actor=user, **_frames_args(body)),
-    "priority": lambda job, body, user: actions.set_priority(job, _one_field(body, "priority"), actor=user),
+ACTIONS: dict[str, Callable[[Job, dict[str, Any], AbstractBaseUser], JobActionResult]] = {
+    "pause": lambda job, body, user: pause_job(job, actor=user),
+    "resume": lambda job, body, user: resume_job(job, actor=user),
+    "kill": lambda job, body, user: kill_job(job, actor=user),
+    "retry": lambda job, body, user: retry_frames(job, actor=user, **_frames_args(body)),
+    "eat": lambda job, body, user: eat_frames(job, actor=user, **_frames_args(body)),
+    "priority": lambda job, body, user: set_priority(job, _one_field(body, "priority"), actor=user),
     "max-cores": lambda job, body, user: _set_max_cores(job, body, user),
+    "depend": lambda job, body, user: _depend(job, body, user, drop=False),
+    "undepend": lambda job, body, user: _depend(job, body, user, drop=True),
 }
 _NO_BODY = {"pause", "resume", "kill"}
-_BODY_REQUIRED = {"priority", "max-cores"}
+_BODY_REQUIRED = {"priority", "max-cores", "depend", "undepend"}
 
 
-@_api("POST")
+@api_view("POST")
 def job_action(request: HttpRequest, user: AbstractBaseUser, ref: str, action: str) -> JsonResponse:
     """POST /api/jobs/<id or name>/<action>: one control, if the user may control the job."""
     run = ACTIONS.get(action)
     if run is None:
         raise ApiError(404, f"unknown action {action!r} (actions: {', '.join(ACTIONS)})")
-    body = _body(request, required=action in _BODY_REQUIRED)
+    body = json_body(request, required=action in _BODY_REQUIRED)
     if action in _NO_BODY and body:
         raise ApiError(400, f"{action} takes no fields")
     job = _job(ref)
@@ -583,13 +637,13 @@ def _may_edit_limits(user: AbstractBaseUser) -> None:
         raise ApiError(403, f"user {user.get_username()!r} may not change licence limits (needs ops.edit_caps)")
 
 
-@_api("GET", "POST")
+@api_view("GET", "POST")
 def limits(request: HttpRequest, user: AbstractBaseUser) -> JsonResponse:
     """GET /api/limits: every limit and its use; POST: create one (audited like a cap change)."""
     if request.method == "GET":
         return JsonResponse({"limits": cap_actions.limit_use()})
     _may_edit_limits(user)
-    body = _body(request, required=True)
+    body = json_body(request, required=True)
     unknown = set(body) - LIMIT_FIELDS
     if unknown:
         raise ApiError(400, f"unknown fields {sorted(unknown)} (fields: {sorted(LIMIT_FIELDS)})")
@@ -602,14 +656,14 @@ def limits(request: HttpRequest, user: AbstractBaseUser) -> JsonResponse:
     return JsonResponse(_limit_row(result.target), status=201)
 
 
-@_api("GET", "POST")
+@api_view("GET", "POST")
 def limit_detail(request: HttpRequest, user: AbstractBaseUser, ref: str) -> JsonResponse:
     """GET /api/limits/<id or name>: one limit; POST {"max"} / {"host_limit"}: change it."""
     row = _limit_row(ref)
     if request.method == "GET":
         return JsonResponse(row)
     _may_edit_limits(user)
-    body = _body(request, required=True)
+    body = json_body(request, required=True)
     if not body or set(body) - {"max", "host_limit"}:
         raise ApiError(400, 'send {"max": <whole number, -1 unlimited>} and/or {"host_limit": true | false}')
     try:

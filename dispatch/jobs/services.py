@@ -1,10 +1,11 @@
-"""Cuebot's service defaults for a layer, applied by cuesched's submit on an adopted Cuebot database.
+"""Cuebot's service defaults for a layer, on every database: Cuebot's and cuesched's own.
 
-Why: beside Cuebot, a show's layers get their defaults from Cuebot's `service` table and the
-show's `show_service` overrides (a show that renders "arnold" with 16 GB by default). A job
-submitted through cuesched to a show flipped to it must get the same layer as Cuebot's JobSpec
-would build, or the same spec books differently depending on who took it. cuesched's own schema
-has no service tables: there a layer keeps cuesched's spec defaults and only records the names.
+Why: a show's layers get their defaults from Cuebot's `service` table and the show's
+`show_service` overrides (a show that renders "arnold" with 16 GB by default). A job submitted
+through cuesched must get the same layer as Cuebot's JobSpec would build, or the same spec books
+differently depending on who took it. cuesched's own schema has the same two tables
+(dispatch.models.services, migration 0040_services_tables) seeded with Cuebot's default services
+(0041_services_seed), so the resolution below is one code path everywhere.
 
 Cuebot's rules, from OpenCue cuebot/src/main/java/com/imageworks/spcue/:
 - service/JobSpec.determineResourceDefaults: of the layer's service names (empty ones and
@@ -21,6 +22,15 @@ Cuebot's rules, from OpenCue cuebot/src/main/java/com/imageworks/spcue/:
 - ServiceDaoJdbc.splitTags: the service's tags split on " | ", spaces removed; LayerDaoJdbc
   writes the layer's services joined by ",".
 
+A layer that names no service gets the `default` service, as in Cuebot, on every database: the
+layer is recorded as `default`, the console's Services page shows what that sets, and an
+operator who edits `default` changes what such layers book. cuesched seeds its own `default`
+(threadable, 4 GB, no tags), not Cuebot's (3.2 GB, not threadable, "general | desktop"): its
+allocations are tagged with their own names, not Cuebot's `general`, so Cuebot's tags would
+leave every untagged layer unbookable. A service with no tags leaves a layer without tags to
+the submit, which gives it the tags of the show's allocations. The spec's own defaults are the
+same values, the fallback of a database with no `default` row (the actions refuse to delete it).
+
 This module reads the services; the job spec (dispatch/jobs/spec.py) applies the primary
 service to its layer plans, so the import runs one way: spec -> services.
 """
@@ -32,8 +42,6 @@ from dataclasses import dataclass
 from django.db import connection
 
 DEFAULT_SERVICE = "default"  # JobSpec.DEFAULT_SERVICE
-
-HAS_SERVICES_SQL = "SELECT to_regclass('service') IS NOT NULL AND to_regclass('show_service') IS NOT NULL"
 
 _COLUMNS = (
     "{t}.str_name, {t}.b_threadable, {t}.int_cores_min, {t}.int_cores_max, {t}.int_mem_min, {t}.int_gpus_min, "
@@ -72,13 +80,6 @@ def _service(row: tuple | None) -> Service | None:
     return Service(
         name, threadable, cores_min, cores_max, mem, gpus_min, gpus_max, gpu_mem, [t for t in split if t], timeout, llu
     )
-
-
-def has_services() -> bool:
-    """Cuebot's service tables are in the database (the submit's own, Django's connection)."""
-    with connection.cursor() as cur:
-        cur.execute(HAS_SERVICES_SQL)
-        return bool(cur.fetchone()[0])
 
 
 def primary_service(names: list[str], show: str) -> tuple[Service | None, list[str]]:

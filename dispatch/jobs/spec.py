@@ -28,14 +28,21 @@ has a default:
 * `priority`: the folder's job priority if it sets one, else 1; `max_retries`: 3;
 * `max_cores` (whole cores) / `max_gpus`: the folder's job caps if it sets them, else the
   show's `int_default_max_cores` / `int_default_max_gpus`; -1 means unlimited;
-* layer `chunk_size` 1, `cores` 1 (whole cores, >= 1), `memory` "4GB", `gpus` 0,
+* layer `chunk_size` 1, `cores` 1 (whole cores; 0 the whole host, -N all but N; a threadable
+  frame may book more, its memory's share of the host: dispatch.engine.sizing), `max_cores` 0
+  (none), `memory` "4GB", `gpus` 0,
   `gpu_memory` "0GB", `threadable` true, `depends` none;
 * layer `tags` (a list, or one string joined by `|`): the tags of the allocations the show
   subscribes to in the job's facility, so the layer can run on any host the show may use;
-* layer `services` (a list of service names, first that exists wins): none. On a Cuebot
-  database the layer's unset fields (cores, memory, GPUs, GPU memory, tags, threadable) come
-  from the show's override of that service, else the service, else Cuebot's `default` service,
-  as Cuebot's own submit sets them (dispatch.jobs.services); an explicit field wins;
+* layer `services` (a list of service names, first that exists wins): none. The layer's unset
+  fields (cores, memory, GPUs, GPU memory, tags, threadable, timeouts) come from the show's
+  override of that service, else the service, else Cuebot's `default` service, as Cuebot's own
+  submit sets them (dispatch.jobs.services); an explicit field wins. A layer naming no service
+  gets the `default` service too, which cuesched seeds with the defaults above (no tags: the
+  allocations' tags); they are also the fallback of a database without a `default` row;
+* layer `timeout` and `timeout_llu` (whole minutes, 0 none): the service's, else 0.
+  A frame running longer than `timeout`, or whose log is silent longer than
+  `timeout_llu`, is killed and DEAD (not retried);
 * layer `limits` (a list of licence limit names, e.g. `["arnold"]`): none. Every frame of the
   layer holds one of each while it runs (one per host for a host limit); a frame starts only
   when every limit has room. Each name must be an existing limit: none is created here.
@@ -44,6 +51,10 @@ Memory takes a unit (KB, MB, GB, TB, binary: 1GB = 1024 MB; "1.5GB" is fine): a 
 is an error, since MB-versus-KB mistakes are the costliest kind. A dependency is
 `{"layer": NAME, "type": "frame" | "layer"}`: `frame` (frame by frame) lets frame N start once
 the other layer's frame N is done; `layer` waits for the whole other layer (dispatch.models.depends).
+With `"job": NAME` the layer is another job's (`{"job": J, "layer": L, "type": "frame" | "layer"}`),
+and `{"job": J, "type": "job"}` waits for the whole job J (Cuebot's LAYER_ON_JOB). J is looked up
+by name, in any state: an unknown job or layer is an error; a dependency on a job already FINISHED
+(or a layer or frame already done) is written satisfied and holds nothing.
 
 Validation reports every error at once, each naming its field, and writes nothing.
 """
@@ -53,15 +64,21 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from django.db import connection
-
-from dispatch.jobs import services as cuebot_services
 from dispatch.jobs.frameset import Chunk, FrameRangeError, chunk_frames, parse_frames
-from dispatch.models import Dept, Facility, Folder, Job, LimitRecord, Show
-from dispatch.models.depends import FRAME_BY_FRAME, LAYER_ON_LAYER
+from dispatch.jobs.plan import DependPlan, JobPlan, LayerPlan, SpecError
+from dispatch.jobs.spec_lookup import (
+    alloc_tags,
+    apply_service_defaults,
+    one_by_name,
+    resolve_folder,
+    resolve_limits,
+    resolve_other_jobs,
+)
+from dispatch.models import Dept, Facility, Job, Show
+from dispatch.models.depends import FRAME_BY_FRAME, LAYER_ON_JOB, LAYER_ON_LAYER
 
 CENTICORES_PER_CORE = 100
 UNLIMITED = -1
@@ -78,7 +95,7 @@ USER_RE = re.compile(r"^[A-Za-z0-9_.@+\-]+$")
 TAG_RE = re.compile(r"^[^|\s]+$")
 _MEMORY_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT])(?:i?B)?\s*$", re.IGNORECASE)
 
-DEPEND_KINDS = {"frame": FRAME_BY_FRAME, "layer": LAYER_ON_LAYER}
+DEPEND_KINDS = {"frame": FRAME_BY_FRAME, "layer": LAYER_ON_LAYER, "job": LAYER_ON_JOB}
 
 JOB_KEYS = {
     "show": "show name (required)",
@@ -95,13 +112,18 @@ JOB_KEYS = {
     "max_cores": "job core cap (whole cores, -1 unlimited)",
     "max_gpus": "job GPU cap (-1 unlimited)",
     "paused": "submit paused",
+    "email": "who to mail about the job (recorded; cuesched sends no mail)",
+    "env": "environment variables of every frame (name -> string)",
+    "uid": "the owner's numeric user id (RQD's RunFrame.uid)",
 }
 LAYER_KEYS = {
     "name",
+    "type",
     "command",
     "range",
     "chunk_size",
     "cores",
+    "max_cores",
     "memory",
     "gpus",
     "gpu_memory",
@@ -110,88 +132,30 @@ LAYER_KEYS = {
     "depends",
     "limits",
     "services",
+    "timeout",
+    "timeout_llu",
+    "env",
 }
+# Cuebot's LayerType a layer may be submitted as; a Post layer is a job of its own in Cuebot.
+LAYER_TYPES = ("Render", "Util")
+EMAIL_RE = re.compile(r"^[^\s@]+@[^\s@]+$")
 SERVICE_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,36}$")  # Cuebot's service.str_name is VARCHAR(36)
 MAX_SERVICES_LEN = 128  # layer.str_services
 # The layer fields a Cuebot service fills in when the spec leaves them out.
-SERVICE_FIELDS = ("cores", "memory", "gpus", "gpu_memory", "tags", "threadable")
-DEPEND_KEYS = {"layer", "type"}
-
-
-class SpecError(Exception):
-    """The spec cannot be submitted; `errors` lists every reason, one message each."""
-
-    def __init__(self, errors: list[str]) -> None:
-        super().__init__("; ".join(errors))
-        self.errors = errors
-
-
-@dataclass(frozen=True)
-class DependPlan:
-    on: str  # the layer depended on
-    kind: str  # LAYER_ON_LAYER or FRAME_BY_FRAME
-
-
-@dataclass
-class LayerPlan:
-    """A validated layer, in database units (centicores, KB)."""
-
-    name: str
-    command: str
-    range: str
-    chunk_size: int
-    cores: int
-    memory: int
-    gpus: int
-    gpu_memory: int
-    tags: list[str]
-    threadable: bool
-    depends: list[DependPlan]
-    chunks: list[Chunk]
-    order: int  # int_dispatch_order, 1-based in spec order
-    # Licence limits by name (limit_record.str_name); resolved to ids in `limit_ids`.
-    limits: list[str] = field(default_factory=list)
-    limit_ids: list[str] = field(default_factory=list)
-    # Service names (Cuebot's str_services), the SERVICE_FIELDS the spec set, and what only a
-    # Cuebot service sets (0: none).
-    services: list[str] = field(default_factory=list)
-    explicit: frozenset[str] = frozenset()
-    cores_max: int = 0
-    gpus_max: int = 0
-    timeout: int = 0
-    timeout_llu: int = 0
-
-    @property
-    def str_tags(self) -> str:
-        return " | ".join(self.tags)
-
-    @property
-    def str_services(self) -> str:
-        return ",".join(self.services) or "default"
-
-
-@dataclass
-class JobPlan:
-    """A validated job, its rows resolved; what `actions.submit_job` writes."""
-
-    name: str
-    user: str
-    show: Show
-    folder: Folder
-    facility: Facility
-    dept: Dept
-    shot: str
-    priority: int
-    max_retries: int
-    os: str | None
-    max_cores: int  # centicores, -1 unlimited
-    max_gpus: int
-    paused: bool
-    layers: list[LayerPlan] = field(default_factory=list)
-
-    @property
-    def frame_count(self) -> int:
-        return sum(len(layer.chunks) for layer in self.layers)
+SERVICE_FIELDS = ("cores", "memory", "gpus", "gpu_memory", "tags", "threadable", "timeout", "timeout_llu")
+# Timeouts in whole minutes, as Cuebot's job spec (<timeout>, <timeout_llu>); 0 is none. At most
+# 30 days: a frame that may run longer has no timeout worth the name.
+MAX_TIMEOUT_MINUTES = 30 * 24 * 60
+DEPEND_KEYS = {"job", "layer", "type"}
+# `env` (job and layer): Cuebot's job_env / layer_env hold keys and values of up to 2048
+# characters; a name is a POSIX environment variable name, and one map's text stays well under
+# the kernel's limits for a process's environment.
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+MAX_ENV_VARS = 256
+MAX_ENV_NAME = 256
+MAX_ENV_VALUE = 2048
+MAX_ENV_BYTES = 64 * 1024
+MAX_UID = 2**31 - 1  # RunFrame.uid is an int32
 
 
 def load_spec(text: str | bytes) -> dict[str, Any]:
@@ -293,6 +257,29 @@ def _allowed(pattern: re.Pattern[str]) -> str:
     return {NAME_RE.pattern: "_ . -", USER_RE.pattern: "_ . @ + -"}.get(pattern.pattern, "no spaces")
 
 
+def _cores(reader: _Reader) -> int | None:
+    """A layer's `cores`: N >= 1 whole cores, 0 the whole host, -N all but N of the host's cores.
+
+    A fraction is refused, not rounded: cuesched books whole cores, and a silent round would
+    charge the show something the spec did not say (dispatch.engine.sizing books the rest).
+    """
+    value = reader.data.get("cores")
+    if isinstance(value, float) and not value.is_integer():
+        reader.error(
+            "cores",
+            f"{value!r} is a fraction of a core, which cuesched cannot book: give whole cores "
+            "(N >= 1, 0 for the whole host, -N for all but N of the host's cores)",
+        )
+        return None
+    return reader.integer(
+        "cores",
+        1,
+        low=-(MAX_CORES - 1),
+        high=MAX_CORES,
+        hint=f"must be a whole number of cores from 1 to {MAX_CORES}, 0 (the whole host) or -N (all but N)",
+    )
+
+
 def _cap(reader: _Reader, key: str, *, centi: bool) -> int | None:
     """A job cap: -1 (unlimited) or >= 1; returns what the column stores."""
     value = reader.integer(key, None, low=-1, high=10**7, hint="must be -1 (unlimited) or a number >= 1")
@@ -332,7 +319,12 @@ def _plan_layer(data: Any, index: int, errors: list[str]) -> _LayerDraft:
     command = r.text("command", required=True)
     range_spec = r.text("range", required=True)
     chunk_size = r.integer("chunk_size", 1, low=1, high=1_000_000, hint="must be a whole number >= 1")
-    cores = r.integer("cores", 1, low=1, high=MAX_CORES, hint=f"must be a whole number of cores from 1 to {MAX_CORES}")
+    cores = _cores(r)
+    max_cores = r.integer(
+        "max_cores", None, low=0, high=MAX_CORES, hint=f"must be 0 (no max) or a whole number of cores to {MAX_CORES}"
+    )
+    if cores is not None and cores > 0 and max_cores and max_cores < cores:
+        r.error("max_cores", f"is {max_cores}, below the layer's cores ({cores}): a frame books at least `cores`")
     gpus = r.integer("gpus", 0, low=0, high=1000)
     threadable = r.flag("threadable", True)
     memory = _memory(r, "memory", DEFAULT_MEMORY_KB, allow_zero=False)
@@ -341,6 +333,13 @@ def _plan_layer(data: Any, index: int, errors: list[str]) -> _LayerDraft:
     depends, referenced = _depends(r)
     limits = _limits(r)
     services = _services(r)
+    timeout_hint = f"must be a whole number of minutes from 0 (none) to {MAX_TIMEOUT_MINUTES}"
+    timeout = r.integer("timeout", 0, low=0, high=MAX_TIMEOUT_MINUTES, hint=timeout_hint)
+    timeout_llu = r.integer("timeout_llu", 0, low=0, high=MAX_TIMEOUT_MINUTES, hint=timeout_hint)
+    layer_type = data.get("type", "Render")
+    if layer_type not in LAYER_TYPES:
+        r.error("type", f"must be one of {', '.join(LAYER_TYPES)}, not {layer_type!r}")
+    env = _env(r)
     chunks: list[Chunk] = []
     if range_spec is not None:
         try:
@@ -355,15 +354,17 @@ def _plan_layer(data: Any, index: int, errors: list[str]) -> _LayerDraft:
         raw_name = data.get("name")
         draft_name = raw_name if isinstance(raw_name, str) and raw_name.strip() else None
         return _LayerDraft(name=draft_name, referenced=referenced, plan=None)
-    assert name and command and range_spec and chunk_size and cores and memory is not None
+    assert name and command and range_spec and chunk_size and cores is not None and memory is not None
     assert gpus is not None and gpu_memory is not None and tags is not None and depends is not None
-    assert limits is not None and services is not None
+    assert limits is not None and services is not None and timeout is not None and timeout_llu is not None
+    assert env is not None
     plan = LayerPlan(
         name=name,
         command=command,
         range=range_spec.strip(),
         chunk_size=chunk_size,
         cores=cores * CENTICORES_PER_CORE,
+        cores_max=(max_cores or 0) * CENTICORES_PER_CORE,
         memory=memory,
         gpus=gpus,
         gpu_memory=gpu_memory,
@@ -374,9 +375,46 @@ def _plan_layer(data: Any, index: int, errors: list[str]) -> _LayerDraft:
         order=index + 1,
         limits=limits,
         services=services,
-        explicit=frozenset(k for k in SERVICE_FIELDS if data.get(k) is not None),
+        timeout=timeout,
+        timeout_llu=timeout_llu,
+        type=layer_type,
+        env=env,
+        explicit=frozenset(k for k in (*SERVICE_FIELDS, "max_cores") if data.get(k) is not None),
     )
     return _LayerDraft(name=name, referenced=referenced, plan=plan)
+
+
+def _env(r: _Reader) -> dict[str, str] | None:
+    """`env`: an object of environment variable names to string values (None: it has errors)."""
+    value = r.data.get("env")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        r.error("env", f"must be an object of variable names to strings, not {value!r}")
+        return None
+    before = len(r.errors)
+    if len(value) > MAX_ENV_VARS:
+        r.error("env", f"has {len(value)} variables; at most {MAX_ENV_VARS}")
+    size = 0
+    for key, val in value.items():
+        if len(key) > MAX_ENV_NAME:
+            r.error("env", f"variable name {key[:40]!r}... is longer than {MAX_ENV_NAME} characters")
+        elif not ENV_NAME_RE.match(key):
+            r.error(
+                "env",
+                f"{key!r} is not an environment variable name (a letter or _, then letters, digits and _)",
+            )
+        if not isinstance(val, str):
+            r.error(f"env.{key}", f'must be a string, not {val!r} (write numbers and flags quoted, e.g. "1")')
+            continue
+        if len(val) > MAX_ENV_VALUE:
+            r.error(f"env.{key}", f"is longer than {MAX_ENV_VALUE} characters")
+        elif "\x00" in val:
+            r.error(f"env.{key}", "contains a NUL character, which no environment can hold")
+        size += len(key.encode()) + len(val.encode()) + 2
+    if size > MAX_ENV_BYTES:
+        r.error("env", f"holds {size} bytes of names and values; at most {MAX_ENV_BYTES}")
+    return None if len(r.errors) > before else dict(value)
 
 
 def _limits(r: _Reader) -> list[str] | None:
@@ -450,14 +488,18 @@ def _tags(r: _Reader) -> list[str] | None:
     return tags
 
 
+DEPEND_FORM = '{"layer": NAME, "type": "frame" | "layer"} or {"job": NAME, ["layer": NAME,] "type": ...}'
+
+
 def _depends(r: _Reader) -> tuple[list[DependPlan] | None, list[str]]:
-    """The valid dependencies (None if any entry is bad), and every layer name the entries give,
-    bad entries included, so an unknown layer is reported together with the entry's other errors."""
+    """The valid dependencies (None if any entry is bad), and every layer name of this job the
+    entries give, bad entries included, so an unknown layer is reported together with the entry's
+    other errors. An entry naming another `job` is checked against the database by `plan_job`."""
     value = r.data.get("depends")
     if value is None:
         return [], []
     if not isinstance(value, list):
-        r.error("depends", f'must be a list of {{"layer": NAME, "type": "frame" | "layer"}}, not {value!r}')
+        r.error("depends", f"must be a list of {DEPEND_FORM}, not {value!r}")
         return None, []
     out: list[DependPlan] = []
     referenced: list[str] = []
@@ -465,24 +507,44 @@ def _depends(r: _Reader) -> tuple[list[DependPlan] | None, list[str]]:
     for i, item in enumerate(value):
         d = _Reader(item if isinstance(item, dict) else {}, f"{r.where}.depends[{i}]", r.errors)
         if not isinstance(item, dict):
-            d.error(None, f'must be {{"layer": NAME, "type": "frame" | "layer"}}, not {item!r}')
+            d.error(None, f"must be {DEPEND_FORM}, not {item!r}")
             ok = False
             continue
         d.unknown_keys(DEPEND_KEYS)
-        on = d.text("layer", required=True, max_len=200)
-        if on is not None and on not in referenced:
-            referenced.append(on)
+        job = d.text("job", max_len=255) if "job" in item else None
         kind = item.get("type")
+        whole_job = kind == "job"
+        if whole_job and "layer" in item:
+            d.error("layer", 'a "type": "job" dependency waits for the whole job: leave "layer" out, or use "layer"')
+            on = None
+            ok = False
+        else:
+            on = None if whole_job else d.text("layer", required=True, max_len=200)
+        if on is not None and "job" not in item and on not in referenced:
+            referenced.append(on)
         if kind not in DEPEND_KINDS:
-            d.error("type", f"must be 'frame' (frame by frame) or 'layer' (the whole layer), not {kind!r}")
+            also = (
+                ", 'layer' (the whole layer) or 'job' (the whole job)"
+                if "job" in item
+                else " or 'layer' (the whole layer)"
+            )
+            d.error("type", f"must be 'frame' (frame by frame){also}, not {kind!r}")
             ok = False
             continue
-        if on is None:
+        if whole_job and "job" not in item:
+            d.error("job", 'is required with "type": "job" (the job to wait for)')
             ok = False
             continue
-        plan = DependPlan(on=on, kind=DEPEND_KINDS[kind])
-        if any(p.on == on for p in out):
-            d.error("layer", f"depends on {on!r} more than once")
+        if "job" in item and job is None:
+            ok = False
+            continue
+        if on is None and not whole_job:
+            ok = False
+            continue
+        plan = DependPlan(on=on, kind=DEPEND_KINDS[kind], job=job)
+        if any(p.on == on and p.job == job for p in out):
+            what = f"job {job!r}" + (f" layer {on!r}" if on else "") if job else repr(on)
+            d.error("layer" if on else "job", f"depends on {what} more than once")
             ok = False
             continue
         out.append(plan)
@@ -536,70 +598,11 @@ def _cycles(graph: dict[str, list[str]]) -> list[list[str]]:
     return found
 
 
-# --- the database side ----------------------------------------------------------------------
-
-
-ALLOC_TAGS_SQL = """
-SELECT DISTINCT a.str_tag FROM subscription s JOIN alloc a ON a.pk_alloc = s.pk_alloc
-WHERE s.pk_show = %s AND a.pk_facility = %s AND a.str_tag IS NOT NULL AND a.str_tag <> ''
-ORDER BY a.str_tag
-"""
-
-
-def _one_by_name(model: type, name: str | None, what: str, errors: list[str]) -> Any:
-    """The row named `name`; else the b_default one; else the only one; else an error."""
-    if name is not None:
-        row = model.objects.filter(str_name=name).first()
-        if row is None:
-            known = list(model.objects.order_by("str_name").values_list("str_name", flat=True)[:20])
-            errors.append(f"{what}: unknown {what} {name!r} (known: {', '.join(known) or 'none'})")
-        return row
-    default = model.objects.filter(b_default=True).order_by("str_name").first()
-    if default is not None:
-        return default
-    only = list(model.objects.all()[:2])
-    if len(only) == 1:
-        return only[0]
-    errors.append(f"{what}: none given and there is no default {what}: name one")
-    return None
-
-
-def _folder(show: Show, path: str | None, errors: list[str]) -> Folder | None:
-    folders = list(Folder.objects.filter(show=show))  # a show has few folders
-    if path is None:
-        default = [f for f in folders if f.b_default] or [f for f in folders if f.parent_folder_id is None]
-        if len(default) == 1:
-            return default[0]
-        errors.append(f"folder: none given and show {show.str_name!r} has no single default folder: name one")
-        return None
-    parts = [p for p in path.split("/") if p]
-    candidates = [f for f in folders if f.str_name == parts[-1]] if parts else []
-    if len(parts) > 1:
-        by_pk = {f.pk_folder: f for f in folders}
-
-        def path_of(f: Folder) -> list[str]:
-            names = [f.str_name]
-            while f.parent_folder_id is not None and f.parent_folder_id in by_pk:
-                f = by_pk[f.parent_folder_id]
-                names.append(f.str_name)
-            return names[::-1]
-
-        candidates = [f for f in candidates if path_of(f)[-len(parts) :] == parts]
-    if len(candidates) == 1:
-        return candidates[0]
-    if not candidates:
-        known = ", ".join(sorted({f.str_name for f in folders})) or "none"
-        errors.append(f"folder: show {show.str_name!r} has no folder {path!r} (folders: {known})")
-    else:
-        errors.append(f"folder: {path!r} names {len(candidates)} folders of show {show.str_name!r}: give its path")
-    return None
-
-
 def plan_job(spec: Any, *, user: str | None) -> JobPlan:
     """Validate a decoded spec against the database; raises SpecError listing every problem.
 
     `user` is the owner when the spec names none. Reads only; the caller writes the plan
-    (`actions.submit_job`), in the same transaction so the checks still hold at commit.
+    (`dispatch.jobs.submit.submit_job`), in the same transaction so the checks still hold at commit.
     """
     errors: list[str] = []
     if not isinstance(spec, dict):
@@ -626,6 +629,14 @@ def plan_job(spec: Any, *, user: str | None) -> JobPlan:
     max_cores = _cap(r, "max_cores", centi=True)
     max_gpus = _cap(r, "max_gpus", centi=False)
     paused = r.flag("paused", False)
+    email = r.text("email", max_len=256)
+    if email is not None and not EMAIL_RE.match(email):
+        r.error("email", f"{email!r} is not a mail address (name@domain)")
+        email = None
+    job_env = _env(r)
+    uid = r.integer(
+        "uid", None, low=1, high=MAX_UID, hint=f"must be a whole number from 1 to {MAX_UID} (RQD runs no frame as root)"
+    )
 
     layers: list[LayerPlan] = []
     raw_layers = spec.get("layers")
@@ -663,19 +674,19 @@ def plan_job(spec: Any, *, user: str | None) -> JobPlan:
             errors.append(f"show: unknown show {show_name!r}")
         elif not show.b_active:
             errors.append(f"show: show {show_name!r} is not active")
-    facility = _one_by_name(Facility, facility_name, "facility", errors)
+    facility = one_by_name(Facility, facility_name, "facility", errors)
     if show is not None:
-        folder = _folder(show, folder_path, errors)
+        folder = resolve_folder(show, folder_path, errors)
     if dept_name is None and folder is not None and folder.dept_id is not None:
         dept = Dept.objects.filter(pk=folder.dept_id).first()
     if dept is None:
-        dept = _one_by_name(Dept, dept_name, "dept", errors)
+        dept = one_by_name(Dept, dept_name, "dept", errors)
     if name is not None and Job.objects.filter(str_name=name).exists():
         errors.append(f"name: a job named {name!r} already exists")
     if show is not None:
-        _apply_service_defaults(layers, show.str_name)
+        apply_service_defaults(layers, show.str_name)
     if show is not None and facility is not None and any(not layer.tags for layer in layers):
-        tags = _alloc_tags(show, facility)
+        tags = alloc_tags(show, facility)
         for layer in layers:
             if layer.tags:
                 continue
@@ -686,11 +697,12 @@ def plan_job(spec: Any, *, user: str | None) -> JobPlan:
                     f"layer {layer.name!r}.tags: none given, and show {show.str_name!r} subscribes to no "
                     f"allocation in facility {facility.str_name!r} to take them from"
                 )
-    _resolve_limits(layers, errors)
+    resolve_limits(layers, errors)
+    resolve_other_jobs(layers, name, errors)
     if errors:
         raise SpecError(errors)
     assert show is not None and folder is not None and facility is not None and dept is not None
-    assert name is not None and owner is not None and max_retries is not None
+    assert name is not None and owner is not None and max_retries is not None and job_env is not None
 
     if priority is None:
         priority = folder.int_job_priority if folder.int_job_priority >= 0 else 1
@@ -713,59 +725,7 @@ def plan_job(spec: Any, *, user: str | None) -> JobPlan:
         max_gpus=max_gpus,
         paused=paused,
         layers=layers,
+        email=email,
+        env=job_env,
+        uid=uid,
     )
-
-
-def _apply_service_defaults(layers: list[LayerPlan], show: str) -> None:
-    """Each layer's unset fields from its primary service, as Cuebot's JobSpec sets them.
-
-    The rules are Cuebot's (dispatch/jobs/services.py says which); they live with the plan they fill.
-    """
-    if not layers or not cuebot_services.has_services():
-        return
-    for layer in layers:
-        service, layer.services = cuebot_services.primary_service(layer.services, show)
-        if service is None:
-            continue  # no `default` service either: Cuebot refuses the job; cuesched keeps its defaults
-        given = layer.explicit
-        layer.cores_max = service.cores_max
-        layer.gpus_max = service.gpus_max
-        layer.timeout = service.timeout
-        layer.timeout_llu = service.timeout_llu
-        if "cores" not in given:
-            layer.cores = service.cores_min
-        if "gpus" not in given:
-            layer.gpus = service.gpus_min
-        if "memory" not in given:
-            layer.memory = service.memory_min
-        if "gpu_memory" not in given:
-            layer.gpu_memory = service.gpu_memory_min
-        if "tags" not in given and service.tags:
-            layer.tags = list(service.tags)
-        if 0 < layer.cores < 100:
-            layer.threadable = False
-        elif "threadable" not in given:
-            layer.threadable = service.threadable
-
-
-def _resolve_limits(layers: list[LayerPlan], errors: list[str]) -> None:
-    """Limit names to ids. A limit is never created here: a misspelt name would start an unlimited one."""
-    wanted = {name for layer in layers for name in layer.limits}
-    if not wanted:
-        return
-    found = dict(LimitRecord.objects.filter(str_name__in=wanted).values_list("str_name", "pk_limit_record"))
-    for layer in layers:
-        missing = [n for n in layer.limits if n not in found]
-        if missing:
-            errors.append(
-                f"layer {layer.name!r}.limits: unknown limit {', '.join(repr(n) for n in missing)} "
-                "(create it in the ops console or with POST /api/limits first)"
-            )
-        else:
-            layer.limit_ids = [found[n] for n in layer.limits]
-
-
-def _alloc_tags(show: Show, facility: Facility) -> list[str]:
-    with connection.cursor() as cur:
-        cur.execute(ALLOC_TAGS_SQL, [show.pk_show, facility.pk_facility])
-        return [row[0] for row in cur.fetchall()]

@@ -6,6 +6,13 @@ OVERRIDE_CUEBOT/CUEBOT_GRPC_PORT pointing at a gateway, a host name of its own
 (OVERRIDE_HOSTNAME: several daemons on one machine stand for several hosts), NIMBY off
 (`--nimbyoff` and OVERRIDE_NIMBY), and RQD_BECOME_JOB_USER off, so it runs frames as the
 current user - root in CI - without trying to switch to the job's user or drop to `daemon`.
+
+A daemon started with `nimby_display` (an X display, such as a headless Xvfb's) runs RQD's own
+NIMBY instead (OVERRIDE_NIMBY on, no `--nimbyoff`): its pynput listeners watch that display, so
+any input there (`xdotool mousemove`) locks the host as a user sitting down at it would. RQD 1.37
+unlocks after `nimby_idle` seconds without input (MINIMUM_IDLE, checked every second) only where
+at least 1 GB of swap is free (its MINIMUM_SWAP, not configurable): on a machine without swap the
+lock holds until the daemon restarts with its NIMBY off.
 """
 
 from __future__ import annotations
@@ -35,16 +42,23 @@ class Rqd:
     config: Path
     log: Path
     popen: subprocess.Popen[bytes] | None = None
+    nimby_display: str | None = None
 
     def start(self) -> Rqd:
         out = open(self.log, "ab")  # the daemon keeps its own copy of the descriptor
+        env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "DJANGO_SETTINGS_MODULE")}
+        argv = [sys.executable, "-m", "rqd", "-c", str(self.config)]
+        if self.nimby_display:
+            env["DISPLAY"] = self.nimby_display
+        else:
+            argv.append("--nimbyoff")
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "rqd", "-c", str(self.config), "--nimbyoff"],
+            argv,
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
-            env={k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "DJANGO_SETTINGS_MODULE")},
+            env=env,
         )
         out.close()
         return self
@@ -71,7 +85,15 @@ class Rqd:
 
 
 def write_config(
-    path: Path, *, name: str, port: int, gateway_port: int, cores: int, memory_kb: int, tags: list[str]
+    path: Path,
+    *,
+    name: str,
+    port: int,
+    gateway_port: int,
+    cores: int,
+    memory_kb: int,
+    tags: list[str],
+    nimby_idle: int | None = None,
 ) -> None:
     path.write_text(
         "[Override]\n"
@@ -82,8 +104,12 @@ def write_config(
         f"OVERRIDE_CORES = {cores}\n"
         "OVERRIDE_PROCS = 1\n"
         f"OVERRIDE_MEMORY = {memory_kb}\n"
-        "OVERRIDE_NIMBY = False\n"
-        "OVERRIDE_IS_DESKTOP = False\n"
+        + (
+            f"OVERRIDE_NIMBY = True\nMINIMUM_IDLE = {nimby_idle}\nCHECK_INTERVAL_LOCKED = 1\n"
+            if nimby_idle is not None
+            else "OVERRIDE_NIMBY = False\n"
+        )
+        + "OVERRIDE_IS_DESKTOP = False\n"
         "RQD_BECOME_JOB_USER = False\n"
         "RQD_USE_PATH_ENV_VAR = True\n"
         f"RQD_TAGS = {' '.join([*tags, f'rqdport-{port}'])}\n"
@@ -112,16 +138,31 @@ def wait_registered(conn: psycopg.Connection, rqd: Rqd, timeout: float) -> None:
 
 
 def start_daemons(
-    names: list[str], gateway_port: int, tmp: Path, *, tags: list[str], cores: int, memory_kb: int
+    names: list[str],
+    gateway_port: int,
+    tmp: Path,
+    *,
+    tags: list[str],
+    cores: int,
+    memory_kb: int,
+    nimby_display: str | None = None,
+    nimby_idle: int = 5,
 ) -> dict[str, Rqd]:
     daemons: dict[str, Rqd] = {}
     for name in names:
         port = free_port()
         config = tmp / f"{name}.conf"
         write_config(
-            config, name=name, port=port, gateway_port=gateway_port, cores=cores, memory_kb=memory_kb, tags=tags
+            config,
+            name=name,
+            port=port,
+            gateway_port=gateway_port,
+            cores=cores,
+            memory_kb=memory_kb,
+            tags=tags,
+            nimby_idle=nimby_idle if nimby_display else None,
         )
-        daemons[name] = Rqd(name, port, config, tmp / f"{name}.out").start()
+        daemons[name] = Rqd(name, port, config, tmp / f"{name}.out", nimby_display=nimby_display).start()
     return daemons
 
 

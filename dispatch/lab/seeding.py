@@ -44,9 +44,13 @@ PURGE_ORDER: tuple[str, ...] = (
     "frame",
     "layer_stat",
     "layer_resource",
+    "layer_mem",
+    "layer_env",
     "layer",
     "job_stat",
     "job_resource",
+    "job_mem",
+    "job_env",
     "job",
     "folder_resource",
     "folder",
@@ -651,7 +655,9 @@ def seed_farm(spec: FarmSpec, progress: Progress | None = None) -> FarmSeed:
             rows["layer_resource"] = _upsert(cur, UPSERT_LAYER_RESOURCE, plan.layer_resource, "layer_resource", counter)
             rows["layer_stat"] = _upsert(cur, UPSERT_LAYER_STAT, plan.layer_stat, "layer_stat", counter)
             rows["frame"] = _copy(cur, "frame", FRAME_COLUMNS, plan.frames(), counter)
-    rows["proc"] = 0
+    # The fan-out triggers made one max-RSS row per job and layer; a seed writes no environment.
+    rows["proc"] = rows["job_env"] = rows["layer_env"] = 0
+    rows["job_mem"], rows["layer_mem"] = rows["job"], rows["layer"]
 
     return FarmSeed(
         spec=spec,
@@ -693,7 +699,7 @@ JOBS = (
     f" OR pk_folder IN ({FOLDERS}) OR pk_facility IN ({FACILITIES}) OR pk_dept IN ({DEPTS})"
 )
 LAYERS = f"SELECT pk_layer FROM layer WHERE pk_job IN ({JOBS})"
-# Seeds write no dependencies, but jobs submitted into a seeded show do (dispatch.jobs.actions).
+# Seeds write no dependencies, but jobs submitted into a seeded show do (dispatch.jobs.submit).
 DEPENDS = f"pk_job_depend_er IN ({JOBS}) OR pk_job_depend_on IN ({JOBS})"
 
 SCOPE: dict[str, str] = {
@@ -701,9 +707,13 @@ SCOPE: dict[str, str] = {
     "frame": f"pk_job IN ({JOBS}) OR pk_layer IN ({LAYERS})",
     "layer_stat": f"pk_job IN ({JOBS}) OR pk_layer IN ({LAYERS})",
     "layer_resource": f"pk_job IN ({JOBS}) OR pk_layer IN ({LAYERS})",
+    "layer_mem": f"pk_job IN ({JOBS}) OR pk_layer IN ({LAYERS})",
+    "layer_env": f"pk_job IN ({JOBS}) OR pk_layer IN ({LAYERS})",
     "layer": f"pk_job IN ({JOBS})",
     "job_stat": f"pk_job IN ({JOBS})",
     "job_resource": f"pk_job IN ({JOBS})",
+    "job_mem": f"pk_job IN ({JOBS})",
+    "job_env": f"pk_job IN ({JOBS})",
     "job": f"pk_job IN ({JOBS})",
     "folder_resource": f"pk_folder IN ({FOLDERS})",
     "folder": f"pk_folder IN ({FOLDERS})",

@@ -3,7 +3,7 @@
 The cap and flip history is trigger-recorded (`ops.audit`), because anyone may write those
 rows. The controls here (pause, kill, retry, eat, priority, lock, drain...) change columns
 the scheduler itself writes all the time (frame state, host idle), so a row trigger cannot
-tell an operator's kill from a completion: the action functions in `dispatch.jobs.actions`
+tell an operator's kill from a completion: the action functions of `dispatch.jobs`
 write one row here in the same transaction as the change instead, so the audit row exists
 exactly when the change committed.
 """
@@ -13,7 +13,9 @@ from __future__ import annotations
 from django.db import models
 from django.db.models.functions import Now
 
-TARGET_KINDS = ("job", "frame", "host")
+# "facility", "alloc", "show" and "sub" (a subscription): the farm set-up actions (ops.setup_actions);
+# "service" and "show_svc" (a show's override of a service): ops.service_actions.
+TARGET_KINDS = ("job", "frame", "host", "facility", "alloc", "show", "sub", "service", "show_svc")
 
 
 class FarmAction(models.Model):

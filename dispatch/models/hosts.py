@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from django.db import models
 
+from accounting import host_memory
 from accounting import triggers as accounting_triggers
 from dispatch.models.base import fk, now_default, one_to_one, pk_field
 
@@ -54,7 +55,7 @@ class Host(models.Model):
                 name="c_host_idle_not_negative",
             ),
         ]
-        triggers = accounting_triggers.host_triggers()
+        triggers = [*accounting_triggers.host_triggers(), *host_memory.host_triggers()]
 
     def __str__(self) -> str:
         return self.str_name
@@ -100,3 +101,31 @@ class HostTag(models.Model):
 
     def __str__(self) -> str:
         return f"{self.str_tag} ({self.str_tag_type})"
+
+
+class WaitingHost(models.Model):
+    """cuesched's own: an RQD whose host is unknown and that no default allocation takes
+    (`CUESCHED_RQD_DEFAULT_ALLOC` unset). Its reports are answered UNAVAILABLE, the one status on
+    which RQD 1.37 retries its startup (every 15 s) instead of exiting, and it waits here, as its
+    last report described it, until an operator admits it into an allocation (`manage.py rqd_hosts
+    admit NAME --alloc ALLOC`, dispatch.hosts.waiting); its next startup report then registers it."""
+
+    id = models.BigAutoField(primary_key=True)
+    str_name = models.CharField(max_length=45, unique=True)
+    str_address = models.CharField(max_length=160, null=True, blank=True)
+    int_cores = models.IntegerField(db_default=0, default=0)  # whole cores
+    int_mem = models.BigIntegerField(db_default=0, default=0)  # KB
+    int_gpus = models.IntegerField(db_default=0, default=0)
+    int_gpu_mem = models.BigIntegerField(db_default=0, default=0)  # KB
+    str_os = models.CharField(max_length=32, db_default="", default="", blank=True)
+    str_tags = models.CharField(max_length=512, db_default="", default="", blank=True)
+    int_reports = models.BigIntegerField(db_default=1, default=1)
+    ts_first_seen = models.DateTimeField(db_default=now_default())
+    ts_last_seen = models.DateTimeField(db_default=now_default())
+
+    class Meta:
+        db_table = "cuesched_waiting_host"
+        ordering = ["str_name"]
+
+    def __str__(self) -> str:
+        return f"{self.str_name} (waiting since {self.ts_first_seen:%Y-%m-%d %H:%M})"

@@ -61,7 +61,11 @@ class Job(models.Model):
             ),
             models.Index(fields=["folder"], name="i_job_pk_folder"),
         ]
-        triggers = [*schema_triggers.job_fanout_triggers(), *accounting_triggers.job_triggers()]
+        triggers = [
+            *schema_triggers.job_fanout_triggers(),
+            *accounting_triggers.job_triggers(),
+            *depend_triggers.job_depend_triggers(),
+        ]
 
     def __str__(self) -> str:
         return self.str_name
@@ -113,6 +117,43 @@ class JobStat(models.Model):
 
     def __str__(self) -> str:
         return f"stats of job {self.job.str_name}"
+
+
+class JobMem(models.Model):
+    """Cuebot's job_mem: the job's max RSS (KB), the largest of its frames' runs.
+
+    Made with the job (job_fanout; beside Cuebot its after_insert_job trigger), raised by every
+    memory report and completion in the statement that writes the proc's use (dispatch.engine.memory,
+    dispatch.engine.completion), never lowered. VSS and PSS are Cuebot's columns, kept at 0 here."""
+
+    pk_job_mem = pk_field("pk_job_mem")
+    job = one_to_one("dispatch.Job", "pk_job", related_name="mem")
+    int_max_rss = models.BigIntegerField(db_default=0, default=0)
+    int_max_vss = models.BigIntegerField(db_default=0, default=0)
+    int_gpu_mem_max = models.BigIntegerField(db_default=0, default=0)
+    int_max_pss = models.BigIntegerField(db_default=0, default=0, null=True, blank=True)
+
+    class Meta:
+        db_table = "job_mem"
+
+    def __str__(self) -> str:
+        return f"max RSS of job {self.job_id}"
+
+
+class JobEnv(models.Model):
+    """Cuebot's job_env: one environment variable every frame of the job gets (the spec's `env`)."""
+
+    pk_job_env = pk_field("pk_job_env")
+    job = fk("dispatch.Job", "pk_job", null=True, related_name="env")
+    str_key = models.CharField(max_length=2048, null=True, blank=True)
+    str_value = models.CharField(max_length=2048, null=True, blank=True)
+
+    class Meta:
+        db_table = "job_env"
+        indexes = [models.Index(fields=["job"], name="i_job_env_pk_job")]
+
+    def __str__(self) -> str:
+        return f"{self.str_key} of job {self.job_id}"
 
 
 class Layer(models.Model):
@@ -191,6 +232,45 @@ class LayerStat(models.Model):
         return f"stats of {self.layer_id}"
 
 
+class LayerMem(models.Model):
+    """Cuebot's layer_mem: the layer's max RSS (KB), the largest of its frames' runs (see JobMem)."""
+
+    pk_layer_mem = pk_field("pk_layer_mem")
+    job = fk("dispatch.Job", "pk_job")
+    layer = one_to_one("dispatch.Layer", "pk_layer", related_name="mem")
+    int_max_rss = models.BigIntegerField(db_default=0, default=0)
+    int_max_vss = models.BigIntegerField(db_default=0, default=0)
+    int_gpu_mem_max = models.BigIntegerField(db_default=0, default=0)
+    int_max_pss = models.BigIntegerField(db_default=0, default=0, null=True, blank=True)
+
+    class Meta:
+        db_table = "layer_mem"
+        indexes = [models.Index(fields=["job"], name="i_layer_mem_pk_job")]
+
+    def __str__(self) -> str:
+        return f"max RSS of layer {self.layer_id}"
+
+
+class LayerEnv(models.Model):
+    """Cuebot's layer_env: one environment variable the layer's frames get, over the job's."""
+
+    pk_layer_env = pk_field("pk_layer_env")
+    layer = fk("dispatch.Layer", "pk_layer", null=True, related_name="env")
+    job = fk("dispatch.Job", "pk_job", null=True)
+    str_key = models.CharField(max_length=2048, null=True, blank=True)
+    str_value = models.CharField(max_length=2048, null=True, blank=True)
+
+    class Meta:
+        db_table = "layer_env"
+        indexes = [
+            models.Index(fields=["layer"], name="i_layer_env_pk_layer"),
+            models.Index(fields=["job"], name="i_layer_env_pk_job"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.str_key} of layer {self.layer_id}"
+
+
 class Frame(models.Model):
     pk_frame = pk_field("pk_frame")
     layer = fk("dispatch.Layer", "pk_layer", related_name="frames")
@@ -220,6 +300,10 @@ class Frame(models.Model):
     ts_stopped = models.DateTimeField(null=True, blank=True)
     ts_last_run = models.DateTimeField(null=True, blank=True)
     ts_updated = models.DateTimeField(db_default=now_default(), null=True, blank=True)
+    # cuesched's own: why the last run ended as it did when its exit status alone does not say it
+    # (a memory failure and its raised memory, a timeout, a NIMBY lock); NULL after an ordinary end.
+    # Written by the completion path (dispatch.engine.completion), shown on the frame and why pages.
+    str_reason = models.TextField(null=True, blank=True)
 
     class Meta:
         db_table = "frame"

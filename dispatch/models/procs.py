@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from django.db import models
 
-from accounting import licences
+from accounting import host_memory, licences
 from accounting import triggers as accounting_triggers
 from dispatch.models.base import fk, now_default, pk_field
 
@@ -57,7 +57,11 @@ class Proc(models.Model):
             # Cuebot's before_insert_proc: a proc always books something.
             models.CheckConstraint(condition=models.Q(int_cores_reserved__gt=0), name="c_proc_cores_positive"),
         ]
-        triggers = [*accounting_triggers.proc_triggers(), *licences.proc_licence_triggers()]
+        triggers = [
+            *accounting_triggers.proc_triggers(),
+            *licences.proc_licence_triggers(),
+            *host_memory.proc_triggers(),
+        ]
 
     def __str__(self) -> str:
         return f"proc {self.pk_proc} of frame {self.frame_id}"

@@ -1,8 +1,9 @@
 """Schema triggers of the farm tables: child-row fan-out and frame counters.
 
 Fan-out (as Cuebot's after_insert_* triggers): a folder gets its folder_resource row, a job
-its job_stat and job_resource rows, a layer its layer_stat and layer_resource rows, so every
-writer gets exactly one of each. Accounting triggers (notifications, database-enforced caps)
+its job_stat, job_resource and job_mem rows, a layer its layer_stat, layer_resource and
+layer_mem rows, so every writer gets exactly one of each (the *_mem rows keyed by the job's or
+layer's own id, as Cuebot's triggers key them). Accounting triggers (notifications, database-enforced caps)
 live in `accounting.triggers`.
 
 Frame counters: statement-level with transition tables: one UPDATE per touched layer and job per
@@ -128,7 +129,9 @@ def job_fanout_triggers() -> list[pgtrigger.Trigger]:
     INSERT INTO job_stat (pk_job_stat, pk_job)
     SELECT gen_random_uuid()::text, pk_job FROM new_rows ON CONFLICT (pk_job) DO NOTHING;
     INSERT INTO job_resource (pk_job_resource, pk_job)
-    SELECT gen_random_uuid()::text, pk_job FROM new_rows ON CONFLICT (pk_job) DO NOTHING;""",
+    SELECT gen_random_uuid()::text, pk_job FROM new_rows ON CONFLICT (pk_job) DO NOTHING;
+    INSERT INTO job_mem (pk_job_mem, pk_job)
+    SELECT pk_job, pk_job FROM new_rows ON CONFLICT (pk_job) DO NOTHING;""",
         )
     ]
 
@@ -141,6 +144,8 @@ def layer_fanout_triggers() -> list[pgtrigger.Trigger]:
     INSERT INTO layer_stat (pk_layer_stat, pk_layer, pk_job)
     SELECT gen_random_uuid()::text, pk_layer, pk_job FROM new_rows ON CONFLICT (pk_layer) DO NOTHING;
     INSERT INTO layer_resource (pk_layer_resource, pk_layer, pk_job)
-    SELECT gen_random_uuid()::text, pk_layer, pk_job FROM new_rows ON CONFLICT (pk_layer) DO NOTHING;""",
+    SELECT gen_random_uuid()::text, pk_layer, pk_job FROM new_rows ON CONFLICT (pk_layer) DO NOTHING;
+    INSERT INTO layer_mem (pk_layer_mem, pk_layer, pk_job)
+    SELECT pk_layer, pk_layer, pk_job FROM new_rows ON CONFLICT (pk_layer) DO NOTHING;""",
         )
     ]

@@ -59,7 +59,14 @@ def _conninfo() -> str:
 
 @contextmanager
 def agent_process(
-    host: str, farm: dict[str, object], log_root: Path, *, transport: str = "q2", cores: int = 4
+    host: str,
+    farm: dict[str, object],
+    log_root: Path,
+    *,
+    transport: str = "q2",
+    cores: int = 4,
+    memory: str = "16G",
+    env_extra: dict[str, str] | None = None,
 ) -> Iterator[subprocess.Popen[bytes]]:
     """`run_agent` for `host` in a subprocess; yields once its host has pinged, stops it after."""
     env = dict(os.environ)
@@ -70,9 +77,10 @@ def agent_process(
         CUESCHED_AGENT_KILL_GRACE="2",
         CUESCHED_LOG_LEVEL="WARNING",
     )
+    env.update(env_extra or {})
     argv = [sys.executable, "manage.py", "run_agent", "--host", host, "--transport", transport]
     argv += ["--alloc", str(farm["alloc"]), "--tags", " ".join(farm["tags"]), "--cores", str(cores)]  # type: ignore[arg-type]
-    argv += ["--memory", "16G", "--heartbeat", "0.3"]
+    argv += ["--memory", memory, "--heartbeat", "0.3"]
     popen = subprocess.Popen(argv, cwd=ROOT, env=env, start_new_session=True)
     try:
         with psycopg.connect(_conninfo(), autocommit=True) as conn:

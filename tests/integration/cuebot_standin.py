@@ -43,6 +43,13 @@ Which DAO each statement comes from:
 - `orphans`: ProcDaoJdbc.GET_ORPHANED_PROC_LIST (procs whose ts_ping is older than
   ORPHANED_PROC_INTERVAL, 300 s), which Cuebot's MaintenanceManagerSupport then unbooks.
 - `recalculate_subs`: the V45 plpgsql function Cuebot's maintenance task calls.
+- `depend_on_job`: DependManagerService.createDepend for a JOB_ON_JOB, LAYER_ON_JOB or FRAME_ON_JOB:
+  DependDaoJdbc INSERT_DEPEND, then per depending frame UPDATE_DEPEND_COUNT and UPDATE_FRAME_STATE.
+- `shutdown_job`: JobManagerSupport.shutdownJob: JobDaoJdbc.UPDATE_JOB_FINISHED (jobManager.shutdownJob),
+  then satisfyWhatDependsOn(job) in Java: GET_WHAT_DEPENDS_ON_JOB, and per depend
+  DependManagerService.satisfyDepend: SET_INACTIVE, and only when it set the row inactive,
+  FrameDaoJdbc.getDependentFrames and DECREMENT_DEPEND_COUNT for each (Cuebot's
+  update_frame_dep_to_wait trigger then moves a frame at 0 from DEPEND to WAITING).
 """
 
 from __future__ import annotations
@@ -171,6 +178,43 @@ LAYER_USAGE_FAIL = (
     "UPDATE layer_usage SET int_core_time_fail = int_core_time_fail + %s,"
     "int_clock_time_fail = int_clock_time_fail + %s,int_frame_fail_count = int_frame_fail_count + 1 "
     "WHERE pk_layer = %s "
+)
+
+# DependDaoJdbc.INSERT_DEPEND
+INSERT_DEPEND = (
+    "INSERT INTO depend (pk_depend,pk_parent,pk_job_depend_er,pk_layer_depend_er,pk_frame_depend_er,"
+    "pk_job_depend_on,pk_layer_depend_on,pk_frame_depend_on,str_type,b_any, str_target, b_active, "
+    "str_signature, b_composite ) VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)"
+)
+# DependDaoJdbc.UPDATE_DEPEND_COUNT, UPDATE_FRAME_STATE, DECREMENT_DEPEND_COUNT, SET_INACTIVE
+UPDATE_DEPEND_COUNT = "UPDATE frame SET int_depend_count = int_depend_count + 1 WHERE pk_frame = %s"
+UPDATE_FRAME_STATE = (
+    "UPDATE frame SET str_state='DEPEND' WHERE int_depend_count != 0 AND frame.str_state NOT IN "
+    "('SUCCEEDED','EATEN','RUNNING','DEPEND') AND frame.pk_frame = %s"
+)
+DECREMENT_DEPEND_COUNT = (
+    "UPDATE frame SET int_depend_count = int_depend_count -1 WHERE pk_frame = %s AND int_depend_count > 0"
+)
+SET_INACTIVE = (
+    "UPDATE depend SET b_active=false,ts_satisfied=current_timestamp,str_signature=pk_depend "
+    "WHERE pk_depend = %s AND b_active = true AND b_composite = false"
+)
+# DependDaoJdbc.GET_WHAT_DEPENDS_ON_JOB (getWhatDependsOn(JobInterface))
+GET_WHAT_DEPENDS_ON_JOB = (
+    "SELECT depend.pk_depend,depend.str_type,depend.pk_frame_depend_er,depend.pk_layer_depend_er,"
+    "depend.pk_job_depend_er FROM depend WHERE pk_job_depend_on=%s AND b_active = true "
+    "AND str_type IN ('JOB_ON_JOB','LAYER_ON_JOB','FRAME_ON_JOB')"
+)
+# FrameDaoJdbc.getDependentFrames: GET_MINIMAL_FRAME, counted frames, keyed by the depend's type
+GET_DEPENDENT_FRAMES = (
+    "SELECT frame.pk_frame FROM frame,layer,job,show WHERE frame.pk_job = job.pk_job "
+    "AND frame.pk_layer = layer.pk_layer AND job.pk_show = show.pk_show AND frame.int_depend_count > 0 AND {key} = %s"
+)
+DEPENDENT_FRAMES_KEY = {"JOB_ON_JOB": "job.pk_job", "LAYER_ON_JOB": "layer.pk_layer", "FRAME_ON_JOB": "frame.pk_frame"}
+# JobDaoJdbc.UPDATE_JOB_FINISHED
+UPDATE_JOB_FINISHED = (
+    "UPDATE job SET str_state = %s, str_visible_name = NULL, ts_stopped = current_timestamp "
+    "WHERE str_state = 'PENDING'AND pk_job = %s"
 )
 
 
@@ -410,6 +454,44 @@ class CuebotStandIn:
     def orphans(self) -> list[str]:
         """ProcDaoJdbc.findOrphanedVirtualProcs: what Cuebot's maintenance would unbook now."""
         return [r[0] for r in self.conn.execute(ORPHANED_PROCS)]
+
+    def depend_on_job(
+        self, kind: str, *, er_job: str, on_job: str, er_layer: str | None = None, er_frame: str | None = None
+    ) -> str:
+        """DependManagerService.createDepend of a JOB_ON_JOB, LAYER_ON_JOB or FRAME_ON_JOB (one
+        transaction): the row (str_target EXTERNAL, across jobs; a fresh signature, which Cuebot
+        derives from what the depend links), then each depending frame counted and, unless it
+        runs or is done, DEPEND."""
+        pk = str(uuid.uuid4())
+        with self.conn.transaction():
+            self.conn.execute(
+                INSERT_DEPEND,
+                (pk, None, er_job, er_layer, er_frame, on_job, None, None, kind, False, "EXTERNAL", True,
+                 str(uuid.uuid4()), False),
+            )  # fmt: skip
+            column, key = {"JOB_ON_JOB": ("pk_job", er_job), "LAYER_ON_JOB": ("pk_layer", er_layer)}.get(
+                kind, ("pk_frame", er_frame)
+            )
+            for (frame,) in self.conn.execute(f"SELECT pk_frame FROM frame WHERE {column} = %s", (key,)).fetchall():
+                self.conn.execute(UPDATE_DEPEND_COUNT, (frame,))
+                self.conn.execute(UPDATE_FRAME_STATE, (frame,))
+        return pk
+
+    def shutdown_job(self, job: str) -> bool:
+        """JobManagerSupport.shutdownJob: the job FINISHED (its transaction), then what depends on
+        the job satisfied by Java, one depend at a time. False when the job was not PENDING."""
+        with self.conn.transaction():
+            if self.conn.execute(UPDATE_JOB_FINISHED, ("FINISHED", job)).rowcount != 1:
+                return False
+        for pk, kind, er_frame, er_layer, er_job in self.conn.execute(GET_WHAT_DEPENDS_ON_JOB, (job,)).fetchall():
+            with self.conn.transaction():
+                if self.conn.execute(SET_INACTIVE, (pk,)).rowcount != 1:
+                    continue
+                key = {"JOB_ON_JOB": er_job, "LAYER_ON_JOB": er_layer, "FRAME_ON_JOB": er_frame}[kind]
+                sql = GET_DEPENDENT_FRAMES.format(key=DEPENDENT_FRAMES_KEY[kind])
+                for (frame,) in self.conn.execute(sql, (key,)).fetchall():
+                    self.conn.execute(DECREMENT_DEPEND_COUNT, (frame,))
+        return True
 
     def recalculate_subs(self) -> None:
         """Cuebot's maintenance task: SELECT recalculate_subs() (V45)."""

@@ -43,8 +43,16 @@ SMALL_FARM = {
     "job_max_cores": 400,
 }
 
-# One-core frames on a few 16-core hosts: for tests that place frames by hand.
-ONE_CORE = {"layer_cores_choices": (1,), "host_cores_choices": (16,), "hosts": 4, "layers": 1}
+# One-core frames on a few 16-core hosts: for tests that place frames by hand. 256 GB hosts, so
+# the 1-2 GB frames stay one core under cores-from-memory (issue 28: on a 16 GB host a 2 GB
+# frame is 2 cores' share).
+ONE_CORE = {
+    "layer_cores_choices": (1,),
+    "host_cores_choices": (16,),
+    "host_mem_gb_choices": (256,),
+    "hosts": 4,
+    "layers": 1,
+}
 
 # Every invariant the audit of issue 7 names that one consistent snapshot can show, as rows of
 # (what, key, seen, limit). Centicores throughout; negative caps are unlimited, 0 books nothing.

@@ -260,7 +260,9 @@ class NetProxy:
                     if pair.closed.is_set() or self._stopping():
                         return
                 dst.sendall(data)
-        except OSError:
+        except (OSError, ValueError):
+            # The other direction's pump closed the pair between our check and select(): a closed
+            # socket's fd is -1, which select() refuses with ValueError, not OSError.
             pass
         finally:
             pair.close()

@@ -33,11 +33,23 @@ def rqd_daemons(
     tags: list[str],
     cores: int = 4,
     memory_kb: int = 8 * 1024 * 1024,
+    nimby_display: str | None = None,
+    nimby_idle: int = 5,
 ) -> Iterator[dict[str, Rqd]]:
-    """Start one RQD per name; yields once every host registered through the gateway."""
+    """Start one RQD per name; yields once every host registered through the gateway.
+    `nimby_display`: RQD's own NIMBY on, watching that X display (dispatch.lab.rqdfarm)."""
     daemons: dict[str, Rqd] = {}
     try:
-        daemons = start_daemons(names, gw.port, tmp, tags=tags, cores=cores, memory_kb=memory_kb)
+        daemons = start_daemons(
+            names,
+            gw.port,
+            tmp,
+            tags=tags,
+            cores=cores,
+            memory_kb=memory_kb,
+            nimby_display=nimby_display,
+            nimby_idle=nimby_idle,
+        )
         for rqd in daemons.values():
             wait_registered(conn, rqd, 30)
         yield daemons

@@ -33,8 +33,9 @@ def farm_admin(client: Client) -> Client:
 
 def test_every_farm_model_is_registered() -> None:
     # The 19 Cuebot tables, depend, the API tokens, OpenCue's limit_record and layer_limit (issue 19)
-    # and the farm-action audit rows (issue 20).
-    assert len(FARM_MODELS) == 24
+    # the farm-action audit rows (issue 20), the RQD hosts waiting to be admitted, Cuebot's
+    # service and show_service, and its job_mem, layer_mem, job_env and layer_env (issue 29).
+    assert len(FARM_MODELS) == 31
     assert [m.__name__ for m in FARM_MODELS if m not in admin.site._registry] == []
 
 

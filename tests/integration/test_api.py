@@ -16,7 +16,7 @@ from django.core.management.base import CommandError
 from django.db import connection
 from django.test import Client
 
-from dispatch.jobs.actions import submit_job
+from dispatch.jobs.submit import submit_job
 from dispatch.jobs.tokens import digest, issue_token
 from dispatch.models import ApiToken, Job, JobResource
 from tests.integration.submit_support import frame_states, make_spec, simple_spec, submit_farm, table_counts

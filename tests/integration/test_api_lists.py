@@ -13,7 +13,7 @@ from django.test import Client, RequestFactory, override_settings
 
 from cuesched_project.urls import server_error
 from dispatch.jobs import api
-from dispatch.jobs.actions import submit_job
+from dispatch.jobs.submit import submit_job
 from dispatch.jobs.tokens import issue_token
 from dispatch.models import Alloc, Folder, Job, Show
 from tests.integration.farm_fixtures import create_subscription
@@ -210,7 +210,7 @@ def test_a_bug_or_a_lost_database_answers_json_without_a_traceback(
         raise OperationalError("server closed the connection unexpectedly")
 
     before = table_counts()
-    monkeypatch.setattr(api.actions, "submit_job", lost)
+    monkeypatch.setattr(api, "submit_job", lost)
     response = client.post("/api/jobs", data=json.dumps(simple_spec("x")), content_type="application/json",
                            HTTP_AUTHORIZATION=f"Bearer {token}")  # fmt: skip
     assert response.status_code == 503

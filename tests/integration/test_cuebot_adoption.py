@@ -18,6 +18,7 @@ import pytest
 from dispatch.adoption import Catalog, read_catalog
 from dispatch.engine.feed import fetch_pending
 from tests.integration import cuebot_support as cb
+from tests.integration.cuebot_standin import CuebotStandIn
 from tests.integration.test_stat_triggers import JOB_MISMATCH, LAYER_MISMATCH
 
 
@@ -47,6 +48,11 @@ def adopted() -> Adopted:
     name = cb.cuebot_db_name("adopt")
     url = cb.build_cuebot_db(name)
     try:
+        # A farm's own services, as its operators left them: Cuebot's seed edited and one deleted.
+        # Adoption must keep them (cuesched's 0041_services_seed is not run there).
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute("UPDATE service SET int_mem_min = 16777216 WHERE str_name = 'arnold'")
+            conn.execute("DELETE FROM service WHERE str_name = 'nuke'")
         before, before_catalog = cb.schema_dump(url), catalog(url)
         check = cb.manage(url, "adopt_cuebot_db", "--check").stdout
         after_check = cb.schema_dump(url)
@@ -80,6 +86,7 @@ def test_check_reports_the_plan_and_writes_nothing(adopted: Adopted) -> None:
     assert "add column host.ts_last_updated" in adopted.check
     assert "add trigger proc.pgtrigger_acct_proc_delete_" in adopted.check
     assert "skip trigger pgtrigger_frame_stat_update_" in adopted.check
+    assert "skip trigger pgtrigger_job_finished_satisfy_depends_" in adopted.check
     assert "check only: nothing was written" in adopted.check
     assert adopted.after_check == adopted.before
     assert "NOT READY" not in adopted.check and "ERROR" not in adopted.check
@@ -125,12 +132,18 @@ def test_apply_installs_cuesched_objects_and_their_rows(adopted: Adopted) -> Non
         "pgtrigger_layer_fanout",
         "pgtrigger_folder_fanout",
         "pgtrigger_acct_usage_guard",
+        "pgtrigger_frame_when_done_satisfy_depends",
+        "pgtrigger_job_finished_satisfy_depends",
     }
     names = {c.name for c in a.tables["show"]}
     assert {"int_job_insert_count", "int_frame_fail_count", "b_scheduler_managed"} <= names
     # The console's frame list reads its order from this index (Cuebot has none on ts_updated).
     assert ("frame", "i_frame_updated") not in adopted.before_catalog.indexes
     assert a.indexes[("frame", "i_frame_updated")][1] == ("ts_updated", "pk_frame")
+    # A mover's UPDATE locks its row FOR UPDATE up front (accounting.move_locks), beside Cuebot
+    # too: a unique index that leads with the primary key refuses none of Cuebot's writes.
+    assert a.indexes[("host", "i_host_move_lock")][1] == ("pk_host", "pk_alloc")
+    assert a.indexes[("job", "i_job_move_lock")][1] == ("pk_job", "pk_folder", "pk_dept", "pk_show")
     with psycopg.connect(adopted.url) as conn:
         assert conn.execute("SELECT notify_enabled FROM cuesched_accounting_settings WHERE id = 1").fetchone() == (
             True,
@@ -138,6 +151,36 @@ def test_apply_installs_cuesched_objects_and_their_rows(adopted: Adopted) -> Non
         assert conn.execute("SELECT count(*) FROM auth_group").fetchone()[0] >= 1
         recorded = conn.execute("SELECT count(*) FROM django_migrations WHERE app = 'dispatch'").fetchone()[0]
         assert recorded >= 9
+
+
+def test_cuebots_service_tables_get_nothing_added_and_keep_their_rows(adopted: Adopted) -> None:
+    """cuesched's migrations create `service` and `show_service` too (issue 29) and seed Cuebot's
+    default services: on Cuebot's database both tables are Cuebot's, so the models must match
+    Cuebot's columns (names, types, nullability, defaults), adoption adds nothing to them, and
+    the reference database's seeded rows are not copied over Cuebot's."""
+    b, a = adopted.before_catalog, adopted.after_catalog
+    for table in ("service", "show_service"):
+        assert a.tables[table] == b.tables[table], table
+        assert {k: v for k, v in a.indexes.items() if k[0] == table} == {
+            k: v for k, v in b.indexes.items() if k[0] == table
+        }
+        assert {k for k in a.triggers if k[0] == table} == {k for k in b.triggers if k[0] == table}
+        assert {k for k in a.constraints if k[0] == table} == {k for k in b.constraints if k[0] == table}
+        steps = [line for line in adopted.apply.splitlines() if f" {table}." in line or line.endswith(f" {table}")]
+        assert not [s for s in steps if not s.startswith("skip ")], steps
+        # Column types and nullability: no "keep Cuebot's service.x ..." difference either.
+        assert f"keep Cuebot's {table}." not in adopted.check
+    with psycopg.connect(adopted.url) as conn:
+        rows = conn.execute("SELECT pk_service, str_name, int_mem_min FROM service ORDER BY str_name").fetchall()
+        seeded = conn.execute(
+            "SELECT count(*) FROM django_migrations WHERE app = 'dispatch' AND name IN"
+            " ('0040_services_tables', '0041_services_seed')"
+        ).fetchone()[0]
+    # The farm's edit and its deletion stand: nothing reseeded, nothing copied over Cuebot's rows.
+    assert len(rows) == 9 and ("AAAAAAAA-AAAA-AAAA-AAAA-AAAAAAAAAAA2", "arnold", 16777216) in rows
+    assert "nuke" not in {name for _pk, name, _mem in rows}
+    assert seeded == 2  # recorded as applied, so a later `migrate` has nothing to run on them
+    assert "copied service" not in adopted.apply and "copied show_service" not in adopted.apply
 
 
 def test_a_second_apply_has_nothing_to_do_and_migrate_applies_nothing(adopted: Adopted) -> None:
@@ -243,6 +286,9 @@ def test_a_job_submitted_through_cuesched_is_dispatchable_on_the_adopted_databas
         assert waiting.fetchone() == (2, 5)
         signatures = conn.execute("SELECT str_signature FROM depend WHERE pk_job_depend_er = %s", [pk_job]).fetchall()
         assert len(signatures) == 5 and all(s for (s,) in signatures) and len(set(signatures)) == 5
+        # Cuebot reads str_target back as its DependTarget enum: 'Internal', the column's default, is none.
+        targets = conn.execute("SELECT DISTINCT str_target FROM depend WHERE pk_job_depend_er = %s", [pk_job])
+        assert targets.fetchall() == [("INTERNAL",)]
         # The scheduler's feed sees the job and its two waiting sim frames.
         conn.execute("UPDATE show SET b_scheduler_managed = true WHERE str_name = 'testing'")
         conn.commit()
@@ -251,6 +297,83 @@ def test_a_job_submitted_through_cuesched_is_dispatchable_on_the_adopted_databas
         assert mine, "the submitted job is not dispatchable"
         frames = [f for layer in mine[0].layers for f in layer.frames]
         assert sorted(f.name for f in frames) == ["0001-sim", "0003-sim"]
+
+
+EAT_FRAMES = "UPDATE frame SET str_state = 'EATEN', int_version = int_version + 1 WHERE pk_job = ANY(%s)"
+
+
+def _submit_one(url: str, tmp_path, name: str) -> str:
+    spec = {
+        "show": "testing",
+        "name": name,
+        "user": "alice",
+        "layers": [{"name": "main", "command": "true", "range": "1-2"}],
+    }
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(spec))
+    cb.manage(url, "submit_job", str(path))
+    with psycopg.connect(url) as conn:
+        return conn.execute("SELECT pk_job FROM job WHERE str_name = %s", [name]).fetchone()[0]
+
+
+def test_cuebot_satisfies_what_depends_on_a_job_it_finishes_once_beside_cuesched(adopted: Adopted, tmp_path) -> None:
+    """Cuebot satisfies what waits on a job in Java, after the job is FINISHED (shutdownJob ->
+    satisfyWhatDependsOn): adoption leaves cuesched's job trigger out, as it leaves the frame
+    trigger out. Installed beside Cuebot, the trigger set Cuebot's FRAME_ON_JOB row inactive in
+    the job's UPDATE without counting its frame down (a type cuesched does not write); Cuebot's
+    own satisfy then found the row inactive and skipped it: the frame stayed DEPEND for ever. And
+    it left the satisfied rows' signatures, which Cuebot resets so the depend can be made again.
+    A dependency cuesched adds (`manage.py job depend`) is one Cuebot satisfies the same way, and
+    its str_target one Cuebot's DependTarget enum reads (the column's default, 'Internal', is not)."""
+    url = adopted.url
+    on, frame_er, job_er, cli_er = (
+        _submit_one(url, tmp_path, f"testing-sh040-{n}_v1") for n in ("target", "frame", "job", "cli")
+    )
+    with psycopg.connect(url, autocommit=True) as conn:
+        managed = conn.execute("SELECT b_scheduler_managed FROM show WHERE str_name = 'testing'").fetchone()[0]
+        conn.execute("UPDATE show SET b_scheduler_managed = false WHERE str_name = 'testing'")
+        (first,) = conn.execute(
+            "SELECT pk_frame FROM frame WHERE pk_job = %s AND int_number = 1", [frame_er]
+        ).fetchone()
+    standin = CuebotStandIn(url)
+    try:
+        standin.depend_on_job("FRAME_ON_JOB", er_job=frame_er, on_job=on, er_frame=first)
+        standin.depend_on_job("JOB_ON_JOB", er_job=job_er, on_job=on)
+        out = cb.manage(url, "job", "depend", "testing-sh040-cli_v1", "--on-job", "testing-sh040-target_v1").stdout
+        assert "2 waiting frame(s) now DEPEND" in out, out
+        with psycopg.connect(url) as conn:
+            waiting = conn.execute(
+                "SELECT pk_job, str_state, int_depend_count FROM frame WHERE pk_job = ANY(%s) AND str_state = 'DEPEND'",
+                [[frame_er, job_er, cli_er]],
+            ).fetchall()
+        assert sorted((j, c) for j, _s, c in waiting) == sorted(
+            [(frame_er, 1), (job_er, 1), (job_er, 1), (cli_er, 1), (cli_er, 1)]
+        )
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute(EAT_FRAMES, [[on]])  # the job is done: Cuebot finishes it
+        assert standin.shutdown_job(on)
+    finally:
+        standin.close()
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute("UPDATE show SET b_scheduler_managed = %s WHERE str_name = 'testing'", [managed])
+    with psycopg.connect(url) as conn:
+        frames = conn.execute(
+            "SELECT str_state, int_depend_count FROM frame WHERE pk_job = ANY(%s)", [[frame_er, job_er, cli_er]]
+        ).fetchall()
+        assert frames == [("WAITING", 0)] * 6
+        depends = conn.execute(
+            "SELECT b_active, str_signature = pk_depend, ts_satisfied IS NOT NULL FROM depend "
+            "WHERE pk_job_depend_on = %s",
+            [on],
+        ).fetchall()
+        assert depends == [(False, True, True)] * 3
+        # Across jobs, as Cuebot writes its own (the value its DependTarget enum reads back).
+        target = "SELECT str_target FROM depend WHERE pk_job_depend_er = %s"
+        assert conn.execute(target, [cli_er]).fetchall() == [("EXTERNAL",)]
+        assert conn.execute(JOB_MISMATCH).fetchall() == []
+        assert conn.execute(LAYER_MISMATCH).fetchall() == []
+        # The later tests' scheduler runs until no frame waits: these are not its work.
+        conn.execute(EAT_FRAMES, [[frame_er, job_er, cli_er]])
 
 
 CLOUD_GENERAL = "00000000-0000-0000-0000-000000000003"  # the seed's cloud.general, in the default facility

@@ -273,7 +273,9 @@ def test_why_a_big_enough_busy_host_is_still_a_wait(operator: Client, farm: Farm
     Host.objects.filter(pk=farm.host.pk).update(int_cores_idle=6300)  # what the booking path does
     page = operator.get(reverse("admin:ops_job_why", args=[farm.job.pk])).content.decode()
     assert "No host can ever run" not in page
-    assert "no host with 64 idle core(s)" in page
+    # Since issue 28 the idle-cores check is the sizing rule's, and it says why the host refuses.
+    assert "has the idle cores a frame books there" in page
+    assert "asks 64 cores: " in page and "refuses it, it has 63 cores idle" in page
 
 
 def test_farm_controls_appear_in_the_merged_audit_trail(operator: Client, farm: Farm) -> None:

@@ -28,7 +28,8 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 
 def wait_for_waiting_backend(application: str) -> None:
-    """Until another backend of this database polls for the accounting-keys lock, or 10 s.
+    """Until another backend of this database waits for a lock (since issue 27 a flip waits on its
+    show's row, `wait_event_type = 'Lock'`; before, it polled an advisory lock with pg_sleep), or 10 s.
 
     From a connection of its own, outside any transaction: a transaction sees pg_stat_activity
     as it was when it first looked.
@@ -38,7 +39,7 @@ def wait_for_waiting_backend(application: str) -> None:
         while time.monotonic() < deadline:
             row = conn.execute(
                 "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
-                " AND (wait_event = 'PgSleep' OR query LIKE '%%pg_try_advisory_xact_lock%%')"
+                " AND (wait_event_type = 'Lock' OR wait_event = 'PgSleep')"
             ).fetchone()
             if row and row[0]:
                 return

@@ -30,7 +30,8 @@ from accounting.scheduler import SchedulerOptions, SchedulerProcess
 from dispatch.engine.completion import EXIT_STATUS_KILLED, Completion, complete
 from dispatch.engine.loop import dispatch_main
 from dispatch.engine.placement import parse_tags
-from dispatch.jobs.actions import kill_frames, kill_job, submit_job
+from dispatch.jobs.controls import kill_frames, kill_job
+from dispatch.jobs.submit import submit_job
 from dispatch.lab.seeding import FarmSpec, seed_farm, show_name
 from tests.integration.agent_support import agent_process
 from tests.integration.dispatch_support import autocommit, fast_launcher, make_loop, scalar, violations, wait_for

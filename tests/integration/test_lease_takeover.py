@@ -31,7 +31,6 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 
 from accounting import db, live, singleton
-from accounting import triggers as acct_triggers
 from dispatch.engine.booking import LEASE_SQL, LeaseLostError, write_batch
 from dispatch.engine.completion import Completion, complete
 from tests.integration.agent_support import database_url_for_agents
@@ -421,7 +420,7 @@ def test_lease_settings_that_would_lose_a_live_lease_are_refused_with_a_hint(mon
 
 def test_a_takeover_ends_the_stopped_holders_open_booking_transaction_and_fences_its_next_one() -> None:
     """A booking transaction of the holder left open (its process stopped after the lease check,
-    holding the shared keys lock and the lease row FOR KEY SHARE): the takeover waited for it
+    holding the lease row FOR KEY SHARE): the takeover waited for it
     for ever. Now, once the deadline has passed, it is terminated (rolled back), the generation
     moves on, and the holder's next booking transaction, on a new connection, is refused."""
     with autocommit() as conn:
@@ -432,7 +431,6 @@ def test_a_takeover_ends_the_stopped_holders_open_booking_transaction_and_fences
             "SELECT set_config('application_name', %s, false)", (f"cuesched-dispatch{db.lease_tag(generation)}",)
         )
         stuck.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
-        stuck.execute(acct_triggers.LOCK_KEYS_SHARED_SQL)
         stuck.execute(LEASE_SQL)
         out: dict[str, object] = {}
 
@@ -464,3 +462,38 @@ def test_a_takeover_ends_the_stopped_holders_open_booking_transaction_and_fences
             conn.execute("UPDATE cuesched_scheduler_lease SET ts_deadline = NULL WHERE id = 1")
     print(f"\nopen booking transaction of an expired holder: takeover in {took:.2f}s")
     assert took < 5
+
+
+def test_a_holder_that_lost_its_lease_leaves_the_outbox_to_the_new_holder() -> None:
+    """The split-brain stress phase's leak (CI, 2026-12-02: the standby's Store read 5 cores high
+    against SUM(proc) 0). The old holder's listener does not know it lost the lease until its next
+    renewal, and its drain deleted rows committed after the takeover: releases the new holder never
+    applied. Whatever the process believes, the database now refuses that drain and that clear:
+    the rows stay for the holder of the current generation, which then consumes them, and the old
+    holder learns from its fenced drain that it lost the lease."""
+    from accounting.service import AccountingService
+
+    with autocommit() as conn:
+        generation = _next_generation(conn)
+        _set_lease(conn, generation + 1, "1 hour")  # a standby has taken over
+        conn.execute("DELETE FROM cuesched_acct_outbox")
+        old, new = AccountingService(), AccountingService()
+        old.lease_generation, new.lease_generation = generation, generation + 1
+        try:
+            conn.execute(
+                "INSERT INTO cuesched_acct_outbox (str_channel, str_payload) VALUES ('acct_release', %s)",
+                ('{"not": "a release"}',),  # applied as dropped:malformed; only its consumption counts
+            )
+            # The clear on a reconnect, by a process that has not noticed yet: fenced in the database.
+            assert old.listener.clear_outbox() == 0
+            assert scalar(conn, "SELECT count(*) FROM cuesched_acct_outbox") == 1
+            assert old.listener.drain() == 0
+            assert old.lease_lost.is_set(), "a fenced drain tells the process its lease is gone"
+            assert scalar(conn, "SELECT count(*) FROM cuesched_acct_outbox") == 1
+            assert new.listener.drain() == 1
+            assert scalar(conn, "SELECT count(*) FROM cuesched_acct_outbox") == 0
+        finally:
+            for service in (old, new):
+                service.listener._close()
+            conn.execute("DELETE FROM cuesched_acct_outbox")
+            conn.execute("UPDATE cuesched_scheduler_lease SET ts_deadline = NULL WHERE id = 1")

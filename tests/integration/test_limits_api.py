@@ -12,8 +12,8 @@ from django.core.exceptions import ValidationError
 from django.test import Client
 
 from accounting import actions as cap_actions
-from dispatch.jobs.actions import submit_job
-from dispatch.jobs.spec import SpecError
+from dispatch.jobs.plan import SpecError
+from dispatch.jobs.submit import submit_job
 from dispatch.jobs.tokens import issue_token
 from dispatch.models import LayerLimit, LimitRecord
 from ops.models import LimitRecordEvent

@@ -283,13 +283,14 @@ def test_a_proc_written_before_its_layer_is_refused(conn: psycopg.Connection) ->
 
 
 def test_a_limit_on_a_layer_created_in_the_same_transaction_needs_no_keys_lock(conn: psycopg.Connection) -> None:
-    """A submission tags its new layers while another session holds the accounting-keys lock shared."""
+    """A submission tags its new layers while another session holds an existing layer's key row
+    (FOR KEY SHARE, as a proc writer of that layer does: accounting.keylocks)."""
     farm = ff.tiny_farm(managed=False, frames=2)
     limit = LimitRecord.objects.create(str_name=ff.unique("sub"), int_max_value=1)
     holder = autocommit_conn()
     try:
         holder.execute("BEGIN")
-        holder.execute("SELECT pg_advisory_xact_lock_shared(%s, 0)", (0x61636374,))
+        holder.execute("SELECT 1 FROM layer WHERE pk_layer = %s FOR KEY SHARE", (farm.layer.pk,))
         with conn.transaction():
             conn.execute("SET LOCAL lock_timeout = '2s'")
             layer = ff.unique("newlayer")
@@ -301,14 +302,17 @@ def test_a_limit_on_a_layer_created_in_the_same_transaction_needs_no_keys_lock(c
                 "INSERT INTO layer_limit (pk_layer_limit, pk_layer, pk_limit_record) VALUES (%s, %s, %s)",
                 (ff.unique("ll"), layer, limit.pk),
             )
-        # An existing layer needs the exclusive lock: it waits for the holder, then gives up.
+        # An existing layer needs its row FOR UPDATE: it waits for the holder (the session's own
+        # lock_timeout of 2 s, shorter than the trigger's 10 s, is kept), then gives up.
         started = time.monotonic()
-        with pytest.raises(pg_errors.LockNotAvailable):
+        with pytest.raises(pg_errors.LockNotAvailable) as failed, conn.transaction():
+            conn.execute("SET LOCAL lock_timeout = '2s'")
             conn.execute(
                 "INSERT INTO layer_limit (pk_layer_limit, pk_layer, pk_limit_record) VALUES (%s, %s, %s)",
                 (ff.unique("ll"), farm.layer.pk, limit.pk),
             )
-        assert time.monotonic() - started >= 5
+        assert time.monotonic() - started >= 1.5
+        assert "idle in transaction" in (failed.value.diag.message_hint or "")
     finally:
         holder.execute("ROLLBACK")
         holder.close()
@@ -323,8 +327,9 @@ def test_an_updated_layer_is_not_taken_for_a_new_one_and_takes_the_keys_lock(con
     holder = autocommit_conn()
     try:
         holder.execute("BEGIN")
-        holder.execute("SELECT pg_advisory_xact_lock_shared(%s, 0)", (0x61636374,))
+        holder.execute("SELECT 1 FROM layer WHERE pk_layer = %s FOR KEY SHARE", (farm.layer.pk,))
         with pytest.raises(pg_errors.LockNotAvailable), conn.transaction():
+            conn.execute("SET LOCAL lock_timeout = '2s'")
             conn.execute("UPDATE layer SET str_tags = str_tags WHERE pk_layer = %s", (farm.layer.pk,))
             conn.execute(
                 "INSERT INTO layer_limit (pk_layer_limit, pk_layer, pk_limit_record) VALUES (%s, %s, %s)",

@@ -13,7 +13,7 @@ from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
 from accounting.models import AccountingSettings
-from dispatch.models import Frame, HostStat, Job, JobResource, Layer, Show, Subscription
+from dispatch.models import Frame, Host, HostStat, Job, JobResource, Layer, Show, Subscription
 from ops import permissions
 from tests.integration.farm_fixtures import Farm, create_frames, create_job, create_layer, create_proc, tiny_farm
 from tests.integration.ops_support import base_view, clear_view, make_user, publish_view
@@ -355,6 +355,18 @@ def test_why_no_host_with_the_memory_and_tag(operator: Client) -> None:
     page = operator.get(reverse("admin:ops_job_why", args=[farm.job.pk])).content.decode()
     assert "no host with 1 core(s) and 16 GB free and tag `gpu`" in page
     assert "the most free memory is 12 GB" in page
+
+
+def test_why_a_gpu_host_declines_a_cpu_frame(operator: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    farm = tiny_farm(managed=False)
+    Host.objects.filter(pk=farm.host.pk).update(int_gpus=2, int_gpus_idle=2)
+    Layer.objects.filter(pk=farm.layer.pk).update(str_tags=farm.alloc.str_tag, int_mem_min=30 * 1024 * 1024)
+    page = operator.get(reverse("admin:ops_job_why", args=[farm.job.pk])).content.decode()
+    assert "are GPU hosts, kept for GPU work" in page  # 32 GB - 30 GB would leave less than 4 GB
+    assert "CUESCHED_GPU_BACKFILL=1" in page
+    monkeypatch.setenv("CUESCHED_GPU_BACKFILL", "1")
+    page = operator.get(reverse("admin:ops_job_why", args=[farm.job.pk])).content.decode()
+    assert "kept for GPU work" not in page
 
 
 def test_why_paused_dependencies_and_the_scheduler_record(operator: Client) -> None:

@@ -32,8 +32,10 @@ def _queries(client: Client, url: str) -> int:
 
 
 def _add_procs(farm: Farm, n: int, start: int) -> None:
+    # 256 MB each: 41 of create_proc's default 1 GB do not fit the tiny farm's 32 GB host, which
+    # the host memory ledger (issue 28) rightly refuses; this test counts queries, not memory.
     for frame in create_frames(farm.layer, n, start=start):
-        create_proc(farm.host, frame, cores=100)
+        create_proc(farm.host, frame, cores=100, int_mem_reserved=256 * 1024)
 
 
 @pytest.mark.parametrize("name", ["admin:ops_procs", "admin:ops_allocations", "admin:ops_console_overview"])

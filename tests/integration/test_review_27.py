@@ -134,12 +134,6 @@ def barrier(conn: psycopg.Connection, service: AccountingService, job: str, core
 # --------------------------------------------------------------------------- forged NOTIFY
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hole: the listener applies any acct_limit_change payload, whoever sends it; a non-member's "
-    "SELECT pg_notify('acct_limit_change', ...) raises a managed job's max in the Store and the loop books "
-    "past the database's max (its far xid also makes every later reseed keep the forged value)",
-)
 def test_a_forged_cap_notification_from_any_session_never_raises_a_managed_cap(conn) -> None:
     farm = seed("rv27a", jobs=2, frames_per_layer=40, job_max_cores=5 * CENTI, **ONE_JOB)
     job, other = farm.job_ids[0], farm.job_ids[1]
@@ -158,11 +152,6 @@ def test_a_forged_cap_notification_from_any_session_never_raises_a_managed_cap(c
         assert (service.store.job_cap(job) or (None,))[0] == 5
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hole: the listener applies any acct_release payload, whoever sends it; a non-member's forged "
-    "release of -5 cores makes the Store's job counter read 5 below SUM(proc) and the loop books past the max",
-)
 def test_a_forged_release_notification_from_any_session_never_makes_the_store_read_low(conn) -> None:
     farm = seed("rv27b", jobs=2, frames_per_layer=40, job_max_cores=5 * CENTI, **ONE_JOB)
     job, other = farm.job_ids[0], farm.job_ids[1]
@@ -180,6 +169,44 @@ def test_a_forged_release_notification_from_any_session_never_makes_the_store_re
         assert job_cores(conn, job) <= 5, f"{job_cores(conn, job)} cores booked against a max of 5"
 
 
+def test_a_replayed_genuine_release_is_applied_once(conn) -> None:
+    # Any session may LISTEN: an outside role hears a genuine release, then sends it again.
+    farm = seed("rv27h", jobs=2, frames_per_layer=40, job_max_cores=5 * CENTI, **ONE_JOB)
+    job, other = farm.job_ids[0], farm.job_ids[1]
+    with ExitStack() as stack, login_role("replayer", writer=False) as role, running_service() as service:
+        loop = stack.enter_context(make_loop(service, fast_launcher(**LONG)))
+        run_until(loop, lambda: job_cores(conn, job) == 5, 30, "the job at its max of 5")
+        with psycopg.connect(conninfo_as(role, claim_writer=False), autocommit=True) as replayer:
+            replayer.execute("LISTEN acct_release")
+            one = conn.execute("SELECT pk_proc FROM proc WHERE pk_job = %s LIMIT 1", (job,)).fetchone()[0]
+            conn.execute("DELETE FROM proc WHERE pk_proc = %s", (one,))
+            [heard] = [n for n in replayer.notifies(timeout=10, stop_after=1) if json.loads(n.payload)["job"] == job]
+            wait_for(lambda: service.store.job_cores_in_use(job) == 4, 10, "the genuine release in the Store")
+            for _ in range(3):  # three transactions: PostgreSQL folds a repeat within one
+                replayer.execute("SELECT pg_notify('acct_release', %s)", (heard.payload,))
+        barrier(conn, service, other, 6)
+        in_store = service.store.job_cores_in_use(job)
+        assert in_store == job_cores(conn, job) == 4, f"the Store counts {in_store} cores for a job running 4"
+        run_for(loop, 0.5)
+        assert job_cores(conn, job) <= 5, f"{job_cores(conn, job)} cores booked against a max of 5"
+
+
+def test_an_outside_writer_can_neither_write_nor_consume_the_outbox(conn) -> None:
+    # The listener applies the outbox's rows: one written there would be believed, one deleted
+    # there (a licence's growing use) never applied. The role has DML GRANTs on every table.
+    statements = (
+        "INSERT INTO cuesched_acct_outbox (str_channel, str_payload) VALUES ('acct_release', '{}')",
+        "SELECT cuesched_acct_emit('acct_release', '{}')",
+        "UPDATE cuesched_acct_outbox SET str_payload = '{}'",
+        "DELETE FROM cuesched_acct_outbox",
+    )
+    with login_role("outboxer", writer=False) as role:
+        with psycopg.connect(conninfo_as(role, claim_writer=False), autocommit=True) as outside:
+            for sql in statements:
+                with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                    outside.execute(sql)
+
+
 # --------------------------------------------------------------------------- the generation row
 
 
@@ -189,7 +216,7 @@ def test_an_outside_writer_cannot_undo_the_generation_bump_of_its_cap_lowering(c
     show = farm.show_ids[0]
     with (
         ExitStack() as stack,
-        login_role("genundo", writer=False) as role,
+        login_role("genundo", writer=False, cuesched_dml=True) as role,
         FreezableProxy().start() as proxy,
         running_service(proxy) as service,
     ):
@@ -233,7 +260,7 @@ def test_an_outside_writer_cannot_move_the_scheduler_lease(conn) -> None:
         "VALUES (1, 7, 'review', now(), now() + interval '1 hour') "
         "ON CONFLICT (id) DO UPDATE SET int_generation = 7"
     )
-    with login_role("leasemover", writer=False) as role:
+    with login_role("leasemover", writer=False, cuesched_dml=True) as role:
         with psycopg.connect(conninfo_as(role, claim_writer=False), autocommit=True) as outside:
             try:
                 outside.execute("UPDATE cuesched_scheduler_lease SET int_generation = int_generation + 1 WHERE id = 1")
@@ -250,7 +277,7 @@ def test_an_outside_writer_cannot_erase_an_open_integrity_alarm(conn) -> None:
         "INSERT INTO cuesched_integrity_alarm (str_kind, str_summary, details, str_acknowledged_by, str_ack_note) "
         "VALUES ('store_low', 'review', '{}', '', '')"
     )
-    with login_role("alarmeraser", writer=False) as role:
+    with login_role("alarmeraser", writer=False, cuesched_dml=True) as role:
         with psycopg.connect(conninfo_as(role, claim_writer=False), autocommit=True) as outside:
             try:
                 outside.execute("DELETE FROM cuesched_integrity_alarm WHERE str_summary = 'review'")
@@ -334,12 +361,6 @@ def _two_show_farm(prefix: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[tup
         yield farm, service, loop
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hole: the accounting-keys lock is an advisory lock any session may take, with no privilege at "
-    "all; a login that holds pg_advisory_lock(0x61636374, 0) stops every booking of every show (and every "
-    "proc write, releases included) for as long as it stays connected",
-)
 def test_a_session_holding_the_keys_lock_exclusively_stalls_at_most_its_own_show(conn, monkeypatch) -> None:
     with _two_show_farm("rv27e", monkeypatch) as (farm, _service, loop):
         with login_role("keyslock", writer=False) as role:
@@ -354,12 +375,6 @@ def test_a_session_holding_the_keys_lock_exclusively_stalls_at_most_its_own_show
         )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hole: cuesched_scheduler_lease's single row can be locked FOR UPDATE by any role with the "
-    "documented DML GRANTs; every booking transaction reads it FOR KEY SHARE, so one idle transaction "
-    "stops every booking of every show",
-)
 def test_a_session_locking_the_lease_row_stalls_at_most_its_own_show(conn, monkeypatch) -> None:
     conn.execute(
         "INSERT INTO cuesched_scheduler_lease (id, int_generation, str_holder) VALUES (1, 1, 'review') "
@@ -368,7 +383,10 @@ def test_a_session_locking_the_lease_row_stalls_at_most_its_own_show(conn, monke
     with _two_show_farm("rv27f", monkeypatch) as (farm, _service, loop):
         with login_role("leaselock", writer=False) as role:
             with psycopg.connect(conninfo_as(role, claim_writer=False)) as hostile:
-                hostile.execute("SELECT 1 FROM cuesched_scheduler_lease WHERE id = 1 FOR UPDATE")
+                try:
+                    hostile.execute("SELECT 1 FROM cuesched_scheduler_lease WHERE id = 1 FOR UPDATE")
+                except psycopg.errors.InsufficientPrivilege:
+                    pass  # refused (SELECT only on cuesched_*): what the fix must do; the loop still runs below
                 errors = run_for(loop, 3.0, tolerate=True)
                 booked = _booked(conn, farm.job_ids)
                 hostile.rollback()
@@ -392,13 +410,6 @@ def sub_cores(conn: psycopg.Connection, show: str) -> tuple[int, int]:
     return int(row[0]) // CENTI, int(row[1] or 0) // CENTI
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hole: acct_usage_guard (like the ledger and licence guards) tells the triggers' own writes by "
-    "pg_trigger_depth(); any login may create a TEMP table with a pg_temp trigger function, whose UPDATE of "
-    "subscription.int_cores runs at depth 1 and is not refused: the unmanaged counter reads 0 and the "
-    "database-enforced burst is passed",
-)
 def test_a_temp_trigger_cannot_write_an_unmanaged_counter_below_sum_proc(conn) -> None:
     farm = seed(
         "rv27g",

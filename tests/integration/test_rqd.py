@@ -20,7 +20,8 @@ import pytest
 from dispatch.engine.completion import EXIT_STATUS_DOWN_HOST
 from dispatch.engine.kills import KillSender
 from dispatch.engine.launcher import get_launcher
-from dispatch.jobs.actions import kill_job, submit_job
+from dispatch.jobs.controls import kill_job
+from dispatch.jobs.submit import submit_job
 from dispatch.lab.seeding import FarmSpec, seed_farm, show_name
 from ops.why import explain_job
 from tests.integration.dispatch_support import Sampler, autocommit, drain, make_loop, scalar, violations, wait_for

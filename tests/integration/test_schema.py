@@ -38,6 +38,8 @@ TABLES = (
     "host_stat",
     "host_tag",
     "proc",
+    "service",  # Cuebot's, on every database since issue 29
+    "show_service",
 )
 
 NOW = "<current time>"  # now(), CURRENT_TIMESTAMP, statement_timestamp() ...
@@ -213,6 +215,8 @@ UNIQUE_KEYS = [
     ("job_stat", ("pk_job",)),
     ("layer_resource", ("pk_layer",)),
     ("layer_stat", ("pk_layer",)),
+    ("service", ("str_name",)),
+    ("show_service", ("pk_show", "str_name")),
 ]
 
 COLUMNS_SQL = """

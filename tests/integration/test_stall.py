@@ -368,8 +368,10 @@ def test_a_cap_write_behind_a_held_row_waits_bounded_and_names_the_holder(monkey
 
 
 def test_a_flip_behind_a_stuck_proc_writer_gives_up_bounded_and_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A flip needs every proc writer out of the way (the exclusive accounting-keys lock): behind
-    an idle transaction that wrote a proc it cannot go on, and says which session to end."""
+    """A flip needs its own show's proc writers out of the way (its row FOR UPDATE against their
+    FOR KEY SHARE): behind an idle transaction that wrote a proc of that show it cannot go on,
+    and says which session to end. Another show flips meanwhile (before issue 27's row locks the
+    flip of that other show failed too, behind the one accounting-keys lock)."""
     from django.db import connection
 
     from accounting.actions import flip_show
@@ -384,13 +386,14 @@ def test_a_flip_behind_a_stuck_proc_writer_gives_up_bounded_and_names_it(monkeyp
         started = time.monotonic()
         try:
             with pytest.raises(KeysLockTimeout) as failed:
-                flip_show(farm.show_ids[1], True, actor="ops")
+                flip_show(farm.show_ids[0], True, actor="ops")
+            assert flip_show(farm.show_ids[1], True, actor="ops").changed
         finally:
             connection.close()
         assert time.monotonic() - started < RETURNS_WITHIN
         assert "psql-stuck" in str(failed.value) and "idle in transaction" in str(failed.value)
         psql.execute("ROLLBACK")
-    assert flip_show(farm.show_ids[1], True, actor="ops").changed
+    assert flip_show(farm.show_ids[0], True, actor="ops").changed
 
 
 def test_the_display_write_skips_a_managed_counter_row_another_session_holds() -> None:

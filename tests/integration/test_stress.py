@@ -81,3 +81,16 @@ def test_the_drain_phase_runs_through_real_rqd_daemons() -> None:
     assert report.booked >= report.frames > 0, text
     assert "audit: OK" in text
     assert not any(farm_counts("tsrqd_d").values())
+
+
+def test_the_frame_life_phase_drains_with_retries_charged_only_to_real_failures() -> None:
+    """Memory failures (exit 33, signal 9 over the reservation), hung frames (timeout, timeout_llu)
+    and real failures under booking load, behind a frame-by-frame dependency: the farm drains,
+    nothing is left RUNNING or DEPEND, each frame's int_retries is its real failures retried, and
+    memory-failed layers are raised (dispatch/lab/stress/frame_life.py)."""
+    lines: list[str] = []
+    (report,) = run_stress(small(prefix="tsfl", phases=("frame_life",)), emit=lines.append)
+    text = "\n".join(lines)
+    assert report.failed == [] and report.breaches == 0, text
+    assert "hung frames killed: 0 " not in text, text
+    assert not any(farm_counts(f"tsfl_{PHASE_LETTERS['frame_life']}").values())

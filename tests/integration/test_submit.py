@@ -6,11 +6,23 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from django.core.exceptions import ValidationError
 from django.db import connection
 
-from dispatch.jobs import actions
-from dispatch.jobs.actions import submit_job
-from dispatch.jobs.spec import SpecError, load_spec, parse_memory
+from dispatch.jobs import depends
+from dispatch.jobs.action_base import JobNotFound
+from dispatch.jobs.controls import (
+    eat_frames,
+    kill_job,
+    pause_job,
+    resume_job,
+    retry_frames,
+    set_max_cores,
+    set_priority,
+)
+from dispatch.jobs.plan import SpecError
+from dispatch.jobs.spec import load_spec, parse_memory
+from dispatch.jobs.submit import submit_job
 from dispatch.lab.seeding import FarmSpec, purge_farm, seed_farm, show_name
 from dispatch.models import Depend, Frame, Job, JobResource, JobStat, Layer, LayerStat
 from dispatch.models.depends import FRAME_BY_FRAME, LAYER_ON_LAYER
@@ -68,6 +80,8 @@ def test_submit_writes_job_caps_layers_frames_and_depends_with_counters_right_at
         "general",  # the tag of the allocation the show subscribes to
         True,
     )
+    # A layer naming no service gets the `default` service, which holds these defaults.
+    assert {layer.str_services for layer in layers.values()} == {"default"}
     assert movie.int_mem_min == 512 * 1024
     assert render.str_cmd == "render -f #IFRAME#" and render.str_range == "1-10"
 
@@ -98,7 +112,7 @@ def test_submit_writes_job_caps_layers_frames_and_depends_with_counters_right_at
 
 def test_submit_is_one_transaction(farm, monkeypatch: pytest.MonkeyPatch) -> None:
     before = table_counts()
-    monkeypatch.setattr(actions, "INSERT_DEPENDS_SQL", "SELECT 1 / 0")  # fails after everything else
+    monkeypatch.setattr(depends, "INSERT_DEPENDS_SQL", "SELECT 1 / 0")  # fails after everything else
     with pytest.raises(Exception, match="division by zero"):
         submit_job(make_spec(), user="alice")
     assert table_counts() == before
@@ -127,8 +141,13 @@ def _layer(**fields: Any) -> dict[str, Any]:
         (make_spec(layers=[_layer(range="10-1x1")]), "layer 'main'.range: '10-1x1' has no frames"),
         (make_spec(layers=[_layer(range="1-10x0")]), "the step cannot be 0"),
         (make_spec(layers=[_layer(range="frames")]), "'frames' is not a frame range"),
-        (make_spec(layers=[_layer(cores=0)]), "layer 'main'.cores: must be a whole number of cores from 1"),
-        (make_spec(layers=[_layer(cores=1.5)]), "layer 'main'.cores: must be a whole number, not 1.5"),
+        # 0 is the whole host and -N all but N since issue 28; past the range is still refused.
+        (make_spec(layers=[_layer(cores=-100_000)]), "layer 'main'.cores: must be a whole number of cores from 1"),
+        (make_spec(layers=[_layer(cores=100_001)]), "0 (the whole host) or -N (all but N)"),
+        (make_spec(layers=[_layer(cores=1.5)]), "layer 'main'.cores: 1.5 is a fraction of a core, which cuesched"),
+        (make_spec(layers=[_layer(cores="2")]), "layer 'main'.cores: must be a whole number, not '2'"),
+        (make_spec(layers=[_layer(cores=4, max_cores=2)]), "layer 'main'.max_cores: is 2, below the layer's cores (4)"),
+        (make_spec(layers=[_layer(max_cores=-1)]), "layer 'main'.max_cores: must be 0 (no max) or a whole number"),
         (make_spec(layers=[_layer(memory="4096")]), "layer 'main'.memory: '4096' has no unit: write e.g. '4GB'"),
         (make_spec(layers=[_layer(memory=4096)]), "layer 'main'.memory: 4096 has no unit"),
         (make_spec(layers=[_layer(memory="4 parsecs")]), "is not a memory size"),
@@ -182,7 +201,7 @@ def test_all_errors_are_reported_at_once(farm) -> None:
         "show": "nope",
         "name": "bad name",
         "layers": [
-            {"name": "a", "command": "x", "range": "1-10x0", "cores": 0, "memory": "12"},
+            {"name": "a", "command": "x", "range": "1-10x0", "cores": 0.5, "memory": "12"},
             {"name": "a", "command": "y", "range": "1", "depends": [{"layer": "zz", "type": "frame"}]},
         ],
     }
@@ -201,14 +220,15 @@ def test_dependency_errors_come_in_the_same_pass_as_field_errors(farm) -> None:
     spec = make_spec(
         layers=[
             _layer(name="a", memory="12", depends=[{"layer": "ghost", "type": "frame"}]),
-            _layer(name="b", cores=0, depends=[{"layer": "c", "type": "layer"}, {"layer": "b", "type": "layer"}]),
+            _layer(name="b", cores=0.5, depends=[{"layer": "c", "type": "layer"}, {"layer": "b", "type": "layer"}]),
             _layer(name="c", range="x", depends=[{"layer": "b", "type": "frame"}, {"layer": "spook", "type": "?"}]),
         ]
     )
     errors = _errors(spec)
     assert errors == [
         "layer 'a'.memory: '12' has no unit: write e.g. '4GB' or '512MB'",
-        "layer 'b'.cores: must be a whole number of cores from 1 to 100000",
+        "layer 'b'.cores: 0.5 is a fraction of a core, which cuesched cannot book: give whole cores (N >= 1, 0 for the "
+        "whole host, -N for all but N of the host's cores)",
         "layer 'c'.depends[1].type: must be 'frame' (frame by frame) or 'layer' (the whole layer), not '?'",
         "layer 'c'.range: 'x' is not a frame range: use N, A-B, A-BxSTEP, A-BySTEP or A-B:STEP (e.g. '1-100x5')",
         "layer 'a'.depends: unknown layer 'ghost' (layers: a, b, c)",
@@ -357,10 +377,10 @@ def test_a_frame_without_a_counterpart_does_not_wait(farm) -> None:
 
 def test_eating_frames_satisfies_their_depends_and_can_finish_the_job(farm) -> None:
     job = submit_job(make_spec(), user="alice").job_id
-    result = actions.eat_frames(job, layer="sim")
+    result = eat_frames(job, layer="sim")
     assert (result.changed, result.detail) == (2, {"finished": False})
     assert {s for n, s in frame_states(job).items() if n.endswith("render")} == {"WAITING"}
-    result = actions.eat_frames(job)
+    result = eat_frames(job)
     assert result.changed == 11 and result.detail == {"finished": True}
     assert set(frame_states(job).values()) == {"EATEN"}
     assert Job.objects.get(pk=job).str_state == "FINISHED"
@@ -387,21 +407,21 @@ def test_the_satisfy_trigger_fires_after_the_stat_trigger() -> None:
 
 def test_pause_resume_priority_and_max_cores_write_only_what_changes(farm) -> None:
     job = submit_job(simple_spec("ctl"), user="alice").job_id
-    assert actions.pause_job(job).changed == 1
-    assert actions.pause_job("ctl").changed == 0  # by name, already paused
+    assert pause_job(job).changed == 1
+    assert pause_job("ctl").changed == 0  # by name, already paused
     assert Job.objects.get(pk=job).b_paused is True
-    assert actions.resume_job(job).changed == 1
-    assert actions.set_priority(job, 300).changed == 1
-    assert actions.set_priority(job, 300).changed == 0
+    assert resume_job(job).changed == 1
+    assert set_priority(job, 300).changed == 1
+    assert set_priority(job, 300).changed == 0
     assert JobResource.objects.get(job_id=job).int_priority == 300
-    assert actions.set_max_cores(job, 12).changed == 1
+    assert set_max_cores(job, 12).changed == 1
     assert JobResource.objects.get(job_id=job).int_max_cores == 1200
-    assert actions.set_max_cores(job, -1).changed == 1
+    assert set_max_cores(job, -1).changed == 1
     assert JobResource.objects.get(job_id=job).int_max_cores == -1
-    with pytest.raises(actions.ValidationError):
-        actions.set_priority(job, -1)
-    with pytest.raises(actions.JobNotFound):
-        actions.pause_job("no-such-job")
+    with pytest.raises(ValidationError):
+        set_priority(job, -1)
+    with pytest.raises(JobNotFound):
+        pause_job("no-such-job")
 
 
 def test_retry_gives_dead_frames_a_fresh_budget_and_reopens_a_finished_job(farm) -> None:
@@ -413,10 +433,10 @@ def test_retry_gives_dead_frames_a_fresh_budget_and_reopens_a_finished_job(farm)
             [job],
         )
         cur.execute("UPDATE job SET str_state = 'FINISHED' WHERE pk_job = %s", [job])
-    assert actions.retry_frames(job, ["0002-main"]).changed == 0  # not dead: nothing to retry
-    with pytest.raises(actions.ValidationError, match="no frame '0009-main'"):
-        actions.retry_frames(job, ["0009-main"])
-    result = actions.retry_frames(job)
+    assert retry_frames(job, ["0002-main"]).changed == 0  # not dead: nothing to retry
+    with pytest.raises(ValidationError, match="no frame '0009-main'"):
+        retry_frames(job, ["0009-main"])
+    result = retry_frames(job)
     assert (result.changed, result.detail) == (1, {"reopened": True})
     frame = Frame.objects.get(job_id=job, int_number=1)
     assert (frame.str_state, frame.int_retries, frame.int_exit_status) == ("WAITING", 0, -1)
@@ -427,12 +447,12 @@ def test_retry_gives_dead_frames_a_fresh_budget_and_reopens_a_finished_job(farm)
 def test_kill_without_running_frames_eats_what_could_start_and_finishes_the_job(farm) -> None:
     job = submit_job(make_spec(), user="alice").job_id
     _set_state(job, ["0001-sim"], "DEAD")
-    result = actions.kill_job(job)
+    result = kill_job(job)
     assert result.detail == {"finished": True, "eaten": 12, "killing": 0, "procs": []}
     states = frame_states(job)
     assert states["0001-sim"] == "DEAD" and {s for n, s in states.items() if n != "0001-sim"} == {"EATEN"}
     assert Job.objects.get(pk=job).str_state == "FINISHED"
-    assert actions.kill_job(job).changed == 0  # again: nothing left to do
+    assert kill_job(job).changed == 0  # again: nothing left to do
     assert counters_mismatch() == []
 
 

@@ -13,7 +13,8 @@ from accounting.channels import parse_limit_change
 from accounting.notify import LIMIT_CHANNEL
 from accounting.service import AccountingService
 from dispatch.engine.kills import KillSender
-from dispatch.jobs.actions import kill_job, retry_frames, submit_job
+from dispatch.jobs.controls import kill_job, retry_frames
+from dispatch.jobs.submit import submit_job
 from dispatch.lab.seeding import FarmSpec, seed_farm, show_name
 from tests.integration.dispatch_support import (
     autocommit,

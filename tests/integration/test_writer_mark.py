@@ -275,12 +275,6 @@ def test_creating_the_writer_role_tolerates_an_existing_one_and_says_what_to_do_
         conn.execute(f'DROP ROLE IF EXISTS "{fresh}"')
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hole: pgtrigger's generated guard (_pgtrigger_should_ignore) honours the session setting "
-    "pgtrigger.ignore for any session, so a non-member that names the proc insert trigger in it books a "
-    "managed show unchecked and uncounted; the guard must honour it for no one (or writer-role members only)",
-)
 def test_a_role_outside_the_writer_role_cannot_switch_the_accounting_triggers_off_with_pgtrigger_ignore(
     conn,
 ) -> None:

@@ -10,7 +10,7 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.test import Client
 
-from dispatch.jobs.actions import submit_job
+from dispatch.jobs.submit import submit_job
 from dispatch.models import JobResource
 from tests.integration.submit_support import make_spec
 from tests.integration.test_api import farm, post, tokens  # noqa: F401  (fixtures and helper)

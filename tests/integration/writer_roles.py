@@ -1,9 +1,13 @@
 """LOGIN roles for tests that write as someone other than the database superuser.
 
 Roles are cluster-wide and several checkouts test on one server, so each name carries the test
-database's name. A role gets the table privileges an outside tool would be granted (DML on every
-table, the sequences), never ownership and never superuser; `writer=True` also makes it a member
-of the scheduler's writer role, as docs/deployment.md asks of the scheduler's login role.
+database's name. A role gets the privileges docs/deployment.md grants, never ownership and never
+superuser: an outside tool (`writer=False`) DML on the OpenCue tables and their sequences and
+SELECT only on cuesched's own (`cuesched_*`: the accounting triggers write those as their owner,
+SECURITY DEFINER, so no outside writer needs more; without UPDATE it cannot lock their rows
+either); `writer=True` makes it a member of the scheduler's writer role with DML on every table,
+as the scheduler's login role. `cuesched_dml=True` gives an outside tool DML on cuesched's tables
+too, for the tests of the triggers that guard those rows against a role granted too much.
 """
 
 from __future__ import annotations
@@ -32,8 +36,8 @@ def _admin(url: str | None) -> psycopg.Connection:
 
 
 @contextmanager
-def login_role(tag: str, *, writer: bool, url: str | None = None) -> Iterator[str]:
-    """A non-superuser LOGIN role with DML GRANTs on the test database (or `url`'s); yields its name.
+def login_role(tag: str, *, writer: bool, url: str | None = None, cuesched_dml: bool = False) -> Iterator[str]:
+    """A non-superuser LOGIN role with docs/deployment.md's GRANTs on the test database (or `url`'s): its name.
 
     127.0.0.1 uses trust authentication on the test server, so no password is set."""
     with _admin(url) as conn:
@@ -46,6 +50,17 @@ def login_role(tag: str, *, writer: bool, url: str | None = None) -> Iterator[st
         conn.execute(f'GRANT USAGE, SELECT, UPDATE ON ALL SEQUENCES IN SCHEMA public TO "{name}"')
         if writer:
             conn.execute(f'GRANT {WRITER_ROLE} TO "{name}"')
+        elif not cuesched_dml:
+            for kind, relkinds, privileges in (
+                ("TABLE", "rp", "INSERT, UPDATE, DELETE"),
+                ("SEQUENCE", "S", "USAGE, UPDATE"),
+            ):
+                for (rel,) in conn.execute(
+                    "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+                    "WHERE n.nspname = 'public' AND c.relkind::text = ANY(%s) AND c.relname LIKE 'cuesched\\_%%'",
+                    (list(relkinds),),
+                ):
+                    conn.execute(f'REVOKE {privileges} ON {kind} public."{rel}" FROM "{name}"')
     try:
         yield name
     finally:

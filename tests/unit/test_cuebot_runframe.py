@@ -44,3 +44,5 @@ def test_run_frame_carries_the_ids_cuebots_report_handler_needs() -> None:
     assert msg.layer_id == ids["pk_layer"]
     assert (msg.frame_name, msg.job_name, msg.show) == ("0001-render", "testing-shot-job", "testing")
     assert msg.num_cores == 200  # centicores, as Cuebot sends them
+    # Cuebot's DispatchFrame.setMinMemory: soft 1.6x, hard 2x the booked memory (it sent no hard limit before).
+    assert (msg.soft_memory_limit, msg.hard_memory_limit) == (1_677_721, 2_097_152)

@@ -8,6 +8,7 @@ reference must match what `manage.py docs_reference` renders now.
 
 from __future__ import annotations
 
+import importlib
 import re
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from django.core.management import call_command, get_commands
 from django.core.management.base import CommandError
 
 from cuesched_project import docgen
+from ops.units import memory_kb
 
 ROOT = Path(settings.BASE_DIR)
 DOC_FILES = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]
@@ -215,7 +217,12 @@ def test_jobs_doc_states_the_limits_the_code_enforces() -> None:
     text = JOBS_DOC.read_text()
     for value in (spec.MAX_LAYERS, spec.MAX_FRAMES_PER_JOB, spec.MAX_CORES, frameset.DEFAULT_MAX_FRAMES):
         assert f"{value:,}" in text, value
-    assert f'"{spec.DEFAULT_MEMORY_KB // 1024**2}GB"' in section(text, "Layer fields")
+    # A layer's memory is its service's: the seeded `default` service's for one naming none; the
+    # spec's own default is only the fallback of a database without that row.
+    seed = importlib.import_module("dispatch.migrations.0041_services_seed")
+    (default_kb,) = [mem for _pk, name, _t, _c, mem, _tags in seed.CUEBOT_SERVICES if name == "default"]
+    assert f"(`default`: {memory_kb(default_kb)})" in section(text, "Layer fields")
+    assert f"{spec.DEFAULT_MEMORY_KB // 1024**2} GB" in section(text, "Services")
     assert f"| {spec.DEFAULT_MAX_RETRIES} |" in section(text, "Job fields")
 
 
@@ -230,7 +237,8 @@ def test_jobs_doc_examples_are_specs_with_only_known_fields() -> None:
         for layer in doc["layers"]:
             assert set(layer) <= spec.LAYER_KEYS
             for dep in layer.get("depends", []):
-                assert set(dep) == spec.DEPEND_KEYS
+                # `layer` and `type`; `job` too for another job's layer, `job` and `type` for a whole job.
+                assert set(dep) <= spec.DEPEND_KEYS and "type" in dep and ({"layer", "job"} & set(dep))
 
 
 ROUTE_HEADING = re.compile(r"^### `([A-Z]+) (/api/[^`]*)`", re.M)
@@ -239,7 +247,7 @@ CURL = re.compile(r"^curl\b.*$", re.M)
 
 def route_regex(route: str) -> re.Pattern[str]:
     pattern = re.escape(route)
-    for placeholder in ("<job>", "<limit>", "<frame>"):
+    for placeholder in ("<job>", "<limit>", "<frame>", "<service>", "<show>"):
         pattern = pattern.replace(re.escape(placeholder), "[^/]+")
     return re.compile("^" + pattern + "/?$")
 
@@ -275,7 +283,13 @@ def test_every_route_the_api_lists_is_served_with_its_method() -> None:
     actions = set()
     for route in api.ROUTES:
         method, path = route.split(" ", 1)
-        for placeholder, value in (("<job>", "some-job"), ("<limit>", "some-limit"), ("<frame>", "some-frame")):
+        for placeholder, value in (
+            ("<job>", "some-job"),
+            ("<limit>", "some-limit"),
+            ("<frame>", "some-frame"),
+            ("<service>", "some-service"),
+            ("<show>", "some-show"),
+        ):
             path = path.replace(placeholder, value)
         match = resolve(path)
         assert method in getattr(match.func, "methods", ()), route

@@ -3,9 +3,10 @@
 The host's daemon answers at `host.str_rqd_address`, which its startup report recorded through
 the gateway (`dispatch.hosts.rqd_gateway`); one channel per address is kept (`RqdClients`).
 The RunFrame carries what Cuebot's would: resource_id = pk_proc, frame_id = pk_frame, the
-command with its `#...#` tokens substituted, the RQD-style CUE_* environment, the cores in
-centicores. No uid is sent, so RQD runs the frame as its own user and never tries to switch
-(RQD_BECOME_JOB_USER stays off, which also keeps a root RQD from becoming `daemon`).
+command with its `#...#` tokens substituted, the job's and the layer's `env` under the RQD-style
+CUE_* environment (dispatch.hosts.agent.frame_env), the cores in centicores, and the job's uid
+when it has one (`uid` in the spec): RQD switches to it only with RQD_BECOME_JOB_USER on a Linux
+RQD running as root, and otherwise runs the frame as its own user (docs/jobs.md).
 
 Launch failures - a host with no RQD address, an RQD that refuses (not UP, no idle cores, the
 frame already running there) or cannot be reached - are returned for the loop to compensate in
@@ -51,6 +52,7 @@ from accounting import db as acct_db
 from dispatch import conf
 from dispatch.engine.completion import EXIT_STATUS_KILLED, Completion, complete
 from dispatch.engine.launcher import register
+from dispatch.engine.memory import hard_memory_limit, soft_memory_limit
 from dispatch.hosts.agent import CENTI, RUN_CONTEXT_SQL, RunContext, _chunk_of, frame_env
 from dispatch.hosts.rqd_gateway import ReportError, RqdClients, _rpc_reason, report_status
 from dispatch.jobs.frameset import substitute_tokens
@@ -72,15 +74,18 @@ KILLED_BEFORE_LAUNCH_SQL = "SELECT pk_proc FROM proc WHERE pk_proc = ANY(%s::tex
 
 # gRPC codes that mean the daemon is not there (as opposed to one that answered no).
 UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
-_CUE_ENV_DROP = frozenset(("PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LC_ALL", "TZ", "TMPDIR", "TERM"))
 
 
 def run_frame_message(ctx: RunContext, log_dir: str, user: str) -> rqd_pb2.RunFrame:
     """The RunFrame of one booked proc, as Cuebot's dispatcher fills it."""
     chunk = _chunk_of(ctx)
     command = substitute_tokens(ctx.command, job=ctx.job, layer=ctx.layer, chunk=chunk, chunk_size=ctx.chunk_size)
-    env = {k: v for k, v in frame_env(ctx, chunk, Path(log_dir) / "x").items() if k not in _CUE_ENV_DROP}
+    env = frame_env(ctx, chunk, Path(log_dir) / "x", host_basics=False)
     env["CUE_LOG_PATH"] = log_dir
+    # Cuebot's `frame.uid.ifPresent(builder::setUid)`. RQD 1.37 refuses a uid <= 0 (and the spec
+    # takes none), and runs the frame as that user only with RQD_BECOME_JOB_USER on a Linux RQD
+    # run as root; otherwise it runs the frame as itself (docs/jobs.md).
+    uid = {"uid": ctx.uid} if ctx.uid is not None and ctx.uid > 0 else {}
     return rqd_pb2.RunFrame(
         resource_id=ctx.pk_proc,
         job_id=ctx.pk_job,
@@ -99,8 +104,10 @@ def run_frame_message(ctx: RunContext, log_dir: str, user: str) -> rqd_pb2.RunFr
         ignore_nimby=False,
         environment=env,
         os="linux",
-        soft_memory_limit=ctx.mem,
-        hard_memory_limit=0,
+        # Cuebot's DispatchFrame.setMinMemory: 1.6 and 2 times what the frame booked.
+        soft_memory_limit=soft_memory_limit(ctx.mem),
+        hard_memory_limit=hard_memory_limit(ctx.mem),
+        **uid,
     )
 
 

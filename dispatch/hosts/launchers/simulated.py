@@ -4,7 +4,10 @@ For demos, tests, the stress suite and the benchmarks. A frame's runtime is draw
 uniformly from [runtime_min, runtime_max] seconds (both 0: it completes at the next poll),
 it exits 1 with probability `failure_rate` (to exercise retries), and a launch fails with
 probability `launch_failure_rate` (to exercise compensation). Completions go back through
-the normal completion path, so releases really come from the proc delete trigger.
+the normal completion path, so releases really come from the proc delete trigger. Each run's
+max RSS is `rss_fraction` of the memory it booked (CUESCHED_SIM_RSS_FRACTION, 0.5; a test may
+decide it per booking with `rss`), carried by its completion as a real launcher's report
+carries it: the frame, its layer_mem and its job_mem record it.
 
 No agent runs either, so nothing would refresh host_stat.ts_ping and every seeded host would
 be declared lost after the lost-host timeout: the launcher pings every UP host itself before
@@ -52,6 +55,8 @@ class SimulatedLauncher:
         seed: int | None = None,
         fail_launch: Callable[[Booking], bool] | None = None,
         exit_status: Callable[[Booking], int | None] | None = None,
+        rss: Callable[[Booking], int] | None = None,
+        rss_fraction: float | None = None,
         heartbeat: bool | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -67,10 +72,12 @@ class SimulatedLauncher:
         # Test hooks: decide a launch failure or an exit status for one booking (None: draw it).
         self.fail_launch = fail_launch
         self.exit_status = exit_status
+        self.rss = rss
+        self.rss_fraction = conf.simulated_rss_fraction() if rss_fraction is None else rss_fraction
         self._clock = clock
         self.pings_hosts = conf.simulated_heartbeat() if heartbeat is None else heartbeat
         self._lock = threading.Lock()
-        self._heap: list[tuple[float, int, str, int]] = []
+        self._heap: list[tuple[float, int, str, int, int]] = []  # (due, seq, pk_proc, status, max RSS KB)
         self._seq = itertools.count()
         self._killed: set[str] = set()  # killed runs still in the heap (skipped when they come due)
         self._ended: list[str] = []  # killed runs whose end the next poll reports
@@ -95,7 +102,8 @@ class SimulatedLauncher:
                 if status is None:
                     status = 1 if self.failure_rate > 0 and rng.random() < self.failure_rate else 0
                 due = now + (rng.uniform(lo, hi) if hi > 0 else 0.0)
-                heapq.heappush(self._heap, (due, next(self._seq), b.pk_proc, status))
+                rss = self.rss(b) if self.rss is not None else int(b.mem * self.rss_fraction)
+                heapq.heappush(self._heap, (due, next(self._seq), b.pk_proc, status, max(0, rss)))
             self.launched += len(bookings) - len(failures)
             self.launch_failures += len(failures)
         return failures
@@ -108,11 +116,11 @@ class SimulatedLauncher:
             self._ended.clear()
             heap = self._heap
             while heap and heap[0][0] <= now:
-                _due, _seq, pk_proc, status = heapq.heappop(heap)
+                _due, _seq, pk_proc, status, rss = heapq.heappop(heap)
                 if pk_proc in self._killed:
                     self._killed.discard(pk_proc)
                     continue
-                out.append(Completion(pk_proc, status))
+                out.append(Completion(pk_proc, status, max_rss=rss))
         return out
 
     def next_due(self) -> float | None:
@@ -150,7 +158,7 @@ class SimulatedLauncher:
 
     def abandon(self) -> list[str]:
         with self._lock:
-            procs = [pk for _due, _seq, pk, _status in self._heap if pk not in self._killed]
+            procs = [entry[2] for entry in self._heap if entry[2] not in self._killed]
             self._heap.clear()
             self._killed.clear()
             procs += self._ended

@@ -97,6 +97,11 @@ class StressConfig:
     sl_delay: float = 2.5
     sl_deadline: float = 4.5
     sl_after: float = 6.0
+    # memory_mix (issue 28): hosts and jobs of its memory-heavy mixed farm (2 layers a job, one of
+    # them threadable, some asking a GPU), frames per layer; runtimes are runtime_min-max
+    mm_hosts: int = 120
+    mm_jobs: int = 60
+    mm_frames_per_layer: int = 10
     # drain on real frames: `simulated` (default), or `rqd` - the drain farm's first
     # `rqd_daemons` hosts are real OpenCue RQD daemons (one per host, on this machine), its
     # layers run `true`, and the rqd launcher and the gateway carry every frame
@@ -159,6 +164,29 @@ class StressConfig:
         )
         return replace(base, **shape)
 
+    def memory_mix_spec(self) -> FarmSpec:
+        """Memory runs out before cores on most hosts: 16-256 GB hosts, 2-48 GB frames, a quarter of
+        the layers asking a GPU (the phase makes its GPU hosts); one managed show, one not."""
+        return FarmSpec(
+            prefix=f"{self.prefix}_{PHASE_LETTERS['memory_mix']}",
+            seed=self.seed,
+            shows=2,
+            managed_shows=1,
+            allocs=1,
+            hosts=self.mm_hosts,
+            jobs=self.mm_jobs,
+            layers=2,
+            frames_per_layer=self.mm_frames_per_layer,
+            manual_tags=0,
+            host_cores_choices=(8, 16, 32),
+            host_mem_gb_choices=(16, 64, 256),
+            layer_cores_choices=(1, 2, 4),
+            layer_mem_gb_choices=(2, 8, 24, 48),
+            layer_gpus_choices=(0, 0, 0, 1),
+            sub_burst=100_000 * 100,
+            job_max_cores=16 * 100,
+        )
+
     def frames(self, spec: FarmSpec) -> int:
         return spec.jobs * spec.layers * spec.frames_per_layer
 
@@ -210,6 +238,9 @@ def small(cfg: StressConfig | None = None, **overrides: Any) -> StressConfig:
         "sl_delay": 1.0,
         "sl_deadline": 2.5,
         "sl_after": 2.5,
+        "mm_hosts": 16,
+        "mm_jobs": 12,
+        "mm_frames_per_layer": 6,
     }
     sizes.update(overrides)
     return replace(base, **sizes)

@@ -53,7 +53,13 @@ def _rqd_hosts(seed: FarmSeed) -> Callable[[], None]:
     daemons: dict[str, Any] = {}
     try:
         with db.connect(autocommit=True, application_name="cuesched-stress-rqd") as conn:
-            conn.execute("UPDATE layer SET str_cmd = 'true' WHERE pk_job = ANY(%s::text[])", (list(seed.job_ids),))
+            # Not threadable: told CUE_THREADABLE=1 (as Cuebot tells it), RQD pins a threadable frame
+            # to physical cores, which these daemons, claiming the seeded hosts' cores on a small
+            # machine, do not have; a refused launch would stand for a machine this is not.
+            conn.execute(
+                "UPDATE layer SET str_cmd = 'true', b_threadable = false WHERE pk_job = ANY(%s::text[])",
+                (list(seed.job_ids),),
+            )
             for name, cores, mem, tags in conn.execute(HOSTS_OF_FARM_SQL, (list(seed.host_ids),)).fetchall():
                 daemons.update(
                     start_daemons(

@@ -45,6 +45,35 @@ OW_KINDS: tuple[tuple[str, int], ...] = (
     ("flip_rr", 1),
 )
 
+# The outcomes that count a kind as done under load: the phase fails unless every kind, and a
+# managed booking refused (which only the booking kinds can meet), was done at least once.
+# flip_rr is done when the REPEATABLE READ writer's INSERT fails on the flipped show's row, which
+# the proc trigger locks FOR KEY SHARE (accounting.keylocks): since the row locks replaced the
+# one advisory lock, flips no longer bump the epoch row, so no writer fails on that any more.
+OW_SHOW_ROW_SERIALIZATION = "serialization (show row lock)"
+OW_DONE: dict[str, tuple[str, ...]] = {
+    "host_move": ("done",),
+    "job_move": ("done",),
+    "resize": ("grown", "shrunk"),
+    "insert": ("done",),
+    "sub_cycle": ("done",),
+    "reopen": ("done",),
+    "flip_rr": (OW_SHOW_ROW_SERIALIZATION,),
+}
+OW_MANAGED_REFUSED = "a managed booking refused"
+OW_BOOKING_KINDS = ("host_move", "job_move", "resize", "insert")
+# Where the proc INSERT trigger locks its procs' show rows (the first of its key locks).
+OW_SHOW_LOCK_CONTEXT = ("pgtrigger_acct_proc_insert", "FROM show t WHERE t.pk_show IN")
+
+
+def ow_missing(counts: Counter[str]) -> list[str]:
+    """The kinds (and the managed refusal) not done yet, in OW_KINDS order."""
+    missing = [k for k, _w in OW_KINDS if not any(counts[f"{k} {outcome}"] for outcome in OW_DONE[k])]
+    if not any(n for k, n in counts.items() if k.endswith(f"refused ({MANAGED_BOOKED_OUTSIDE})")):
+        missing.append(OW_MANAGED_REFUSED)
+    return missing
+
+
 # A proc of the farm at random, with the keys it is booked against and whether its show is managed.
 OW_PROC_SQL = """
 SELECT p.pk_proc, p.pk_host, p.int_cores_reserved, p.pk_show, p.pk_job
@@ -323,8 +352,9 @@ class _OutsideWriters:
 
         The writer's snapshot is taken (reading a frame and the show's flag) before the flip
         commits; its INSERT comes after, and must fail with a serialization failure (40001)
-        from the accounting epoch guard: committed, it would be accounted by the side its old
-        snapshot believes owns the show.
+        on the show's row, which the proc trigger locks FOR KEY SHARE and the flip updated after
+        the snapshot: committed, it would be accounted by the side its old snapshot believes
+        owns the show.
         """
         with self._flip_lock:
             show = rng.choice(self.seed.show_ids)
@@ -356,7 +386,9 @@ class _OutsideWriters:
                 except psycopg.errors.SerializationFailure as exc:
                     rr.execute("ROLLBACK")
                     context = exc.diag.context or ""
-                    return "serialization (epoch guard)" if "cuesched_accounting_epoch" in context else "serialization"
+                    if all(part in context for part in OW_SHOW_LOCK_CONTEXT):
+                        return OW_SHOW_ROW_SERIALIZATION
+                    return "serialization"
             except BaseException:
                 if rr.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
                     rr.execute("ROLLBACK")
@@ -378,17 +410,36 @@ class _OutsideWriters:
                     self.count("flips")
 
     # -- the threads ----------------------------------------------------------------------
+    def _draw(self, rng: random.Random, drawn: int, ops: int) -> str | None:
+        """The next kind: `ops` drawn by weight, then only the kinds not done yet (None: all done).
+
+        A small run's writers finish their ops in a few seconds, before any job has FINISHED
+        (a reopen has nothing to reopen) or a drawn kind met the state it needs; they go on
+        with what is missing while the loop books, so the phase's check that every kind was
+        done under load is met by doing it, not by luck of size.
+        """
+        pool = list(OW_KINDS)
+        if drawn >= ops:
+            with self._lock:
+                missing = ow_missing(self.counts)
+            if not missing:
+                return None
+            pool = [
+                (k, w) for k, w in OW_KINDS if k in missing or (OW_MANAGED_REFUSED in missing and k in OW_BOOKING_KINDS)
+            ]
+        return rng.choices([k for k, _w in pool], [w for _k, w in pool])[0]
+
     def writer(self, index: int, ops: int) -> None:
         rng = random.Random(f"{self.cfg.seed}/outside_writers/{index}")
-        kinds = [k for k, _w in OW_KINDS]
-        weights = [w for _k, w in OW_KINDS]
         conn = db.connect(autocommit=True, application_name=f"cuesched-stress-writer-{index}", claim_writer=False)
         rr = db.connect(autocommit=True, application_name=f"cuesched-stress-rr-{index}", claim_writer=False)
+        drawn = 0
         try:
-            for _ in range(ops):
-                if not self.run.loop_alive():
+            while self.run.loop_alive():
+                kind = self._draw(rng, drawn, ops)
+                if kind is None:
                     break
-                kind = rng.choices(kinds, weights)[0]
+                drawn += 1
                 try:
                     if kind == "flip_rr":
                         outcome = self.flip_rr(conn, rng, rr)
@@ -520,19 +571,7 @@ def phase_outside_writers(cfg: StressConfig) -> PhaseReport:
         f"{counts['agent completions']}"
         + "".join(f", {k} {n}" for k, n in sorted(counts.items()) if k.startswith("agent retries"))
     )
-    done = {
-        "host_move": counts["host_move done"],
-        "job_move": counts["job_move done"],
-        "resize": counts["resize grown"] + counts["resize shrunk"],
-        "insert": counts["insert done"],
-        "sub_cycle": counts["sub_cycle done"],
-        "reopen": counts["reopen done"],
-        "flip_rr": counts["flip_rr serialization (epoch guard)"],
-        "a managed booking refused": sum(
-            n for k, n in counts.items() if k.endswith(f"refused ({MANAGED_BOOKED_OUTSIDE})")
-        ),
-    }
-    missing = [k for k, n in done.items() if not n]
+    missing = ow_missing(counts)
     if missing:
         report.failed.append(f"outside writes never done under load: {', '.join(missing)}")
     report.failed.extend(writers.failures)

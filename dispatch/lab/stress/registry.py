@@ -37,6 +37,8 @@ REGISTRY: tuple[Phase, ...] = (
     Phase("stall", "sl"),
     Phase("stopped_holder", "sh"),
     Phase("slow_listener", "sw"),
+    Phase("memory_mix", "mm"),
+    Phase("frame_life", "lf"),
 )
 
 PHASES: tuple[str, ...] = tuple(p.name for p in REGISTRY)

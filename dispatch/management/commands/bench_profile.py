@@ -15,7 +15,13 @@ It prints:
 - each PL/pgSQL function's calls and time on the server (`pg_stat_user_functions`), the
   difference between before and after the drain: per-row work in triggers. For that the command
   sets `track_functions = all` on its database while it runs (ALTER DATABASE, a superuser's;
-  reset at the end).
+  reset at the end);
+- with `--explain`, each booking and completion statement's plan: before the real statement, the
+  same statement with the same parameters runs under `EXPLAIN (ANALYZE, BUFFERS)` inside a
+  savepoint that is then rolled back, so nothing of it stays (its deferred triggers are dropped
+  with it). Summed per plan node and per trigger (EXPLAIN prints each AFTER trigger's time for
+  DML): the statement's own row work against what each trigger adds. The explained run is not
+  in the statement clocks, but it does slow the drain, so read the proportions.
 
 Run it on a scratch database (it seeds and purges its own `--prefix` farm). cProfile adds its
 own overhead to every Python call (the Python side reads high against the database side).
@@ -75,6 +81,10 @@ class StatementClock:
         self.calls: Counter[str] = Counter()
         self.thread = threading.get_ident()
         self._original: Any = None
+        self.explain: set[str] = set()
+        # label -> {"statements", "rows", "ms", "nodes": {node: ms}, "triggers": {name: [calls, ms]}}
+        self.plans: dict[str, dict[str, Any]] = {}
+        self.connections: dict[int, psycopg.Connection] = {}  # the loop thread's, by id
 
     def label(self, query: Any) -> str:
         text = query if isinstance(query, str) else str(getattr(query, "as_string", lambda _c: query)(None))
@@ -87,11 +97,14 @@ class StatementClock:
         def execute(cur: psycopg.Cursor, query: Any, *args: Any, **kwargs: Any) -> Any:
             if threading.get_ident() != clock.thread:
                 return original(cur, query, *args, **kwargs)
+            clock.connections.setdefault(id(cur.connection), cur.connection)
+            label = clock.label(query)
+            if label in clock.explain:
+                clock.explained(original, cur, label, query, *args, **kwargs)
             started = time.perf_counter()
             try:
                 return original(cur, query, *args, **kwargs)
             finally:
-                label = clock.label(query)
                 clock.seconds[label] += time.perf_counter() - started
                 clock.calls[label] += 1
 
@@ -100,6 +113,59 @@ class StatementClock:
 
     def __exit__(self, *exc: object) -> None:
         psycopg.Cursor.execute = self._original  # type: ignore[method-assign]
+
+    def flush_stats(self) -> None:
+        """Make the loop's sessions publish their function statistics now.
+
+        A session flushes them to the shared ones at most once a second (PostgreSQL 15), so a
+        read right after the drain missed some (the smoke test saw the proc insert trigger
+        missing). `pg_stat_force_next_flush()` makes the session flush when it next goes idle,
+        which it does before it answers the statement: once the answer is here, so are its stats.
+        """
+        for conn in self.connections.values():
+            if conn.closed or conn.broken:
+                continue
+            if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+                continue  # never the case after the loop stopped; its stats would wait for its commit
+            conn.execute("SELECT pg_stat_force_next_flush()")
+            if not conn.autocommit:
+                conn.commit()  # the session flushes when idle outside a transaction
+
+    def explained(self, original: Any, cur: psycopg.Cursor, label: str, query: str, *args: Any, **kwargs: Any) -> None:
+        """Run `query` once under EXPLAIN ANALYZE in a savepoint rolled back after it, and add up its plan."""
+        original(cur, "SAVEPOINT bench_profile_explain")
+        try:
+            original(cur, "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + query, *args, **kwargs)
+            (doc,) = cur.fetchone() or ([{}],)
+        finally:
+            original(cur, "ROLLBACK TO SAVEPOINT bench_profile_explain")
+            original(cur, "RELEASE SAVEPOINT bench_profile_explain")
+        top = doc[0]
+        plan = self.plans.setdefault(label, {"statements": 0, "rows": 0, "ms": 0.0, "nodes": Counter(), "triggers": {}})
+        plan["statements"] += 1
+        plan["ms"] += float(top.get("Execution Time", 0.0))
+        for trig in top.get("Triggers", []):
+            name = f"{trig.get('Trigger Name')} on {trig.get('Relation')}"
+            calls_ms = plan["triggers"].setdefault(name, [0, 0.0])
+            calls_ms[0] += int(trig.get("Calls", 0))
+            calls_ms[1] += float(trig.get("Time", 0.0))
+
+        def walk(node: dict[str, Any]) -> float:
+            """Add each node's own time (its total less its children's) under its type and relation."""
+            loops = node.get("Actual Loops", 1)
+            total = float(node.get("Actual Total Time", 0.0)) * loops
+            children = sum(walk(child) for child in node.get("Plans", []))
+            name = node.get("Node Type", "?")
+            if node.get("Relation Name"):
+                name += f" {node['Relation Name']}"
+            if node.get("Operation"):
+                name = f"{node['Operation']} {name}"
+            plan["nodes"][name] += max(total - children, 0.0)
+            if node.get("Node Type") == "ModifyTable":
+                plan["rows"] += int(node.get("Actual Rows", 0))
+            return total
+
+        walk(top["Plan"])
 
 
 def _functions(conn: Any) -> dict[str, tuple[int, float, float]]:
@@ -126,6 +192,11 @@ class Command(BaseCommand):
         parser.add_argument("--folder-max-cores", type=int, default=400, help="cores (contended farm)")
         parser.add_argument("--hold", action="store_true", help="frames never finish (no completions in the cycle)")
         parser.add_argument("--top", type=int, default=25, help="functions listed per table")
+        parser.add_argument(
+            "--explain",
+            action="store_true",
+            help="also EXPLAIN (ANALYZE, BUFFERS) each booking and completion statement in a rolled-back savepoint",
+        )
 
     def handle(self, *args: Any, **opts: Any) -> None:
         extra: dict[str, Any] = {}
@@ -178,6 +249,8 @@ class Command(BaseCommand):
                 threading.Thread(target=watch, daemon=True).start()
             profile = cProfile.Profile()
             clock = StatementClock()
+            if opts["explain"]:
+                clock.explain = {"booking.BOOK_SQL", "completion.COMPLETE_SQL"}
             started = time.perf_counter()
             try:
                 with clock:
@@ -188,7 +261,7 @@ class Command(BaseCommand):
                 stop_service.set()
                 service.join()
                 launcher.close()
-            time.sleep(1.5)  # a session's function statistics reach the shared ones within a second
+            clock.flush_stats()
             with db.connect(autocommit=True, application_name="cuesched-bench-profile") as conn:
                 after = _functions(conn)
         finally:
@@ -269,6 +342,14 @@ class Command(BaseCommand):
                 f"  {label}: {n} calls ({n / batches:.1f} per batch), {seconds:.3f}s, "
                 f"{1000 * seconds / n:.2f} ms per call, {100 * seconds / wall:.0f}%"
             )
+        for label, plan in clock.plans.items():
+            n, ms = plan["statements"], plan["ms"]
+            out(f"EXPLAIN ANALYZE of {label}: {n} statements, {ms:.1f} ms executed, {ms / n:.2f} ms per statement")
+            for name, own in plan["nodes"].most_common(top):
+                if own >= 0.005 * ms:
+                    out(f"  node {name}: {own:.1f} ms own, {100 * own / ms:.0f}%")
+            for name, (calls, tms) in sorted(plan["triggers"].items(), key=lambda kv: -kv[1][1]):
+                out(f"  trigger {name}: {calls} calls, {tms:.1f} ms, {100 * tms / ms:.0f}%")
 
     @staticmethod
     def _table(text: str) -> str:

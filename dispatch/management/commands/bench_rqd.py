@@ -41,7 +41,7 @@ from cuesched_project.dburl import url_from_settings
 from dispatch.engine.launcher import get_launcher
 from dispatch.engine.loop import DispatchLoop
 from dispatch.hosts.rqd_gateway import start_gateway
-from dispatch.jobs.actions import submit_job
+from dispatch.jobs.submit import submit_job
 from dispatch.lab.rqdfarm import start_daemons, wait_registered
 from dispatch.lab.seeding import FarmSpec, purge_farm, seed_farm, show_name
 from dispatch.lab.stress import QUIET_LOOPS, env

@@ -1,4 +1,4 @@
-"""`manage.py job ACTION JOB ...`: control a job by id or name (calls dispatch.jobs.actions).
+"""`manage.py job ACTION JOB ...`: control a job by id or name (calls dispatch.jobs.controls, .depends).
 
 job pause JOB | job resume JOB | job kill JOB
 job retry JOB [FRAME ...] [--layer L]     DEAD frames (all, or the named ones) run again
@@ -6,6 +6,9 @@ job eat JOB [FRAME ...] [--layer L]       WAITING/DEAD/DEPEND frames done withou
 job priority JOB N
 job max-cores JOB N [--yes]               whole cores, -1 for unlimited; 0 books nothing (needs --yes)
 job show JOB                              state, counters and caps as JSON
+job depend JOB --on-job OTHER [--on-layer L] [--layer L] [--type job|layer|frame]
+                                          JOB (or its layer L) waits for OTHER (or its layer)
+job undepend JOB --on-job OTHER [...]     drop that dependency (same arguments)
 """
 
 from __future__ import annotations
@@ -18,12 +21,25 @@ from typing import Any
 from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError
 
-from dispatch.jobs import actions
+from dispatch.jobs.action_base import JobActionResult, JobNotFound, resolve_job
 from dispatch.jobs.api import describe_job
+from dispatch.jobs.controls import (
+    eat_frames,
+    kill_job,
+    pause_job,
+    resume_job,
+    retry_frames,
+    set_max_cores,
+    set_priority,
+)
+from dispatch.jobs.depends import DEPEND_KIND_NAMES, add_depend, drop_depend
 
 
 class Command(BaseCommand):
-    help = "Pause, resume, kill, retry, eat, set the priority or max cores of a job (by id or name)."
+    help = (
+        "Pause, resume, kill, retry, eat, set the priority or max cores of a job (by id or name), "
+        "or add or drop its dependency on another job."
+    )
 
     def add_arguments(self, parser: ArgumentParser) -> None:
         sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -43,27 +59,52 @@ class Command(BaseCommand):
         p.add_argument("job", help="job id or name")
         p.add_argument("value", type=int)
         p.add_argument("--yes", action="store_true", help="confirm a max of 0: the job books nothing more")
+        for name, text in (
+            ("depend", "make the job (or one of its layers) wait for another job or layer"),
+            ("undepend", "drop a dependency added with depend (or the spec); same arguments"),
+        ):
+            p = sub.add_parser(name, help=text)
+            p.add_argument("job", help="the waiting job's id or name")
+            p.add_argument("--on-job", required=True, help="the job waited for (id or name)")
+            p.add_argument("--on-layer", help="a layer of that job (default: the whole job)")
+            p.add_argument("--layer", help="only this layer of JOB waits (default: the whole job)")
+            p.add_argument(
+                "--type",
+                choices=DEPEND_KIND_NAMES,
+                help="job (the whole job), layer (the whole layer) or frame (frame by frame, needs both "
+                "layers); default: layer when --on-layer is given, else job",
+            )
 
     def handle(self, *args: Any, action: str, job: str, **options: Any) -> None:
         actor = f"cli:{getpass.getuser()}"
         try:
-            target = actions.resolve_job(job)
+            target = resolve_job(job)
             if action == "show":
                 self.stdout.write(json.dumps(describe_job(target), indent=2))
                 return
             if action in ("pause", "resume", "kill"):
-                run = {"pause": actions.pause_job, "resume": actions.resume_job, "kill": actions.kill_job}[action]
+                run = {"pause": pause_job, "resume": resume_job, "kill": kill_job}[action]
                 result = run(target, actor=actor)
             elif action in ("retry", "eat"):
-                run_frames = actions.retry_frames if action == "retry" else actions.eat_frames
+                run_frames = retry_frames if action == "retry" else eat_frames
                 result = run_frames(target, options["frames"] or None, layer=options["layer"], actor=actor)
+            elif action in ("depend", "undepend"):
+                run_depend = add_depend if action == "depend" else drop_depend
+                result = run_depend(
+                    target,
+                    options["on_job"],
+                    layer=options["layer"],
+                    on_layer=options["on_layer"],
+                    kind=options["type"],
+                    actor=actor,
+                )
             elif action == "priority":
-                result = actions.set_priority(target, options["value"], actor=actor)
+                result = set_priority(target, options["value"], actor=actor)
             else:
-                result = actions.set_max_cores(
+                result = set_max_cores(
                     target, options["value"], actor=actor, confirm_stop=bool(options.get("yes"))
                 )
-        except actions.JobNotFound as exc:
+        except JobNotFound as exc:
             raise CommandError(str(exc)) from None
         except ValidationError as exc:
             hint = ["run it again with --yes to confirm"] if getattr(exc, "code", None) == "confirm_stop" else []
@@ -71,7 +112,7 @@ class Command(BaseCommand):
         self.stdout.write(_describe(target.str_name, result))
 
 
-def _describe(name: str, result: actions.JobActionResult) -> str:
+def _describe(name: str, result: JobActionResult) -> str:
     d = result.detail
     if result.action in ("pause", "resume"):
         done = "paused" if result.action == "pause" else "resumed"
@@ -87,7 +128,21 @@ def _describe(name: str, result: actions.JobActionResult) -> str:
         return f"{name}: {result.changed} frames to retry" + (" (job reopened)" if d.get("reopened") else "")
     if result.action == "eat":
         return f"{name}: {result.changed} frames eaten" + (" (job finished)" if d.get("finished") else "")
+    if result.action == "depend":
+        what = _dependency(d)
+        if d.get("satisfied"):
+            return f"{name}: depends on {what}, already satisfied (it is done): nothing waits"
+        return f"{name}: depends on {what}; {result.changed} waiting frame(s) now DEPEND"
+    if result.action == "undepend":
+        return f"{name}: no longer depends on {_dependency(d)}; {result.changed} frame(s) released to WAITING"
     if result.action == "priority":
         return f"{name}: priority {d['priority']}" + ("" if result.changed else " (unchanged)")
     warnings = "".join(f"\nwarning: {w}" for w in d.get("warnings", ()))
     return f"{name}: max cores {d['max_cores']}" + ("" if result.changed else " (unchanged)") + warnings
+
+
+def _dependency(d: dict[str, Any]) -> str:
+    on = f"layer {d['on_layer']} of job {d['on_job_name']}" if d.get("on_layer") else f"job {d['on_job_name']}"
+    er = f" (layer {d['layer']})" if d.get("layer") else ""
+    how = " frame by frame" if d.get("type") == "FRAME_BY_FRAME" else ""
+    return f"{on}{how}{er}"

@@ -13,8 +13,9 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
-from dispatch.jobs.actions import submit_job
-from dispatch.jobs.spec import SpecError, load_spec
+from dispatch.jobs.plan import SpecError
+from dispatch.jobs.spec import load_spec
+from dispatch.jobs.submit import submit_job
 
 
 class Command(BaseCommand):
