@@ -9,9 +9,10 @@ reporter's connection:
 
 1. the use is recorded on the procs (`int_mem_used`, `int_mem_max_used`, ...), never on the
    RUNNING frame row (the completion finds that row by its version);
-2. the host row is locked FOR NO KEY UPDATE (after the proc rows, in the order a completion takes
-   them; not FOR UPDATE, which waits for the KEY SHARE every proc writer holds on its hosts, so a
-   completion of a reported frame and the report deadlocked), and its free memory estimated:
+2. the host row is locked FOR NO KEY UPDATE, before the proc rows are written (the order a
+   completion takes them: a report that wrote its procs first deadlocked with the completion of
+   a frame it listed; not FOR UPDATE, which waits for the KEY SHARE every proc writer holds on its
+   hosts), a proc another transaction holds is skipped, and the host's free memory estimated:
    the smaller of what the host reported (`host_stat.int_mem_free`) and its memory less the RSS
    of all its frames. The second stands in for the first where the host
    is a share of a bigger machine (an agent or RQD started with a memory override);
@@ -44,7 +45,7 @@ this project's CI) never meets the swap condition, so the kernel's OOM killer pi
 cuesched looks at physical memory only, at the same 10 % free by default, and picks the frame
 furthest over its reservation, which is the one that broke the ledger's promise. Cuebot's donor
 floor is the layer's max RSS across its frames (`layer_mem`); cuesched keeps layer_mem too (each
-report raises it in the statement that records the use) but uses the donor's own peak.
+report raises it right after its transaction, `RAISE_MAX_SQL`) but uses the donor's own peak.
 """
 
 from __future__ import annotations
@@ -98,33 +99,51 @@ class FollowResult:
     reason: str | None = None
 
 
-# The use on the procs, and in the same statement the max RSS (and GPU memory) of their layers and
-# jobs (Cuebot's layer_mem / job_mem, as its HostReportHandler raises them from each report): no
-# round trip of its own. Only a raise writes (and locks) a row, taken in key order.
+# The host first, FOR NO KEY UPDATE, as every scheduler transaction on a host's procs takes it
+# (a completion, a booking, a kill's release: accounting.keylocks) before any proc: a report that
+# wrote its procs first and then waited for the host deadlocked with a completion holding the
+# host and deleting one of them. Not FOR UPDATE: every proc writer holds its hosts FOR KEY SHARE.
+LOCK_HOST_SQL = "SELECT 1 FROM host WHERE pk_host = %s FOR NO KEY UPDATE"
+# The use on the procs, returning what their layers' and jobs' max RSS (and GPU memory) needs. A
+# proc another transaction holds is skipped, not waited for (the host is held by now): it is
+# being deleted, or marked for a kill by a writer that may come for the host next; the next
+# report records its use.
 RECORD_SQL = """
-WITH rec AS (
-  UPDATE proc p SET int_mem_used = m.rss, int_mem_max_used = GREATEST(p.int_mem_max_used, m.max_rss, m.rss),
-    int_virt_used = m.vsize, int_virt_max_used = GREATEST(p.int_virt_max_used, m.max_vsize),
-    int_gpu_mem_used = m.gpu, int_gpu_mem_max_used = GREATEST(p.int_gpu_mem_max_used, m.max_gpu), ts_ping = now()
-  FROM unnest(%(proc)s::text[], %(rss)s::bigint[], %(max_rss)s::bigint[], %(vsize)s::bigint[],
-              %(max_vsize)s::bigint[], %(gpu)s::bigint[], %(max_gpu)s::bigint[])
-       AS m(pk_proc, rss, max_rss, vsize, max_vsize, gpu, max_gpu)
-  WHERE p.pk_proc = m.pk_proc AND p.pk_host = %(host)s
-  RETURNING p.pk_proc, p.pk_layer, p.pk_job, p.int_mem_max_used, p.int_gpu_mem_max_used
+UPDATE proc p SET int_mem_used = m.rss, int_mem_max_used = GREATEST(p.int_mem_max_used, m.max_rss, m.rss),
+  int_virt_used = m.vsize, int_virt_max_used = GREATEST(p.int_virt_max_used, m.max_vsize),
+  int_gpu_mem_used = m.gpu, int_gpu_mem_max_used = GREATEST(p.int_gpu_mem_max_used, m.max_gpu), ts_ping = now()
+FROM unnest(%(proc)s::text[], %(rss)s::bigint[], %(max_rss)s::bigint[], %(vsize)s::bigint[],
+            %(max_vsize)s::bigint[], %(gpu)s::bigint[], %(max_gpu)s::bigint[])
+     AS m(pk_proc, rss, max_rss, vsize, max_vsize, gpu, max_gpu)
+WHERE p.pk_proc = m.pk_proc AND p.pk_proc IN (
+  SELECT q.pk_proc FROM proc q WHERE q.pk_proc = ANY(%(proc)s::text[]) AND q.pk_host = %(host)s
+  ORDER BY q.pk_proc FOR UPDATE OF q SKIP LOCKED)
+RETURNING p.pk_proc, p.pk_layer, p.pk_job, p.int_mem_max_used, p.int_gpu_mem_max_used
+"""
+# The max RSS of the reported procs' layers and jobs (Cuebot's layer_mem / job_mem, as its
+# HostReportHandler raises them from each report), in a transaction of its own after the report's
+# and never waiting for a row: a completion raises the same rows in the statement that gives its
+# host its memory back, in an order PostgreSQL does not fix, so a report holding them while it
+# waited for the host deadlocked with it. A row another writer holds is skipped: that writer is a
+# completion or another report raising it too, and the proc keeps its own peak, which the next
+# report or the frame's completion carries up. Only a raise writes a row.
+RAISE_MAX_SQL = """
+WITH m AS (
+  SELECT * FROM unnest(%(layer)s::text[], %(job)s::text[], %(rss)s::bigint[], %(gpu)s::bigint[])
+                AS m(pk_layer, pk_job, rss, gpu)
 ),
 layer_max AS (
   UPDATE layer_mem t SET int_max_rss = GREATEST(t.int_max_rss, r.m), int_gpu_mem_max = GREATEST(t.int_gpu_mem_max, r.g)
-  FROM (SELECT pk_layer, MAX(int_mem_max_used) AS m, MAX(int_gpu_mem_max_used) AS g
-        FROM rec GROUP BY pk_layer ORDER BY pk_layer) r
-  WHERE t.pk_layer = r.pk_layer AND (t.int_max_rss < r.m OR t.int_gpu_mem_max < r.g)
-),
-job_max AS (
-  UPDATE job_mem t SET int_max_rss = GREATEST(t.int_max_rss, r.m), int_gpu_mem_max = GREATEST(t.int_gpu_mem_max, r.g)
-  FROM (SELECT pk_job, MAX(int_mem_max_used) AS m, MAX(int_gpu_mem_max_used) AS g
-        FROM rec GROUP BY pk_job ORDER BY pk_job) r
-  WHERE t.pk_job = r.pk_job AND (t.int_max_rss < r.m OR t.int_gpu_mem_max < r.g)
+  FROM (SELECT pk_layer, MAX(rss) AS m, MAX(gpu) AS g FROM m GROUP BY pk_layer) r
+  WHERE t.pk_layer = r.pk_layer AND t.pk_layer_mem IN (
+    SELECT l.pk_layer_mem FROM layer_mem l JOIN m ON m.pk_layer = l.pk_layer
+    WHERE l.int_max_rss < m.rss OR l.int_gpu_mem_max < m.gpu FOR UPDATE OF l SKIP LOCKED)
 )
-SELECT pk_proc FROM rec
+UPDATE job_mem t SET int_max_rss = GREATEST(t.int_max_rss, r.m), int_gpu_mem_max = GREATEST(t.int_gpu_mem_max, r.g)
+FROM (SELECT pk_job, MAX(rss) AS m, MAX(gpu) AS g FROM m GROUP BY pk_job) r
+WHERE t.pk_job = r.pk_job AND t.pk_job_mem IN (
+  SELECT j.pk_job_mem FROM job_mem j JOIN m ON m.pk_job = j.pk_job
+  WHERE j.int_max_rss < m.rss OR j.int_gpu_mem_max < m.gpu FOR UPDATE OF j SKIP LOCKED)
 """
 HOST_SQL = """
 SELECT h.int_mem, hs.int_mem_free, h.str_name,
@@ -173,6 +192,7 @@ def follow_use(
     out = FollowResult()
     with conn.transaction(), conn.cursor() as cur:
         if uses:
+            cur.execute(LOCK_HOST_SQL, (pk_host,))
             cur.execute(
                 RECORD_SQL,
                 {
@@ -186,22 +206,34 @@ def follow_use(
                     "max_gpu": [max(0, u.max_gpu_mem) for u in uses],
                 },
             )
-            out.recorded = len(cur.fetchall())
-        row = cur.execute(HOST_SQL, (pk_host,)).fetchone()
-        if row is None or not out.recorded:
-            return out
-        mem, reported_free, name, reserved_sum, used_sum = row
-        procs = [_Proc(*r) for r in cur.execute(PROCS_SQL, (pk_host,)).fetchall()]
-        free = mem - used_sum if reported_free is None else min(reported_free, mem - used_sum)
-        if free < fraction * mem:
-            _kill(cur, out, procs, name, free, mem)
-            return out
-        _grow(cur, out, procs, mem - reserved_sum)
-        if out.grown:
-            cur.execute(TOUCH_HOST_SQL, (pk_host,))
+            recorded = cur.fetchall()
+            out.recorded = len(recorded)
+        name = _kill_or_grow(cur, out, pk_host, fraction)
+    if out.recorded:
+        _, layers, jobs, rss, gpu = zip(*recorded, strict=True)
+        conn.execute(RAISE_MAX_SQL, {"layer": list(layers), "job": list(jobs), "rss": list(rss), "gpu": list(gpu)})
     for pk, reserved in out.grown.items():
         logger.info("host %s: proc %s reservation grew to %d MB (its RSS)", name, pk, reserved // 1024)
     return out
+
+
+def _kill_or_grow(cur: psycopg.Cursor, out: FollowResult, pk_host: str, fraction: float) -> str | None:
+    """Under the host's lock: a memory kill, else reservations grown. Returns the host's name."""
+    if not out.recorded:
+        return None
+    row = cur.execute(HOST_SQL, (pk_host,)).fetchone()
+    if row is None:
+        return None
+    mem, reported_free, name, reserved_sum, used_sum = row
+    procs = [_Proc(*r) for r in cur.execute(PROCS_SQL, (pk_host,)).fetchall()]
+    free = mem - used_sum if reported_free is None else min(reported_free, mem - used_sum)
+    if free < fraction * mem:
+        _kill(cur, out, procs, name, free, mem)
+        return name
+    _grow(cur, out, procs, mem - reserved_sum)
+    if out.grown:
+        cur.execute(TOUCH_HOST_SQL, (pk_host,))
+    return name
 
 
 def _kill(cur: psycopg.Cursor, out: FollowResult, procs: list[_Proc], host: str, free: int, mem: int) -> None:
