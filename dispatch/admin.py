@@ -26,6 +26,7 @@ from accounting import actions
 from dispatch.jobs.admin import JOB_ACTIONS  # also registers the Depend and ApiToken admins
 from dispatch.models import (
     Alloc,
+    Comment,
     Dept,
     Facility,
     Folder,
@@ -558,6 +559,17 @@ class HostTagAdmin(ReadOnlyAdmin, FarmAdmin):
     search_fields = ("str_tag", "host__str_name", "pk_host_tag")
     raw_id_fields = ("host",)
     list_select_related = ("host",)
+
+
+@admin.register(Comment)
+class CommentAdmin(ReadOnlyAdmin, FarmAdmin):
+    """Read-only: a comment is added, edited and deleted by dispatch.jobs.comments' audited actions
+    (which keep job.b_comment and host.b_comment), from the OpenCue clients."""
+
+    list_display = ("str_subject", "job", "host", "str_user", "ts_created")
+    search_fields = ("str_subject", "str_user", "job__str_name", "host__str_name", "pk_comment")
+    raw_id_fields = ("job", "host")
+    list_select_related = ("job", "host")
 
 
 @admin.register(Proc)

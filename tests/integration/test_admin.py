@@ -34,8 +34,9 @@ def farm_admin(client: Client) -> Client:
 def test_every_farm_model_is_registered() -> None:
     # The 19 Cuebot tables, depend, the API tokens, OpenCue's limit_record and layer_limit (issue 19)
     # the farm-action audit rows (issue 20), the RQD hosts waiting to be admitted, Cuebot's
-    # service and show_service, and its job_mem, layer_mem, job_env and layer_env (issue 29).
-    assert len(FARM_MODELS) == 31
+    # service and show_service, and its job_mem, layer_mem, job_env and layer_env (issue 29), its
+    # comments (issue 30).
+    assert len(FARM_MODELS) == 32
     assert [m.__name__ for m in FARM_MODELS if m not in admin.site._registry] == []
 
 
@@ -115,3 +116,4 @@ def test_demo_migrates_seeds_once_and_prints_a_working_login(tmp_path: Path, mon
     # Issue 21: a second run keeps the first run's password (it used to reset it silently).
     assert again == password and "kept from the first run" in text
     assert authenticate(username="admin", password=password) is not None
+
