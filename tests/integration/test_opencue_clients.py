@@ -383,8 +383,9 @@ def test_cuetopia_job_list_reads_what_the_database_has(clients: Clients) -> None
 
 def test_cuetopia_job_and_layer_edits_go_through_the_audited_actions(clients: Clients, job) -> None:
     """The job and layer property dialogs: min cores, max retries, auto-eat; a layer's min cores
-    and memory; a group's max cores. Each is one audited action; what cuesched cannot do (auto-eat,
-    comments) is refused as UNIMPLEMENTED and writes nothing."""
+    and memory; a group's max cores. Each is one audited action; what cuesched cannot do (comments)
+    is refused as UNIMPLEMENTED and writes nothing. Auto-eat on zeroes the job's max retries, as
+    Cuebot's JobDao.updateAutoEat does."""
     from dispatch.models import FolderResource, Layer
 
     out = ok(
@@ -397,8 +398,10 @@ def test_cuetopia_job_and_layer_edits_go_through_the_audited_actions(clients: Cl
             "l.setMinCores(400)\n"  # pycue's Layer.setMinCores takes centicores and sends cores
             "l.setMinMemory(2097152)\n"
             "opencue.api.findShow('demo').getRootGroup().setMaxCores(40)\n"
-            "for call in (lambda: j.setAutoEating(True), lambda: j.getComments(),"
-            " lambda: j.addComment('subject', 'message')):\n"
+            "j.setAutoEating(True)\n"
+            "again = opencue.api.findJob('demo-sh010-cue_v1')\n"
+            "print('autoeat', again.isAutoEating(), again.data.max_retries)\n"
+            "for call in (lambda: j.getComments(), lambda: j.addComment('subject', 'message')):\n"
             "    try:\n        call()\n    except Exception as e:\n"
             "        print('REFUSED', getattr(e, 'code', lambda: e)(), getattr(e, 'details', lambda: e)())\n"
             "print('job', j.data.min_cores if False else opencue.api.findJob('demo-sh010-cue_v1').data.min_cores)\n"
@@ -407,20 +410,28 @@ def test_cuetopia_job_and_layer_edits_go_through_the_audited_actions(clients: Cl
     job.refresh_from_db()
     res = JobResource.objects.get(job=job)
     layer = Layer.objects.get(job=job)
-    assert (res.int_min_cores, job.int_max_retries, job.b_autoeat) == (250, 5, False)
+    assert (res.int_min_cores, job.int_max_retries, job.b_autoeat) == (250, 0, True)
     assert (layer.int_cores_min, layer.int_mem_min) == (400, 2097152)
     root = Folder.objects.get(show__str_name="demo", parent_folder=None)
     assert FolderResource.objects.get(folder=root).int_max_cores == 4000
     assert "job 2.5" in out
-    assert out.count("REFUSED") == 3 and "auto-eat is not supported" in out, out
-    assert out.count("UNIMPLEMENTED") >= 3, out
+    assert "autoeat True 0" in out, out
+    assert out.count("REFUSED") == 2, out
+    assert out.count("UNIMPLEMENTED") >= 2, out
     audit = list(
         FarmAction.objects.filter(str_target=job.pk).order_by("id").values_list("str_action", "detail", "str_username")
     )
     # The submit's own row first (the fixture submits as alice), then the client's edits.
     assert audit[0][::2] == ("submit", "alice")
-    assert [a for a, _, _ in audit[1:]] == ["min_cores", "max_retries", "layer_min_cores", "layer_min_memory"]
+    assert [a for a, _, _ in audit[1:]] == [
+        "min_cores",
+        "max_retries",
+        "layer_min_cores",
+        "layer_min_memory",
+        "auto_eat",
+    ]
     assert audit[3][1] == {"layer": "main", "min_cores": 4.0}
+    assert audit[5][1] == {"auto_eat": True, "max_retries": 0, "was": 5}
     assert {u for _, _, u in audit[1:]} == {"opencue-api"}
 
     # Refused values write nothing: a negative min cores, retries out of range, an unknown layer id.
@@ -438,3 +449,10 @@ def test_cuetopia_job_and_layer_edits_go_through_the_audited_actions(clients: Cl
     )
     assert "cannot be negative" in out and "from 0 to 32767" in out and "NOT_FOUND" in out
     assert FarmAction.objects.count() == before
+
+    # Auto-eat off through the same client: as Cuebot, the job's max retries become 1.
+    ok(clients.pycue("import opencue\nopencue.api.findJob('demo-sh010-cue_v1').setAutoEating(False)\n"))
+    job.refresh_from_db()
+    assert (job.b_autoeat, job.int_max_retries) == (False, 1)
+    last = FarmAction.objects.filter(str_target=job.pk).order_by("-id").values_list("str_action", "detail").first()
+    assert last == ("auto_eat", {"auto_eat": False, "max_retries": 1, "was": 0})
