@@ -289,3 +289,23 @@ def test_auto_eat_from_the_api_and_the_command_line(client: Client) -> None:
     assert out.getvalue().strip() == "ae-routes: auto-eat on (max retries 0): its failed frames are eaten"
     cli = FarmAction.objects.filter(str_target=job, str_action="auto_eat", str_username__startswith="cli:")
     assert cli.count() == 3
+
+
+@pytest.mark.django_db
+def test_the_console_job_page_turns_auto_eat_on_and_off(admin_client: Client) -> None:
+    submit_farm()
+    job = submit_job(simple_spec("ae-console"), user="alice").job_id
+    page = admin_client.get(f"/admin/ops/console/job/{job}/").content.decode()
+    assert 'value="auto_eat_on"' in page and 'value="auto_eat_off"' not in page
+    url = f"/admin/ops/console/job/{job}/act/"
+    response = admin_client.post(url, {"action": "auto_eat_on"}, follow=True)
+    assert "Auto-eat on (failed frames are eaten, max retries 0): 1 row changed" in response.content.decode()
+    assert Job.objects.filter(pk=job).values_list("b_autoeat", "int_max_retries").get() == (True, 0)
+    page = admin_client.get(f"/admin/ops/console/job/{job}/").content.decode()
+    assert 'value="auto_eat_off"' in page and 'value="auto_eat_on"' not in page
+    admin_client.post(url, {"action": "auto_eat_off"}, follow=True)
+    assert Job.objects.filter(pk=job).values_list("b_autoeat", "int_max_retries").get() == (False, 1)
+    assert [a.detail["auto_eat"] for a in FarmAction.objects.filter(str_target=job, str_action="auto_eat")] == [
+        False,
+        True,
+    ]  # newest first

