@@ -15,7 +15,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import grpc
 from django.db import connection
 from opencue_proto import depend_pb2, job_pb2, job_pb2_grpc
 
@@ -28,6 +27,7 @@ from dispatch.jobs.controls import (
     pause_job,
     resume_job,
     retry_frames,
+    set_auto_eat,
     set_layer_min_cores,
     set_layer_min_memory,
     set_max_cores,
@@ -459,14 +459,8 @@ class JobServicer(job_pb2_grpc.JobInterfaceServicer):
 
     @unary
     def SetAutoEat(self, request: Any, context: Any) -> job_pb2.JobSetAutoEatResponse:
-        # cuesched's completion never eats a frame that would be DEAD: accepting true would
-        # record a behaviour nothing performs. Off is what every cuesched job already is.
-        pk = job_id(request.job)
-        if request.value or _fetch("SELECT b_autoeat FROM job WHERE pk_job = %(job)s", {"job": pk})[0][0]:
-            context.abort(
-                grpc.StatusCode.UNIMPLEMENTED,
-                "auto-eat is not supported by cuesched: a frame out of retries is DEAD (eat it, or set max retries)",
-            )
+        # Cuebot's ManageJob.setAutoEat: JobDao.updateAutoEat, max retries 0 on and 1 off.
+        set_auto_eat(job_id(request.job), bool(request.value), actor=API_ACTOR)
         return job_pb2.JobSetAutoEatResponse()
 
     @unary

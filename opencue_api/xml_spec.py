@@ -12,12 +12,12 @@ only read for its version, never fetched. The document is at most MAX_SPEC_BYTES
 
 Each element is read as its DTD version defines it: one the version does not have is refused (a
 1.10 spec with <priority>, which arrived in 1.11), as are missing required ones. Every field is
-honoured or refused with a message that names it; none is dropped. <env> keys become the JSON
-spec's job and layer `env`; <depends> of the kinds the JSON spec has (JOB_ON_JOB, JOB_ON_LAYER,
-LAYER_ON_JOB, LAYER_ON_LAYER, FRAME_BY_FRAME, within the spec or on a job already launched)
-become layer `depends`. What cuesched cannot do yet is refused, not ignored: <localbook>,
-<autoeat>true, <outputs> with paths, Post layers (Cuebot makes them a second job that waits for
-this one) and depends of or on single frames (JOB_ON_FRAME, LAYER_ON_FRAME, FRAME_ON_*,
+honoured or refused with a message that names it; none is dropped. <autoeat> is the JSON spec's
+`auto_eat`; <env> keys become the JSON spec's job and layer `env`; <depends> of the kinds the
+JSON spec has (JOB_ON_JOB, JOB_ON_LAYER, LAYER_ON_JOB, LAYER_ON_LAYER, FRAME_BY_FRAME, within the
+spec or on a job already launched) become layer `depends`. What cuesched cannot do yet is
+refused, not ignored: <localbook>, <outputs> with paths, Post layers (Cuebot makes them a second
+job that waits for this one) and depends of or on single frames (JOB_ON_FRAME, LAYER_ON_FRAME, FRAME_ON_*,
 PREVIOUS_FRAME, LAYER_ON_SIM_FRAME) or on any frame (anyframe).
 
 The names are Cuebot's: the job is `<show>-<shot>-<user>_<name>` lowercased (conformJobName),
@@ -470,6 +470,11 @@ def _job(r: _Read, el: Element, head: dict[str, Any], names: tuple[str, str, str
     paused = r.flag(r.child_text(el, "paused"), f"{where} <paused>")
     if paused is not None:
         spec["paused"] = paused
+    # Cuebot's JobSpec: isAutoEat = stringToBool(<autoeat>); insertJob writes it with <maxretries>
+    # as given (only JobDao.updateAutoEat, the later control, zeroes the retries).
+    auto_eat = r.flag(r.child_text(el, "autoeat"), f"{where} <autoeat>")
+    if auto_eat is not None:
+        spec["auto_eat"] = auto_eat
     for key, tag, low in (("priority", "priority", 0), ("max_retries", "maxretries", 0)):
         value = r.integer(r.child_text(el, tag), f"{where} <{tag}>", low=low)
         if value is not None:
@@ -478,8 +483,6 @@ def _job(r: _Read, el: Element, head: dict[str, Any], names: tuple[str, str, str
         value = r.integer(r.child_text(el, tag), f"{where} <{tag}>")
         if value is not None:
             spec[key] = value
-    if r.flag(r.child_text(el, "autoeat"), f"{where} <autoeat>"):
-        r.error(where, "<autoeat> true: cuesched does not eat failed frames by itself yet (leave it false)")
     if el.find("localbook") is not None:
         r.error(where, "<localbook>: cuesched has no local booking (a job runs on the farm's hosts)")
     for box in el.findall("env"):

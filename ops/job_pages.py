@@ -7,7 +7,7 @@ per frame. The frame page: the same figures for one frame, why it is not booking
 tailed live while the frame runs (`frame_log`: text/plain from a byte offset, the API's rule).
 
 Reads only; every control on these pages posts to `act`, which checks the role and calls
-`dispatch.jobs.controls` (pause, resume, retry, eat, kill, kill frames, priority) or
+`dispatch.jobs.controls` (pause, resume, retry, eat, kill, kill frames, priority, auto-eat) or
 `dispatch.jobs.depends` (add or drop a dependency on another job) or
 `set_max_cores`: one durable transaction each with its `FarmAction` audit row, as the farm
 lists and the API do. Every query is bounded by the page (a job's layers, one page of frames,
@@ -40,6 +40,7 @@ from dispatch.jobs.controls import (
     pause_job,
     resume_job,
     retry_frames,
+    set_auto_eat,
     set_max_cores,
     set_priority,
 )
@@ -293,6 +294,11 @@ JOB_CONTROLS = {
             "Frames eaten (done without running)"),
     "kill": ("kill_work", lambda job, scope, actor: kill_job(job, actor=actor),
              "Job killed; running frames stopped and released"),
+    # Cuebot's auto-eat: a failed frame is EATEN instead of retried (max retries 0; off: 1).
+    "auto_eat_on": ("control_jobs", lambda job, scope, actor: set_auto_eat(job, True, actor=actor),
+                    "Auto-eat on (failed frames are eaten, max retries 0)"),
+    "auto_eat_off": ("control_jobs", lambda job, scope, actor: set_auto_eat(job, False, actor=actor),
+                     "Auto-eat off (max retries 1)"),
 }  # fmt: skip
 _ROLE_CHECKS = {
     "control_jobs": permissions.can_control_jobs,

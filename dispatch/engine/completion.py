@@ -11,7 +11,9 @@ One transaction per batch of completions, two statements:
    give their hosts the resources back (never above the host's total), and record the end
    of the frames whose proc was deleted: exit status, ts_stopped, version + 1, and the new
    state: SUCCEEDED on exit 0, WAITING while retries remain (int_retries <
-   job.int_max_retries) or when requeued (lost host), else DEAD;
+   job.int_max_retries) or when requeued (lost host), else DEAD; a failed run of an auto-eat
+   job (job.b_autoeat) is EATEN instead, never retried, as Cuebot's, and what waits for it is
+   released as for an operator's eat;
    a run whose proc carries a kill mark (`proc.str_kill`, see dispatch.engine.kills) and did
    not exit 0 is recorded as killed, whoever reports its end (its agent, RQD, the lost-host
    sweep, an orphan check): exit 301 (no retry counted, no failure), the frame EATEN for a
@@ -86,15 +88,21 @@ CAUSE_SQL = f"""CASE
 # frame.str_reason: why the run ended as it did, when its exit status alone does not say it; NULL
 # for an ordinary end. A memory failure's full reason is written after the layer's memory is
 # raised (`_raise_memory`); this is its placeholder.
-REASON_SQL = f"""CASE t.cause
-    WHEN '{CAUSE_TIMEOUT}' THEN format(
-      'timeout: killed after running past its layer''s timeout of %%s min; DEAD, not retried',
-      (SELECT l.int_timeout FROM layer l WHERE l.pk_layer = t.pk_layer))
-    WHEN '{CAUSE_LLU}' THEN format(
-      'timeout: killed, its log silent past its layer''s timeout_llu of %%s min; DEAD, not retried',
-      (SELECT l.int_timeout_llu FROM layer l WHERE l.pk_layer = t.pk_layer))
-    WHEN '{CAUSE_NIMBY}' THEN 'NIMBY: its host was taken by its owner (NIMBY lock); requeued, no retry charged'
-    WHEN '{CAUSE_MEMORY}' THEN 'memory failure'
+# An auto-eat job's eaten failure says so too: an EATEN frame is otherwise an operator's eat (or a kill's).
+REASON_SQL = f"""CASE
+    WHEN t.cause = '{CAUSE_TIMEOUT}' THEN format(
+      'timeout: killed after running past its layer''s timeout of %%s min; %%s',
+      (SELECT l.int_timeout FROM layer l WHERE l.pk_layer = t.pk_layer),
+      CASE WHEN t.autoeat THEN 'EATEN (auto-eat)' ELSE 'DEAD, not retried' END)
+    WHEN t.cause = '{CAUSE_LLU}' THEN format(
+      'timeout: killed, its log silent past its layer''s timeout_llu of %%s min; %%s',
+      (SELECT l.int_timeout_llu FROM layer l WHERE l.pk_layer = t.pk_layer),
+      CASE WHEN t.autoeat THEN 'EATEN (auto-eat)' ELSE 'DEAD, not retried' END)
+    WHEN t.cause = '{CAUSE_NIMBY}'
+      THEN 'NIMBY: its host was taken by its owner (NIMBY lock); requeued, no retry charged'
+    WHEN t.cause = '{CAUSE_MEMORY}' THEN 'memory failure'
+    WHEN t.cause IS NULL AND NOT t.ok AND NOT t.requeue AND t.autoeat
+      THEN format('auto-eat: the run failed (exit status %%s); EATEN, not retried', t.exit_status)
   END"""
 
 # Releases the procs (the DELETE fires the release / database-enforced triggers), gives the
@@ -106,7 +114,8 @@ REASON_SQL = f"""CASE t.cause
 #   planned as a nested loop over the whole proc table once per completion: 8 ms for one
 #   completion with 6,000 procs running, 0.3 s for a batch of 1,000;
 # - each frame is found by primary key from the deleted proc (a LATERAL subquery, LIMIT 1: one
-#   index probe per row, never flattened into a join) with its RUNNING guard, and updated by
+#   index probe per row, never flattened into a join; its job, for max retries and auto-eat, by
+#   primary key in the same probe) with its RUNNING guard, and updated by
 #   the exact row version seen (ctid). A join planned on the RUNNING estimate matched 1,000
 #   completions against the whole frame table, quadratically.
 COMPLETE_SQL = f"""
@@ -153,21 +162,29 @@ target AS MATERIALIZED (
               WHEN g.exit_signal > 0 THEN 128 + g.exit_signal
               ELSE g.exit_status END AS exit_status,
          g.exit_status = 0 AND g.exit_signal = 0 AS ok,
-         g.requeue, g.cause, g.pk_layer, g.max_rss, x.fctid, x.max_retries
+         g.requeue, g.cause, g.pk_layer, g.max_rss, x.fctid, x.max_retries, x.autoeat
   FROM classed g
   CROSS JOIN LATERAL (
-    SELECT f.ctid AS fctid, j.int_max_retries AS max_retries
+    SELECT f.ctid AS fctid, j.int_max_retries AS max_retries, j.b_autoeat AS autoeat
     FROM frame f JOIN job j ON j.pk_job = f.pk_job
     WHERE f.pk_frame = g.pk_frame AND f.str_state = 'RUNNING'
     LIMIT 1
   ) x
 ),
+-- The new state. Auto-eat (job.b_autoeat, Cuebot's determineFrameState): a failure of the run
+-- itself, and a timeout, is EATEN, before any retry is counted; a kill, a requeue, a NIMBY kill and
+-- a memory failure are not the frame's failure and end as for any job (a memory failure's frame
+-- that no host can ever fit is EATEN by `_raise_memory` instead of DEAD). EATEN releases what waits
+-- for the frame through the frame's statement trigger (frame_when_done_satisfy_depends), as an
+-- operator's eat does, and counts in layer_stat / job_stat as one.
 ended AS (
   UPDATE frame f
   SET str_state = CASE WHEN t.cause = '{CAUSE_JOB}' THEN 'EATEN'
-                       WHEN t.cause IN ('{CAUSE_TIMEOUT}', '{CAUSE_LLU}') THEN 'DEAD'
+                       WHEN t.cause IN ('{CAUSE_TIMEOUT}', '{CAUSE_LLU}') THEN
+                         CASE WHEN t.autoeat THEN 'EATEN' ELSE 'DEAD' END
                        WHEN t.cause IS NOT NULL OR t.requeue THEN 'WAITING'
                        WHEN t.ok THEN 'SUCCEEDED'
+                       WHEN t.autoeat THEN 'EATEN'
                        WHEN f.int_retries < t.max_retries THEN 'WAITING'
                        ELSE 'DEAD' END,
       int_exit_status = t.exit_status, ts_stopped = now(), ts_updated = now(), ts_last_run = now(),
@@ -242,7 +259,7 @@ class Completion:
 
     `requeue` puts the frame back to WAITING whatever the exit status and retry count (lost
     host, kill for a retry); otherwise exit 0 is SUCCEEDED and a failure retries until
-    job.int_max_retries.
+    job.int_max_retries (or is EATEN at once in an auto-eat job).
 
     `exit_status` and `exit_signal` are the raw report, as RQD or the agent sent them (a signal
     death: status 1 and the signal, as RQD reports it); the frame records 128 + signal for a
@@ -343,10 +360,15 @@ SELECT COALESCE(MAX(h.int_mem), 0) FROM host h
 WHERE h.pk_alloc IN (SELECT sub.pk_alloc FROM subscription sub WHERE sub.pk_show = %s)
 """
 MEMORY_REASON_SQL = "UPDATE frame SET str_reason = %(reason)s WHERE pk_frame = %(frame)s"
+# DEAD, or EATEN for an auto-eat job (as Cuebot, no frame of one is left DEAD to hold the job).
 MEMORY_DEAD_SQL = """
-UPDATE frame SET str_state = 'DEAD', str_reason = %(reason)s, ts_updated = now(), int_version = int_version + 1
-WHERE pk_frame = %(frame)s AND str_state = 'WAITING'
-RETURNING pk_frame
+UPDATE frame f
+SET str_state = CASE WHEN j.b_autoeat THEN 'EATEN' ELSE 'DEAD' END,
+    str_reason = %(reason)s || CASE WHEN j.b_autoeat THEN '; EATEN (auto-eat)' ELSE '; DEAD' END,
+    ts_updated = now(), int_version = f.int_version + 1
+FROM job j
+WHERE f.pk_frame = %(frame)s AND f.str_state = 'WAITING' AND j.pk_job = f.pk_job
+RETURNING f.pk_frame, f.str_state, f.str_reason
 """
 
 
@@ -392,11 +414,12 @@ def memory_increase(cur: psycopg.Cursor[Any], service: str, pk_show: str) -> int
     return DEFAULT_MEMORY_INCREASE_KB
 
 
-def _raise_memory(cur: psycopg.Cursor[Any], runs: Sequence[RunEnd]) -> list[str]:
-    """Raise the memory of the memory-failed runs' layers and record why; returns the frames made DEAD."""
+def _raise_memory(cur: psycopg.Cursor[Any], runs: Sequence[RunEnd]) -> list[tuple[str, str]]:
+    """Raise the memory of the memory-failed runs' layers and record why; returns the frames that
+    no host can fit, with their new state (DEAD, EATEN for an auto-eat job)."""
     layers = {r[0]: (r[1], r[2]) for r in cur.execute(LAYERS_OF_RUNS_SQL, (sorted({r.pk_layer for r in runs}),))}
     largest: dict[str, int] = {}
-    dead: list[str] = []
+    dead: list[tuple[str, str]] = []
     for run in sorted(runs, key=lambda r: (r.pk_layer, r.pk_frame)):  # one lock order on layer rows
         name, service = layers.get(run.pk_layer, ("?", ""))
         increase = memory_increase(cur, service, run.pk_show)
@@ -410,10 +433,12 @@ def _raise_memory(cur: psycopg.Cursor[Any], runs: Sequence[RunEnd]) -> list[str]
             reason = (
                 f"memory failure ({how}, {_gb(run.mem_reserved)} reserved): layer {name} now needs "
                 f"{_gb(now_min)}, more than any host of the show's allocations has (largest "
-                f"{_gb(largest[run.pk_show])}); DEAD"
+                f"{_gb(largest[run.pk_show])})"
             )
-            if cur.execute(MEMORY_DEAD_SQL, {"frame": run.pk_frame, "reason": reason}).fetchone():
-                dead.append(run.pk_frame)
+            row = cur.execute(MEMORY_DEAD_SQL, {"frame": run.pk_frame, "reason": reason}).fetchone()
+            if row:
+                dead.append((row[0], row[1]))
+                reason = row[2]
             logger.warning("frame %s: %s", run.pk_frame, reason)
             continue
         reason = (
@@ -457,8 +482,8 @@ def complete_in_transaction(cur: psycopg.Cursor[Any], completions: Sequence[Comp
             out.host_rows.append((key, d, e, f, g))
     memory = [runs[pk] for pk, cause in out.causes.items() if cause == CAUSE_MEMORY and pk in runs]
     if memory:
-        for pk_frame in _raise_memory(cur, memory):
-            ended[pk_frame] = ("DEAD", ended[pk_frame][1])
+        for pk_frame, state in _raise_memory(cur, memory):
+            ended[pk_frame] = (state, ended[pk_frame][1])
     jobs_to_check: set[str] = set()
     usage: dict[str, int] = {}  # pk_frame -> exit status, of the frames ended here (once each)
     for pk_proc, pk_frame, job in released:

@@ -11,8 +11,8 @@ KILL_FRAME = "FRAME"  # the frame goes back to WAITING when its run ends (runs a
 # The scheduler's own kills for a frame's life (dispatch.engine.completion reads them from the
 # deleted proc): none of them is ever taken for a memory failure, whatever the run's exit says,
 # except KILL_MEMORY, which is one by design.
-KILL_TIMEOUT = "TIMEOUT"  # ran past the layer's timeout: DEAD, not retried
-KILL_LLU = "LLU"  # its log was silent past the layer's timeout_llu: DEAD, not retried
+KILL_TIMEOUT = "TIMEOUT"  # ran past the layer's timeout: DEAD (auto-eat: EATEN), not retried
+KILL_LLU = "LLU"  # its log was silent past the layer's timeout_llu: DEAD (auto-eat: EATEN), not retried
 KILL_NIMBY = "NIMBY"  # its host was NIMBY-locked: back to WAITING, no retry charged
 KILL_MEMORY = "MEMORY"  # killed for memory (the host ran low): a memory failure, retried with more memory
 KILL_REASONS = (KILL_JOB, KILL_FRAME, KILL_TIMEOUT, KILL_LLU, KILL_NIMBY, KILL_MEMORY)

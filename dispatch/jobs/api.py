@@ -75,6 +75,7 @@ from dispatch.jobs.controls import (
     pause_job,
     resume_job,
     retry_frames,
+    set_auto_eat,
     set_max_cores,
     set_priority,
 )
@@ -111,6 +112,7 @@ ROUTES = (
     "POST /api/jobs/<job>/eat",
     "POST /api/jobs/<job>/priority",
     "POST /api/jobs/<job>/max-cores",
+    "POST /api/jobs/<job>/auto-eat",
     "POST /api/jobs/<job>/depend",
     "POST /api/jobs/<job>/undepend",
     "GET /api/limits",
@@ -380,6 +382,7 @@ def _job_fields(job: Job, resource: JobResource | None) -> dict[str, Any]:
         "state": job.str_state,
         "killing": _killing(job),
         "paused": job.b_paused,
+        "auto_eat": job.b_autoeat,
         "priority": resource.int_priority if resource else None,
         # Whole cores; -1 for unlimited, whichever way the database stores it (Cuebot's is 2**31-1).
         "max_cores": centicores_to_cores_cap(resource.int_max_cores) if resource else None,
@@ -574,6 +577,13 @@ def _depend(job: Job, body: dict[str, Any], user: AbstractBaseUser, *, drop: boo
     )
 
 
+def _set_auto_eat(job: Job, body: dict[str, Any], user: AbstractBaseUser) -> JobActionResult:
+    """{"auto_eat": true | false}: a failed frame is EATEN instead of retried (max retries 0 / 1)."""
+    if set(body) != {"auto_eat"} or not isinstance(body["auto_eat"], bool):
+        raise ApiError(400, 'send {"auto_eat": true} or {"auto_eat": false}')
+    return set_auto_eat(job, body["auto_eat"], actor=user)
+
+
 def _set_max_cores(job: Job, body: dict[str, Any], user: AbstractBaseUser) -> JobActionResult:
     """{"max_cores": N}; 0 books nothing and needs {"max_cores": 0, "confirm": true} (one meaning of 0)."""
     confirm = body.get("confirm", False)
@@ -591,11 +601,12 @@ ACTIONS: dict[str, Callable[[Job, dict[str, Any], AbstractBaseUser], JobActionRe
     "eat": lambda job, body, user: eat_frames(job, actor=user, **_frames_args(body)),
     "priority": lambda job, body, user: set_priority(job, _one_field(body, "priority"), actor=user),
     "max-cores": lambda job, body, user: _set_max_cores(job, body, user),
+    "auto-eat": lambda job, body, user: _set_auto_eat(job, body, user),
     "depend": lambda job, body, user: _depend(job, body, user, drop=False),
     "undepend": lambda job, body, user: _depend(job, body, user, drop=True),
 }
 _NO_BODY = {"pause", "resume", "kill"}
-_BODY_REQUIRED = {"priority", "max-cores", "depend", "undepend"}
+_BODY_REQUIRED = {"priority", "max-cores", "auto-eat", "depend", "undepend"}
 
 
 @api_view("POST")

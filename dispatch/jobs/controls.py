@@ -1,5 +1,5 @@
 """The controls of a job, its layers and its frames: pause, resume, kill, retry, eat, priority,
-max and min cores, max retries, a layer's min cores and memory; frame kill. One function each,
+max and min cores, max retries, auto-eat, a layer's min cores and memory; frame kill. One function each,
 one durable transaction each, writing only the columns that change, and one `FarmAction` row in
 that same transaction (`dispatch.jobs.audit`), so the audit trail holds a control exactly when
 it committed. The command line, the JSON API, the OpenCue client API and the console call these
@@ -41,7 +41,7 @@ from accounting.actions import audit_context
 from dispatch.engine import kills
 from dispatch.engine.completion import FINISH_JOBS_SQL
 from dispatch.jobs import audit
-from dispatch.jobs.action_base import JobActionResult, job_id_of, pg_cursor, retry_on_deadlock
+from dispatch.jobs.action_base import JobActionResult, JobNotFound, job_id_of, pg_cursor, retry_on_deadlock
 from dispatch.models import Job, JobResource, Layer
 
 MAX_PRIORITY = 1_000_000
@@ -179,6 +179,45 @@ def set_max_retries(job: Job | str, retries: int, *, actor: Any = None) -> JobAc
     job_id = job_id_of(job)
     rows = Job.objects.filter(pk=job_id)
     return _set_column(job_id, rows, "int_max_retries", retries, "max_retries", actor, {"max_retries": retries})
+
+
+# What Cuebot's JobDao.updateAutoEat writes beside b_autoeat: max retries 0 when auto-eat goes on
+# (an eaten frame is never retried, so the figure on the job says so), 1 when it goes off.
+AUTO_EAT_MAX_RETRIES = {True: 0, False: 1}
+
+
+def set_auto_eat(job: Job | str, on: bool, *, actor: Any = None) -> JobActionResult:
+    """Auto-eat on or off (job.b_autoeat): a failed frame of an auto-eat job is EATEN instead of
+    retried or DEAD (dispatch.engine.completion), which releases what waits for it as an eat does.
+
+    As Cuebot's JobDao.updateAutoEat, on also sets the job's max retries to 0 and off sets them
+    to 1; the audit detail says so and keeps the figure it replaced (`was`). Unlike Cuebot, off on
+    a job that is not auto-eating writes nothing: it would otherwise cut a job's retries to 1 for a
+    setting it never had. Frames already DEAD stay DEAD (Cuebot's call eats none either; CueGUI
+    eats them with a second call): eat them with `eat_frames`.
+    """
+    if not isinstance(on, bool):
+        raise ValidationError(f"auto-eat is true or false, not {on!r}")
+    job_id = job_id_of(job)
+    retries = AUTO_EAT_MAX_RETRIES[on]
+    with transaction.atomic(durable=True), audit_context(actor, "auto_eat"):
+        before = (
+            Job.objects.select_for_update(no_key=True)
+            .filter(pk=job_id)
+            .values_list("b_autoeat", "int_max_retries")
+            .first()
+        )
+        if before is None:
+            raise JobNotFound(f"no job with id {job_id!r}")
+        was_on, was_retries = before
+        changed = 0
+        if (on and (not was_on or was_retries != retries)) or (not on and was_on):
+            changed = Job.objects.filter(pk=job_id).update(b_autoeat=on, int_max_retries=retries)
+        detail: dict[str, Any] = {"auto_eat": on}
+        if changed:
+            detail.update(max_retries=retries, was=was_retries)
+        audit.record("job", job_id, "auto_eat", changed, actor, detail)
+    return JobActionResult(job_id, "auto_eat", changed, detail)
 
 
 def _layer(job_id: str, layer: str) -> Layer:

@@ -87,6 +87,7 @@ class JobPlan:
     max_cores: int  # centicores, -1 unlimited
     max_gpus: int
     paused: bool
+    auto_eat: bool = False  # job.b_autoeat: failed frames EATEN, not retried
     layers: list[LayerPlan] = field(default_factory=list)
     email: str | None = None
     env: dict[str, str] = field(default_factory=dict)  # job_env

@@ -26,6 +26,9 @@ has a default:
 * `facility`: the default facility (b_default), else the only one; `dept`: the folder's,
   else the default one, else the only one;
 * `priority`: the folder's job priority if it sets one, else 1; `max_retries`: 3;
+* `paused` and `auto_eat`: false. An auto-eat job's failed frame is EATEN instead of retried or
+  DEAD, which releases what waits for it (dispatch.engine.completion); its `max_retries` is kept
+  as given (Cuebot's launch zeroes nothing either), and counts for nothing while auto-eat is on;
 * `max_cores` (whole cores) / `max_gpus`: the folder's job caps if it sets them, else the
   show's `int_default_max_cores` / `int_default_max_gpus`; -1 means unlimited;
 * layer `chunk_size` 1, `cores` 1 (whole cores; 0 the whole host, -N all but N; a threadable
@@ -42,7 +45,7 @@ has a default:
   allocations' tags); they are also the fallback of a database without a `default` row;
 * layer `timeout` and `timeout_llu` (whole minutes, 0 none): the service's, else 0.
   A frame running longer than `timeout`, or whose log is silent longer than
-  `timeout_llu`, is killed and DEAD (not retried);
+  `timeout_llu`, is killed and DEAD (not retried; EATEN in an auto-eat job);
 * layer `limits` (a list of licence limit names, e.g. `["arnold"]`): none. Every frame of the
   layer holds one of each while it runs (one per host for a host limit); a frame starts only
   when every limit has room. Each name must be an existing limit: none is created here.
@@ -112,6 +115,7 @@ JOB_KEYS = {
     "max_cores": "job core cap (whole cores, -1 unlimited)",
     "max_gpus": "job GPU cap (-1 unlimited)",
     "paused": "submit paused",
+    "auto_eat": "eat failed frames instead of retrying them (Cuebot's auto-eat)",
     "email": "who to mail about the job (recorded; cuesched sends no mail)",
     "env": "environment variables of every frame (name -> string)",
     "uid": "the owner's numeric user id (RQD's RunFrame.uid)",
@@ -629,6 +633,7 @@ def plan_job(spec: Any, *, user: str | None) -> JobPlan:
     max_cores = _cap(r, "max_cores", centi=True)
     max_gpus = _cap(r, "max_gpus", centi=False)
     paused = r.flag("paused", False)
+    auto_eat = r.flag("auto_eat", False)
     email = r.text("email", max_len=256)
     if email is not None and not EMAIL_RE.match(email):
         r.error("email", f"{email!r} is not a mail address (name@domain)")
@@ -724,6 +729,7 @@ def plan_job(spec: Any, *, user: str | None) -> JobPlan:
         max_cores=max_cores,
         max_gpus=max_gpus,
         paused=paused,
+        auto_eat=auto_eat,
         layers=layers,
         email=email,
         env=job_env,

@@ -216,6 +216,7 @@ def _write_job(plan: JobPlan) -> SubmitResult:
         str_user=plan.user,
         str_os=plan.os,
         b_paused=plan.paused,
+        b_autoeat=plan.auto_eat,
         str_email=plan.email,
         int_uid=plan.uid,
         int_max_retries=plan.max_retries,

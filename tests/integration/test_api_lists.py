@@ -75,6 +75,7 @@ def test_jobs_are_listed_newest_first_and_filtered_by_show_state_user_and_name(c
         "user": "alice",
         "state": "PENDING",
         "paused": False,
+        "auto_eat": False,
         "priority": 1,
         "max_cores": 50,
         "max_gpus": row["max_gpus"],

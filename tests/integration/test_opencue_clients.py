@@ -383,8 +383,8 @@ def test_cuetopia_job_list_reads_what_the_database_has(clients: Clients) -> None
 
 def test_cuetopia_job_and_layer_edits_go_through_the_audited_actions(clients: Clients, job) -> None:
     """The job and layer property dialogs: min cores, max retries, auto-eat; a layer's min cores
-    and memory; a group's max cores. Each is one audited action; what cuesched cannot do (auto-eat)
-    is refused as UNIMPLEMENTED and writes nothing. (Comments, refused here before, are served:
+    and memory; a group's max cores. Each is one audited action. Auto-eat on zeroes the job's max
+    retries, as Cuebot's JobDao.updateAutoEat does. (Comments, refused here before, are served:
     test_pycue_comments_on_a_job_and_a_host_are_cuebots_rows_and_audited.)"""
     from dispatch.models import FolderResource, Layer
 
@@ -398,28 +398,36 @@ def test_cuetopia_job_and_layer_edits_go_through_the_audited_actions(clients: Cl
             "l.setMinCores(400)\n"  # pycue's Layer.setMinCores takes centicores and sends cores
             "l.setMinMemory(2097152)\n"
             "opencue.api.findShow('demo').getRootGroup().setMaxCores(40)\n"
-            "try:\n    j.setAutoEating(True)\nexcept Exception as e:\n"
-            "    print('REFUSED', getattr(e, 'code', lambda: e)(), getattr(e, 'details', lambda: e)())\n"
+            "j.setAutoEating(True)\n"
+            "again = opencue.api.findJob('demo-sh010-cue_v1')\n"
+            "print('autoeat', again.isAutoEating())\n"
             "print('job', j.data.min_cores if False else opencue.api.findJob('demo-sh010-cue_v1').data.min_cores)\n"
         )
     )
     job.refresh_from_db()
     res = JobResource.objects.get(job=job)
     layer = Layer.objects.get(job=job)
-    assert (res.int_min_cores, job.int_max_retries, job.b_autoeat) == (250, 5, False)
+    assert (res.int_min_cores, job.int_max_retries, job.b_autoeat) == (250, 0, True)
     assert (layer.int_cores_min, layer.int_mem_min) == (400, 2097152)
     root = Folder.objects.get(show__str_name="demo", parent_folder=None)
     assert FolderResource.objects.get(folder=root).int_max_cores == 4000
     assert "job 2.5" in out
-    assert out.count("REFUSED") == 1 and "auto-eat is not supported" in out, out
-    assert "UNIMPLEMENTED" in out, out
+    assert "autoeat True" in out, out
+    assert "REFUSED" not in out and "UNIMPLEMENTED" not in out, out
     audit = list(
         FarmAction.objects.filter(str_target=job.pk).order_by("id").values_list("str_action", "detail", "str_username")
     )
     # The submit's own row first (the fixture submits as alice), then the client's edits.
     assert audit[0][::2] == ("submit", "alice")
-    assert [a for a, _, _ in audit[1:]] == ["min_cores", "max_retries", "layer_min_cores", "layer_min_memory"]
+    assert [a for a, _, _ in audit[1:]] == [
+        "min_cores",
+        "max_retries",
+        "layer_min_cores",
+        "layer_min_memory",
+        "auto_eat",
+    ]
     assert audit[3][1] == {"layer": "main", "min_cores": 4.0}
+    assert audit[5][1] == {"auto_eat": True, "max_retries": 0, "was": 5}
     assert {u for _, _, u in audit[1:]} == {"opencue-api"}
 
     # Refused values write nothing: a negative min cores, retries out of range, an unknown layer id.
@@ -545,3 +553,9 @@ def test_bad_comment_requests_are_refused_with_the_field_named_and_write_nothing
     for what in ("delete", "save", "nojob", "nojobread"):
         assert "NOT_FOUND" in lines[what] or "EntityNotFound" in lines[what], out
     assert (Comment.objects.count(), FarmAction.objects.count()) == before
+    # Auto-eat off through the same client: as Cuebot, the job's max retries become 1.
+    ok(clients.pycue("import opencue\nopencue.api.findJob('demo-sh010-cue_v1').setAutoEating(False)\n"))
+    job.refresh_from_db()
+    assert (job.b_autoeat, job.int_max_retries) == (False, 1)
+    last = FarmAction.objects.filter(str_target=job.pk).order_by("-id").values_list("str_action", "detail").first()
+    assert last == ("auto_eat", {"auto_eat": False, "max_retries": 1, "was": 0})

@@ -328,6 +328,30 @@ def test_launch_spec_answers_the_names_and_a_taken_name_is_refused(clients: Clie
     assert FarmAction.objects.filter(str_action="submit").count() == 1
 
 
+def test_a_spec_with_autoeat_true_launches_an_auto_eat_job(clients: Clients, home: Path) -> None:
+    """<autoeat>true</autoeat> (refused before auto-eat was served) is the JSON spec's `auto_eat`:
+    b_autoeat on the job, its <maxretries> kept as the spec says (Cuebot's JobSpec and insertJob
+    zero nothing at launch; only JobDao.updateAutoEat does), and pycue reads it back."""
+    show, facility = farm("pyolae")
+    xml = spec_xml(show, facility, job="eater").replace(
+        "<layers>", "<maxretries>2</maxretries><autoeat>True</autoeat><layers>", 1
+    )
+    spec = home / "spec.xml"
+    spec.write_text(xml)
+    spec.chmod(0o644)
+    path = home / "launch_autoeat.py"
+    path.write_text(
+        "import opencue, sys\n"
+        "(name,) = opencue.api.launchSpecAndWait(open(sys.argv[1]).read())\n"
+        "j = opencue.api.findJob(name.name())\n"
+        "print('autoeat', j.isAutoEating())\n"
+    )
+    out = ok(clients.run([str(clients.venv / "bin" / "python"), str(path), str(spec)]))
+    assert "autoeat True" in out, out
+    job: Any = Job.objects.get(str_name=f"{show}-sh010-alice_eater")
+    assert (job.b_autoeat, job.int_max_retries) == (True, 2)
+
+
 def test_a_spec_whose_second_job_loses_a_name_race_launches_neither(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every job of one spec is written in one transaction. A racing submit takes the second job's
     name after the spec's checks passed and after its first job was written: the launch is refused

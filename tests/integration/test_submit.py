@@ -181,6 +181,7 @@ def _layer(**fields: Any) -> dict[str, Any]:
         (make_spec(max_cores=0), "job.max_cores: must be -1 (unlimited) or a number >= 1; 0 would book nothing"),
         (make_spec(priority=-5), "job.priority: must be between 0 and 1000000"),
         (make_spec(paused="yes"), "job.paused: must be true or false"),
+        (make_spec(auto_eat="yes"), "job.auto_eat: must be true or false"),
         (make_spec(name="my job"), "job.name: 'my job' may only contain letters, digits and _ . -"),
         (make_spec(nmae="x"), "job: unknown field 'nmae'"),
         ({"layers": [_layer()]}, "job.show: is required"),
@@ -258,7 +259,7 @@ def test_defaults_come_from_the_folder_then_the_show(farm) -> None:
     assert job.folder_id == farm.lighting.pk
     assert resource.int_priority == 50  # the folder's job priority
     assert (resource.int_max_cores, resource.int_max_gpus) == (5000, 100)  # the show's defaults
-    assert job.int_max_retries == 3
+    assert (job.int_max_retries, job.b_autoeat) == (3, False)
 
     theirs = submit_job(simple_spec("theirs", user="carol"), user="alice")
     assert Job.objects.get(pk=theirs.job_id).str_user == "carol"  # the spec's user wins

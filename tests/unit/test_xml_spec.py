@@ -66,6 +66,7 @@ def test_a_full_1_15_spec_maps_every_field_onto_the_json_spec() -> None:
             "email": "alice@example.com",
             "name": "demo-sh_010-alice_light_v1",
             "paused": False,
+            "auto_eat": False,
             "priority": 100,
             "max_retries": 2,
             "max_cores": 64,
@@ -205,8 +206,20 @@ def test_a_wrong_chunk_uid_or_name_is_refused() -> None:
     refused(doc(HEAD + job().replace('type="Render"', 'type="Comp"')), "type 'Comp' is not Render, Util or Post")
 
 
+def test_autoeat_is_the_json_spec_auto_eat_in_every_version() -> None:
+    """Refused until auto-eat was served (issue 30); now Cuebot's reading: Convert.stringToBool."""
+    for version in VERSIONS:
+        (spec,) = read_spec(doc(HEAD + job(job_extra="<autoeat>True</autoeat>"), version=version)).jobs
+        assert spec["auto_eat"] is True, version
+    (spec,) = read_spec(doc(HEAD + job(job_extra="<autoeat> yes </autoeat>"))).jobs
+    assert spec["auto_eat"] is True
+    (spec,) = read_spec(doc(HEAD + job(job_extra="<autoeat>false</autoeat>"))).jobs
+    assert spec["auto_eat"] is False
+    (spec,) = read_spec(doc(HEAD + job())).jobs
+    assert "auto_eat" not in spec  # not given: the JSON spec's default (off)
+
+
 def test_what_cuesched_cannot_do_yet_is_refused_not_dropped() -> None:
-    refused(doc(HEAD + job(job_extra="<autoeat>True</autoeat>")), "<autoeat> true")
     refused(doc(HEAD + job(job_extra='<localbook host="h" cores="1" memory="1" threads="1" gpu="0"/>')), "<localbook>")
     refused(doc(HEAD + job('<outputs><output name="beauty">/out/x.exr</output></outputs>')), "<outputs>")
     refused(doc(HEAD + job().replace('type="Render"', 'type="Post"')), "type Post")

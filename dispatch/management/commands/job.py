@@ -5,6 +5,7 @@ job retry JOB [FRAME ...] [--layer L]     DEAD frames (all, or the named ones) r
 job eat JOB [FRAME ...] [--layer L]       WAITING/DEAD/DEPEND frames done without running
 job priority JOB N
 job max-cores JOB N [--yes]               whole cores, -1 for unlimited; 0 books nothing (needs --yes)
+job auto-eat JOB on|off                   failed frames EATEN instead of retried (max retries 0; off: 1)
 job show JOB                              state, counters and caps as JSON
 job depend JOB --on-job OTHER [--on-layer L] [--layer L] [--type job|layer|frame]
                                           JOB (or its layer L) waits for OTHER (or its layer)
@@ -29,6 +30,7 @@ from dispatch.jobs.controls import (
     pause_job,
     resume_job,
     retry_frames,
+    set_auto_eat,
     set_max_cores,
     set_priority,
 )
@@ -37,7 +39,7 @@ from dispatch.jobs.depends import DEPEND_KIND_NAMES, add_depend, drop_depend
 
 class Command(BaseCommand):
     help = (
-        "Pause, resume, kill, retry, eat, set the priority or max cores of a job (by id or name), "
+        "Pause, resume, kill, retry, eat, set the priority, max cores or auto-eat of a job (by id or name), "
         "or add or drop its dependency on another job."
     )
 
@@ -59,6 +61,13 @@ class Command(BaseCommand):
         p.add_argument("job", help="job id or name")
         p.add_argument("value", type=int)
         p.add_argument("--yes", action="store_true", help="confirm a max of 0: the job books nothing more")
+        p = sub.add_parser(
+            "auto-eat", help="eat the job's failed frames instead of retrying them (Cuebot's auto-eat), or stop"
+        )
+        p.add_argument("job", help="job id or name")
+        p.add_argument(
+            "value", choices=("on", "off"), help="on: failed frames EATEN, max retries 0; off: max retries 1"
+        )
         for name, text in (
             ("depend", "make the job (or one of its layers) wait for another job or layer"),
             ("undepend", "drop a dependency added with depend (or the spec); same arguments"),
@@ -100,6 +109,8 @@ class Command(BaseCommand):
                 )
             elif action == "priority":
                 result = set_priority(target, options["value"], actor=actor)
+            elif action == "auto-eat":
+                result = set_auto_eat(target, options["value"] == "on", actor=actor)
             else:
                 result = set_max_cores(
                     target, options["value"], actor=actor, confirm_stop=bool(options.get("yes"))
@@ -135,6 +146,12 @@ def _describe(name: str, result: JobActionResult) -> str:
         return f"{name}: depends on {what}; {result.changed} waiting frame(s) now DEPEND"
     if result.action == "undepend":
         return f"{name}: no longer depends on {_dependency(d)}; {result.changed} frame(s) released to WAITING"
+    if result.action == "auto_eat":
+        state = "on" if d["auto_eat"] else "off"
+        if not result.changed:
+            return f"{name}: auto-eat {state} (unchanged)"
+        eaten = ": its failed frames are eaten" if d["auto_eat"] else ""
+        return f"{name}: auto-eat {state} (max retries {d['max_retries']}){eaten}"
     if result.action == "priority":
         return f"{name}: priority {d['priority']}" + ("" if result.changed else " (unchanged)")
     warnings = "".join(f"\nwarning: {w}" for w in d.get("warnings", ()))
