@@ -446,6 +446,13 @@ def test_cuetopia_job_and_layer_edits_go_through_the_audited_actions(clients: Cl
     assert "cannot be negative" in out and "from 0 to 32767" in out and "NOT_FOUND" in out
     assert FarmAction.objects.count() == before
 
+    # Auto-eat off through the same client: as Cuebot, the job's max retries become 1.
+    ok(clients.pycue("import opencue\nopencue.api.findJob('demo-sh010-cue_v1').setAutoEating(False)\n"))
+    job.refresh_from_db()
+    assert (job.b_autoeat, job.int_max_retries) == (False, 1)
+    last = FarmAction.objects.filter(str_target=job.pk).order_by("-id").values_list("str_action", "detail").first()
+    assert last == ("auto_eat", {"auto_eat": False, "max_retries": 1, "was": 0})
+
 
 # --------------------------------------------------------------------------- comments
 
@@ -553,9 +560,3 @@ def test_bad_comment_requests_are_refused_with_the_field_named_and_write_nothing
     for what in ("delete", "save", "nojob", "nojobread"):
         assert "NOT_FOUND" in lines[what] or "EntityNotFound" in lines[what], out
     assert (Comment.objects.count(), FarmAction.objects.count()) == before
-    # Auto-eat off through the same client: as Cuebot, the job's max retries become 1.
-    ok(clients.pycue("import opencue\nopencue.api.findJob('demo-sh010-cue_v1').setAutoEating(False)\n"))
-    job.refresh_from_db()
-    assert (job.b_autoeat, job.int_max_retries) == (False, 1)
-    last = FarmAction.objects.filter(str_target=job.pk).order_by("-id").values_list("str_action", "detail").first()
-    assert last == ("auto_eat", {"auto_eat": False, "max_retries": 1, "was": 0})
