@@ -126,30 +126,50 @@ def ref_find(
 
 
 # -- random farms and demands ----------------------------------------------------------------
-def random_host(rng: random.Random, i: int) -> HostRec:
-    cores = rng.choice((1, 2, 4, 8, 16, 24, 32, 48, 64, 96)) * CENTI
-    mem = rng.choice((2, 8, 16, 32, 64, 96, 128, 256)) * GB + rng.choice((0, 0, 0, rng.randrange(GB)))
+def random_shape(rng: random.Random) -> tuple[int, int, int, int, int]:
+    """(cores, memory KB, GPUs, GPU memory KB, thread mode) of one kind of host."""
     gpus = rng.choice((0, 0, 0, 1, 2, 4))
-    gpu_mem = gpus * rng.choice((8, 16, 24)) * GB
-    busy_cores = rng.choice((0, 0, 0, rng.randrange(cores + 1)))
-    busy_mem = rng.choice((0, 0, 0, rng.randrange(mem + 1)))
+    return (
+        rng.choice((1, 2, 4, 8, 16, 24, 32, 48, 64, 96)) * CENTI,
+        rng.choice((2, 8, 16, 32, 64, 96, 128, 256)) * GB + rng.choice((0, 0, 0, rng.randrange(GB))),
+        gpus,
+        gpus * rng.choice((8, 16, 24)) * GB,
+        rng.choice((0, 0, 0, sizing.THREAD_MODE_ALL, sizing.THREAD_MODE_VARIABLE)),
+    )
+
+
+def random_host(rng: random.Random, i: int, shapes: list[tuple[int, int, int, int, int]]) -> HostRec:
+    """A host of one of the farm's kinds; most are as the kind is, the others differ in a number
+    or two (busy cores, memory or GPUs, the agent's report, more cores, the thread mode), so hosts of
+    the same numbers and hosts that differ in one of them are both common."""
+    cores, mem, gpus, gpu_mem, thread_mode = rng.choice(shapes)
+
+    def some(n: int) -> int:
+        return rng.randrange(n + 1) if n > 0 and rng.random() < 0.25 else 0
+
+    busy_mem = some(mem)
+    mem_idle = mem - busy_mem
+    gpu_mem_idle = gpu_mem - some(gpu_mem)
     return HostRec(
         pk=f"h{i}",
         name=f"h{i}",
         alloc=rng.choice(ALLOCS),
         facility=rng.choice(FACILITIES) if rng.random() < 0.2 else FACILITIES[0],
         os=rng.choice(("linux", "linux", "linux", "centos", None)),
-        thread_mode=rng.choice((0, 0, 0, 0, sizing.THREAD_MODE_ALL, sizing.THREAD_MODE_VARIABLE)),
+        thread_mode=thread_mode if rng.random() < 0.8 else rng.choice((0, 1, 2)),
         tags=tuple(rng.sample(TAGS, rng.randint(1, 3))),
-        cores_total=cores,
-        cores_idle=cores - busy_cores,
-        mem_idle=mem - busy_mem,
-        # The agent's report may be below or above the ledger's idle memory.
-        mem_free=max(0, mem - busy_mem + rng.choice((0, 0, -rng.randrange(4 * GB), rng.randrange(4 * GB)))),
+        # A bigger host with as many cores idle as this kind has, now and then.
+        cores_total=cores + some(4) * CENTI,
+        cores_idle=cores - rng.choice((0, some(cores), some(cores // CENTI) * CENTI)),
+        mem_idle=mem_idle,
         mem_total=mem,
-        gpus_idle=gpus - (rng.randrange(gpus + 1) if gpus and rng.random() < 0.2 else 0),
-        gpu_mem_idle=gpu_mem,
-        gpu_mem_free=max(0, gpu_mem - rng.choice((0, 0, rng.randrange(GB)))),
+        # The agent's report may be below or above the ledger's idle memory.
+        mem_free=rng.choice(
+            (mem_idle, mem_idle, max(0, mem_idle - some(4 * GB)), mem_idle + some(4 * GB), min(mem_idle, mem // 2))
+        ),
+        gpus_idle=gpus - some(gpus),
+        gpu_mem_idle=gpu_mem_idle,
+        gpu_mem_free=rng.choice((gpu_mem_idle, gpu_mem_idle, gpu_mem, max(0, gpu_mem_idle - some(12 * GB)))),
     )
 
 
@@ -185,7 +205,8 @@ def test_find_and_fits_decide_as_the_reference_through_bookings_and_give_backs(f
     searches = nothing_found = 0
     for _farm in range(6):
         view = HostView(fit, candidates=rng.choice((1, 2, 4, 8, 64)), gpu_backfill=rng.random() < 0.3)
-        view.replace([random_host(rng, i) for i in range(rng.randint(1, 150))])
+        shapes = [random_shape(rng) for _ in range(rng.randint(2, 8))]
+        view.replace([random_host(rng, i, shapes) for i in range(rng.randint(1, 150))])
         demands = [random_demand(rng) for _ in range(12)]  # layers repeat their shape
         taken: list[tuple[str, int, int, int, int]] = []
         for _step in range(150):
