@@ -1,29 +1,34 @@
 """Placement's decisions pinned (issue 32): `HostView.find` and `fits` against a plain reference.
 
-Placement is a hot loop that gets optimised; what it decides must not move. The reference here
-is the search as it stood before that work (dispatch/engine/placement.py at a316f64), written
-plainly over the view's own index: the same cells in the same order (so ties between equal
-hosts break the same way), each host checked by the rules one after the other, sized by
-`sizing.size` and scored by `stranding_score`, one host per cell, stopping at a perfect score
-or after `candidates` cells. Random farms (mixed cores, memory, GPUs, tags, facilities, OS,
-thread modes, allocations) meet thousands of random demands (threadable or not, fractional,
-whole-host and all-but-N cores, max cores, GPUs, GPU memory) under every policy, with the
-view updated between searches as the loop updates it (take, give, ledger rows, drops, GPU
-wants). Every answer must be the same host object, the same cores and the same GPU-host
-declines; a search that finds nothing is checked against every host of the view too.
+Placement is a hot loop that gets optimised; what it decides must not move. `RefView` here is
+the host view as it stood before that work (dispatch/engine/placement.py at a316f64), kept
+plainly and apart: its own copies of the hosts, its own index (tag -> idle whole cores ->
+(idle GB, idle GPUs) -> hosts, kept by the same steps, so its cells and hosts come in the same
+order and ties between equal hosts break the same way), and the search over it: every number
+of idle cores from the frame's floor up, each host checked by the rules one after the other,
+sized by `sizing.size` and scored by `stranding_score`, one host per cell, stopping at a
+perfect score or after `candidates` cells. Random farms (a few kinds of host, mixed cores,
+memory, GPUs, tags, facilities, OS, thread modes, allocations, and hosts that differ from
+their kind in a number or two) meet thousands of random demands (threadable or not,
+fractional, whole-host and all-but-N cores, max cores, GPUs, GPU memory) under every policy,
+with both views moved alike between searches as the loop moves its own (take, give, ledger
+rows, drops, GPU wants). Every answer must be the same host, the same cores and the same
+GPU-host declines; a search that finds nothing is checked against every host too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import pytest
 
 from dispatch.engine import gpu_hosts, sizing
 from dispatch.engine.gpu_hosts import GpuWant, GpuWants
 from dispatch.engine.placement import CENTI, KB_PER_GB, Demand, HostRec, HostView
-from dispatch.engine.scoring import stranding_score
+from dispatch.engine.scoring import DEFAULT_WEIGHTS, stranding_score
 
 GB = KB_PER_GB
 TAGS = ("general", "render", "sim", "gpu", "comp")
@@ -32,97 +37,178 @@ ALLOCS = ("a1", "a2", "a3")
 
 
 # -- the reference ---------------------------------------------------------------------------
-def ref_fits(
-    view: HostView,
-    host: HostRec,
-    demand: Demand,
-    facility: str,
-    os: str | None,
-    room: Callable[[str], int],
-    declined: dict[str, int],
-) -> int:
-    """Whole cores the frame books on the host, 0 if a rule refuses it (declines counted)."""
-    mem_eff = min(host.mem_idle, host.mem_free)
-    gpu_mem_eff = min(host.gpu_mem_idle, host.gpu_mem_free)
-    if host.facility != facility or (os is not None and host.os != os):
-        return 0
-    if not demand.threadable and host.thread_mode == sizing.THREAD_MODE_ALL:
-        return 0
-    cores = sizing.size(demand, host)[0]
-    if cores <= 0 or cores * CENTI > host.cores_idle or cores * CENTI > host.cores_total:
-        return 0
-    if demand.mem > mem_eff or demand.gpus > host.gpus_idle or demand.gpu_mem > gpu_mem_eff:
-        return 0
-    if room(host.alloc) < cores:
-        return 0
-    if demand.gpus == 0 and host.gpus_idle > 0:
-        why = gpu_hosts.decline_cpu_frame(
-            cores=cores * CENTI,
-            mem=demand.mem,
-            gpu_mem=demand.gpu_mem,
-            cores_idle=host.cores_idle,
-            mem_idle=mem_eff,
-            gpu_mem_idle=gpu_mem_eff,
-            gpu_wanted=view.gpu_wants.want(host.tags, host.facility, host.os, host.gpus_idle, gpu_mem_eff),
-            backfill=view.gpu_backfill,
-        )
-        if why is not None:
-            declined[why] = declined.get(why, 0) + 1
+def mem_eff(host: HostRec) -> int:
+    return min(host.mem_idle, host.mem_free)
+
+
+def gpu_mem_eff(host: HostRec) -> int:
+    return min(host.gpu_mem_idle, host.gpu_mem_free)
+
+
+def ref_cell(host: HostRec) -> tuple[int, tuple[int, int]]:
+    return host.cores_idle // CENTI, (max(mem_eff(host), 0) // GB, host.gpus_idle)
+
+
+class RefView:
+    """The host view before issue 32's optimisation: index, bookkeeping and search, plainly."""
+
+    def __init__(self, fit: str, candidates: int, gpu_backfill: bool) -> None:
+        self.fit, self.candidates, self.gpu_backfill = fit, candidates, gpu_backfill
+        self.gpu_wants = gpu_hosts.NO_WANTS
+        self.hosts: dict[str, HostRec] = {}
+        self.by_tag: dict[str, dict[int, dict[tuple[int, int], set[str]]]] = {}
+        self.max_cores = 0
+
+    # The index.
+    def put(self, host: HostRec) -> None:
+        self.hosts[host.pk] = host
+        k, cell = ref_cell(host)
+        self.max_cores = max(self.max_cores, host.cores_total // CENTI)
+        for tag in host.tags:
+            self.by_tag.setdefault(tag, {}).setdefault(k, {}).setdefault(cell, set()).add(host.pk)
+
+    def unindex(self, host: HostRec, k: int, cell: tuple[int, int]) -> None:
+        for tag in host.tags:
+            by_cell = self.by_tag.get(tag, {}).get(k)
+            if by_cell is not None and cell in by_cell:
+                by_cell[cell].discard(host.pk)
+                if not by_cell[cell]:
+                    del by_cell[cell]
+
+    def moved(self, host: HostRec, old: tuple[int, tuple[int, int]]) -> None:
+        new = ref_cell(host)
+        if new != old:
+            self.unindex(host, *old)
+            for tag in host.tags:
+                self.by_tag[tag].setdefault(new[0], {}).setdefault(new[1], set()).add(host.pk)
+
+    # What the loop does to the view.
+    def drop(self, pk: str) -> None:
+        host = self.hosts.pop(pk, None)
+        if host is not None:
+            self.unindex(host, *ref_cell(host))
+
+    def take(self, pk: str, cores: int, mem: int, gpus: int, gpu_mem: int) -> None:
+        host = self.hosts[pk]
+        old = ref_cell(host)
+        host.cores_idle -= cores
+        host.mem_idle -= mem
+        host.mem_free -= mem
+        host.gpus_idle -= gpus
+        host.gpu_mem_idle -= gpu_mem
+        host.gpu_mem_free -= gpu_mem
+        self.moved(host, old)
+
+    def give(self, pk: str, cores: int, mem: int, gpus: int, gpu_mem: int) -> None:
+        host = self.hosts.get(pk)
+        if host is None:
+            return
+        old = ref_cell(host)
+        host.cores_idle += cores
+        host.mem_idle += mem
+        host.mem_free = min(host.mem_free + mem, host.mem_total) if host.mem_total else host.mem_free + mem
+        host.gpus_idle += gpus
+        host.gpu_mem_idle += gpu_mem
+        host.gpu_mem_free += gpu_mem
+        self.moved(host, old)
+
+    def set_ledger(self, rows: Sequence[Sequence[Any]], freed_mem: dict[str, int] | None) -> None:
+        for pk, cores_idle, mem_idle, gpus_idle, gpu_mem_idle in rows:
+            host = self.hosts.get(pk)
+            if host is None:
+                continue
+            old = ref_cell(host)
+            host.gpu_mem_free += max(0, gpu_mem_idle - host.gpu_mem_idle)
+            host.cores_idle, host.mem_idle, host.gpus_idle, host.gpu_mem_idle = (
+                cores_idle,
+                mem_idle,
+                gpus_idle,
+                gpu_mem_idle,
+            )
+            if freed_mem and pk in freed_mem:
+                host.mem_free = min(host.mem_free + freed_mem[pk], host.mem_total or host.mem_free + freed_mem[pk])
+            self.moved(host, old)
+
+    # The rules and the search.
+    def fits(
+        self, host: HostRec, demand: Demand, facility: str, os: str | None, room: Callable[[str], int], declined: dict
+    ) -> int:
+        """Whole cores the frame books on the host, 0 if a rule refuses it (declines counted)."""
+        if host.facility != facility or (os is not None and host.os != os):
             return 0
-    return cores
+        if not demand.threadable and host.thread_mode == sizing.THREAD_MODE_ALL:
+            return 0
+        cores = sizing.size(demand, host)[0]
+        if cores <= 0 or cores * CENTI > host.cores_idle or cores * CENTI > host.cores_total:
+            return 0
+        if demand.mem > mem_eff(host) or demand.gpus > host.gpus_idle or demand.gpu_mem > gpu_mem_eff(host):
+            return 0
+        if room(host.alloc) < cores:
+            return 0
+        if demand.gpus == 0 and host.gpus_idle > 0:
+            why = gpu_hosts.decline_cpu_frame(
+                cores=cores * CENTI,
+                mem=demand.mem,
+                gpu_mem=demand.gpu_mem,
+                cores_idle=host.cores_idle,
+                mem_idle=mem_eff(host),
+                gpu_mem_idle=gpu_mem_eff(host),
+                gpu_wanted=self.gpu_wants.want(host.tags, host.facility, host.os, host.gpus_idle, gpu_mem_eff(host)),
+                backfill=self.gpu_backfill,
+            )
+            if why is not None:
+                declined[why] = declined.get(why, 0) + 1
+                return 0
+        return cores
 
+    def score(self, host: HostRec, demand: Demand, cores: int) -> float:
+        idle = (host.cores_idle, mem_eff(host), host.gpus_idle, gpu_mem_eff(host))
+        return stranding_score(idle, (cores * CENTI, demand.mem, demand.gpus, demand.gpu_mem), DEFAULT_WEIGHTS)
 
-def ref_score(view: HostView, host: HostRec, demand: Demand, cores: int) -> float:
-    mem_eff, gpu_mem_eff = min(host.mem_idle, host.mem_free), min(host.gpu_mem_idle, host.gpu_mem_free)
-    idle = (host.cores_idle, mem_eff, host.gpus_idle, gpu_mem_eff)
-    return stranding_score(idle, (cores * CENTI, demand.mem, demand.gpus, demand.gpu_mem), view.weights)
-
-
-def ref_find(
-    view: HostView,
-    demand: Demand,
-    tags: tuple[str, ...],
-    facility: str,
-    os: str | None,
-    room: Callable[[str], int],
-    exclude: set[str] | None,
-) -> tuple[tuple[HostRec, int] | None, dict[str, int]]:
-    """The search before issue 32's optimisation, over the view's index: (choice, declines)."""
-    declined: dict[str, int] = {}
-    buckets = [view._by_tag[t] for t in tags if view._by_tag.get(t)]
-    if not buckets:
-        return None, declined
-    # The largest host the view has held (it never shrinks): the last column of the index.
-    keys = list(range(sizing.asked_cores(demand), view._max_cores + 1))
-    if view.fit == "loosest":
-        keys.reverse()
-    seen: set[str] = set()
-    best: tuple[HostRec, int] | None = None
-    best_score = float("inf")
-    cells = 0
-    for k in keys:
-        for by_cores in buckets:
-            for (mem_gb, _gpus), pks in (by_cores.get(k) or {}).items():
-                if mem_gb < demand.mem // GB:
-                    continue
-                for pk in pks:
-                    if pk in seen:
+    def find(
+        self,
+        demand: Demand,
+        tags: Iterable[str],
+        facility: str,
+        os: str | None,
+        room: Callable[[str], int],
+        exclude: set[str] | None,
+    ) -> tuple[tuple[str, int] | None, dict[str, int]]:
+        """(the chosen host's pk and cores, or None; the GPU hosts' declines)."""
+        declined: dict[str, int] = {}
+        buckets = [self.by_tag[t] for t in tags if self.by_tag.get(t)]
+        if not buckets:
+            return None, declined
+        keys = list(range(sizing.asked_cores(demand), self.max_cores + 1))
+        if self.fit == "loosest":
+            keys.reverse()
+        seen: set[str] = set()
+        best: tuple[str, int] | None = None
+        best_score = float("inf")
+        cells = 0
+        for k in keys:
+            for by_cores in buckets:
+                for (mem_gb, _gpus), pks in (by_cores.get(k) or {}).items():
+                    if mem_gb < demand.mem // GB:
                         continue
-                    seen.add(pk)
-                    host = view.hosts[pk]
-                    cores = ref_fits(view, host, demand, facility, os, room, declined)
-                    if not cores or (exclude is not None and pk in exclude):
-                        continue
-                    if view.fit != "scored":
-                        return (host, cores), declined
-                    score = ref_score(view, host, demand, cores)
-                    if score < best_score:
-                        best, best_score = (host, cores), score
-                    cells += 1
-                    break
-                if best is not None and (best_score <= 0.0 or cells >= view.candidates):
-                    return best, declined
-    return best, declined
+                    for pk in pks:
+                        if pk in seen:
+                            continue
+                        seen.add(pk)
+                        host = self.hosts[pk]
+                        cores = self.fits(host, demand, facility, os, room, declined)
+                        if not cores or (exclude is not None and pk in exclude):
+                            continue
+                        if self.fit != "scored":
+                            return (pk, cores), declined
+                        score = self.score(host, demand, cores)
+                        if score < best_score:
+                            best, best_score = (pk, cores), score
+                        cells += 1
+                        break
+                    if best is not None and (best_score <= 0.0 or cells >= self.candidates):
+                        return best, declined
+        return best, declined
 
 
 # -- random farms and demands ----------------------------------------------------------------
@@ -204,9 +290,14 @@ def test_find_and_fits_decide_as_the_reference_through_bookings_and_give_backs(f
     rng = random.Random(f"{fit}-{seed}")
     searches = nothing_found = 0
     for _farm in range(6):
-        view = HostView(fit, candidates=rng.choice((1, 2, 4, 8, 64)), gpu_backfill=rng.random() < 0.3)
+        candidates, backfill = rng.choice((1, 2, 4, 8, 64)), rng.random() < 0.3
+        view = HostView(fit, candidates=candidates, gpu_backfill=backfill)
+        ref = RefView(fit, candidates, backfill)
         shapes = [random_shape(rng) for _ in range(rng.randint(2, 8))]
-        view.replace([random_host(rng, i, shapes) for i in range(rng.randint(1, 150))])
+        farm = [random_host(rng, i, shapes) for i in range(rng.randint(1, 150))]
+        view.replace(farm)
+        for host in farm:
+            ref.put(dataclasses.replace(host))  # its own copy, moved by its own bookkeeping
         demands = [random_demand(rng) for _ in range(12)]  # layers repeat their shape
         taken: list[tuple[str, int, int, int, int]] = []
         for _step in range(150):
@@ -218,52 +309,75 @@ def test_find_and_fits_decide_as_the_reference_through_bookings_and_give_backs(f
             room = rooms.__getitem__
             exclude = set(rng.sample(sorted(view.hosts), min(3, len(view.hosts)))) if rng.random() < 0.1 else None
 
-            expected, declined = ref_find(view, demand, tags, facility, os, room, exclude)
+            expected, declined = ref.find(demand, tags, facility, os, room, exclude)
             found = view.find(demand, tags, facility=facility, os=os, room=room, exclude=exclude)
             searches += 1
-            assert (found is None) == (expected is None), (demand, tags)
-            if found is not None and expected is not None:
-                assert found[0] is expected[0] and found[1] == expected[1], (demand, tags, found, expected)
+            assert (None if found is None else (found[0].pk, found[1])) == expected, (demand, tags)
             assert view.gpu_declined == declined
             if found is None:
                 nothing_found += 1
-                # Plainly: no host of the view with one of the tags would take the frame.
+                # Plainly: no host with one of the tags would take the frame (the search stops at
+                # the biggest host's cores: one given back more than it has lies past them).
                 assert not any(
                     set(h.tags) & set(tags)
-                    and ref_fits(view, h, demand, facility, os, room, {})
+                    and h.cores_idle // CENTI <= ref.max_cores
+                    and ref.fits(h, demand, facility, os, room, {})
                     and (exclude is None or h.pk not in exclude)
-                    for h in view.hosts.values()
+                    for h in ref.hosts.values()
                 )
             # The loop's hint: the same host asked again, and a few others.
-            others = rng.sample(list(view.hosts.values()), min(3, len(view.hosts)))
-            for host in ([found[0]] if found is not None else []) + others:
+            others = rng.sample(sorted(view.hosts), min(3, len(view.hosts)))
+            for pk in ([found[0].pk] if found is not None else []) + others:
                 declined_before = dict(view.gpu_declined)
-                want = ref_fits(view, host, demand, facility, os, room, declined_before)
-                assert view.fits(host, demand, facility=facility, os=os, room=room) == want
+                want = ref.fits(ref.hosts[pk], demand, facility, os, room, declined_before)
+                assert view.fits(view.hosts[pk], demand, facility=facility, os=os, room=room) == want
                 assert view.gpu_declined == declined_before
 
-            # Move the view as the loop does.
+            # Move both views as the loop moves its own.
             r = rng.random()
             if found is not None and r < 0.6:
                 host, cores = found
                 amounts = (cores * CENTI, demand.mem, demand.gpus, demand.gpu_mem)
                 view.take(host, *amounts)
+                ref.take(host.pk, *amounts)
                 taken.append((host.pk, *amounts))
             elif taken and r < 0.75:
-                view.give(*taken.pop(rng.randrange(len(taken))))
+                back = taken.pop(rng.randrange(len(taken)))
+                view.give(*back)
+                ref.give(*back)
             elif r < 0.8 and view.hosts:
-                host = rng.choice(list(view.hosts.values()))
+                host = view.hosts[rng.choice(sorted(view.hosts))]
                 # The ledger's row is the host's state: none of its reservations is undone after it.
                 taken = [t for t in taken if t[0] != host.pk]
-                view.set_ledger(
-                    [(host.pk, host.cores_total, host.mem_total, host.gpus_idle, host.gpu_mem_idle)],
-                    {host.pk: rng.randrange(2 * GB)} if rng.random() < 0.5 else None,
-                )
+                rows = [(host.pk, host.cores_total, host.mem_total, host.gpus_idle, host.gpu_mem_idle)]
+                freed = {host.pk: rng.randrange(2 * GB)} if rng.random() < 0.5 else None
+                view.set_ledger(rows, freed)
+                ref.set_ledger(rows, freed)
             elif r < 0.82 and len(view.hosts) > 1:
                 pk = rng.choice(sorted(view.hosts))
                 taken = [t for t in taken if t[0] != pk]
                 view.drop(pk)
+                ref.drop(pk)
             elif r < 0.87:
-                view.set_gpu_wants(random_wants(rng))
+                wants = random_wants(rng)
+                view.set_gpu_wants(wants)
+                ref.gpu_wants = wants
+            elif r < 0.9:
+                # Many frames on one host: a column of idle cores empties and fills again.
+                pk = rng.choice(sorted(view.hosts))
+                host = view.hosts[pk]
+                amounts = (host.cores_idle // CENTI * CENTI, 0, 0, 0)
+                view.take(host, *amounts)
+                ref.take(pk, *amounts)
+                taken.append((pk, *amounts))
+            elif r < 0.91:
+                # A give-back the view never took (its ledger row came first): idle may pass the total.
+                back = (rng.choice(sorted(view.hosts)), rng.randrange(4) * CENTI, rng.randrange(4 * GB), 0, 0)
+                view.give(*back)
+                ref.give(*back)
+        # Both views' bookkeeping kept the hosts alike.
+        assert view.hosts.keys() == ref.hosts.keys()
+        for pk, host in view.hosts.items():
+            assert dataclasses.astuple(host) == dataclasses.astuple(ref.hosts[pk])
     assert searches == 6 * 150
     assert 0 < nothing_found < searches  # both answers were exercised
