@@ -441,9 +441,9 @@ class HostView:
                 shape = (cores, self.score(host, demand, cores) if self.fit == "scored" else 0.0)
         if self._memo_size >= MEMO_MAX:
             self._memo.clear()
-            self._memo_size = 0
             memo.clear()
             self._memo[demand] = memo
+            self._memo_size = 1
         memo[key] = shape
         self._memo_size += 1
         return shape
@@ -456,7 +456,11 @@ class HostView:
             self._memo_for = (sizing.size, self.weights)
         memo = self._memo.get(demand)
         if memo is None:
+            if self._memo_size >= MEMO_MAX:
+                self._memo.clear()
+                self._memo_size = 0
             memo = self._memo[demand] = {}
+            self._memo_size += 1  # a demand counts too: a view meets new layers for as long as it runs
         return memo
 
     # -- bookkeeping ----------------------------------------------------------------------

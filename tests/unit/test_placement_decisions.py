@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from dispatch.engine import gpu_hosts, sizing
+from dispatch.engine import gpu_hosts, placement, sizing
 from dispatch.engine.gpu_hosts import GpuWant, GpuWants
 from dispatch.engine.placement import CENTI, KB_PER_GB, Demand, HostRec, HostView
 from dispatch.engine.scoring import DEFAULT_WEIGHTS, stranding_score
@@ -287,11 +287,45 @@ def random_wants(rng: random.Random) -> GpuWants:
 @pytest.mark.parametrize("fit", ["scored", "tightest", "loosest"])
 @pytest.mark.parametrize("seed", range(4))
 def test_find_and_fits_decide_as_the_reference_through_bookings_and_give_backs(fit: str, seed: int) -> None:
+    against_reference(fit, seed)
+
+
+def test_the_same_decisions_when_the_view_forgets_what_it_remembered(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A view that drops its remembered host shapes every few entries, in the middle of searches."""
+    monkeypatch.setattr(placement, "MEMO_MAX", 7, raising=False)  # raising: the test runs before issue 32 too
+    for view in against_reference("scored", 0):
+        remembered = getattr(view, "_memo", {})
+        assert len(remembered) + sum(len(shapes) for shapes in remembered.values()) <= 7
+
+
+def test_a_swapped_sizing_rule_is_used_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lab swaps `sizing.size` for a run (dispatch.lab.placement_loop): nothing sized before holds."""
+    view = HostView("scored")
+    host = HostRec(
+        pk="h", name="h", alloc="a1", facility="f1", os="linux", thread_mode=0, tags=("general",),
+        cores_total=3200, cores_idle=3200, mem_idle=64 * GB, mem_free=64 * GB, mem_total=64 * GB,
+        gpus_idle=0, gpu_mem_idle=0, gpu_mem_free=0,
+    )  # fmt: skip
+    view.replace([host])
+    demand = Demand(cores_min=100, cores_max=0, mem=16 * GB, gpus=0, gpu_mem=0, threadable=True)
+    room = {a: 1000 for a in ALLOCS}.__getitem__
+    before = view.fits(host, demand, facility=host.facility, os=None, room=room)
+    assert before == sizing.size(demand, host)[0] > 1  # its memory's share of the host
+    monkeypatch.setattr(sizing, "size", lambda _demand, _host: (1, sizing.ASKED))
+    assert view.fits(host, demand, facility=host.facility, os=None, room=room) == 1
+    found = view.find(demand, host.tags, facility=host.facility, os=None, room=room)
+    assert found is not None and found[1] == 1
+
+
+def against_reference(fit: str, seed: int) -> list[HostView]:
+    """Six random farms, 150 searches each, the view and the reference moved alike: the views."""
     rng = random.Random(f"{fit}-{seed}")
+    views = []
     searches = nothing_found = 0
     for _farm in range(6):
         candidates, backfill = rng.choice((1, 2, 4, 8, 64)), rng.random() < 0.3
         view = HostView(fit, candidates=candidates, gpu_backfill=backfill)
+        views.append(view)
         ref = RefView(fit, candidates, backfill)
         shapes = [random_shape(rng) for _ in range(rng.randint(2, 8))]
         farm = [random_host(rng, i, shapes) for i in range(rng.randint(1, 150))]
@@ -381,3 +415,4 @@ def test_find_and_fits_decide_as_the_reference_through_bookings_and_give_backs(f
             assert dataclasses.astuple(host) == dataclasses.astuple(ref.hosts[pk])
     assert searches == 6 * 150
     assert 0 < nothing_found < searches  # both answers were exercised
+    return views
