@@ -15,7 +15,10 @@ from decimal import ROUND_HALF_UP, Decimal
 from typing import Any
 
 from django import forms
-from django.contrib import admin
+from django.contrib import admin, messages
+from django.contrib.admin.utils import unquote
+from django.core.exceptions import ObjectDoesNotExist, ValidationError
+from django.db import DatabaseError
 from django.db.models import Model, QuerySet
 from django.forms import ModelForm
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
@@ -24,8 +27,10 @@ from django.utils.html import format_html, format_html_join
 
 from accounting import actions
 from dispatch.jobs.admin import JOB_ACTIONS  # also registers the Depend and ApiToken admins
+from dispatch.jobs.host_controls import TAG_RE, add_host_tags, remove_host_tags, set_host_allocation
 from dispatch.models import (
     Alloc,
+    Comment,
     Dept,
     Facility,
     Folder,
@@ -521,8 +526,41 @@ class FrameAdmin(BigTableAdmin):
         return ops_views.why_summary(obj.job_id, obj.pk)
 
 
+# The host columns an allocation move and the tag edits own (dispatch.jobs.host_controls). Any
+# write of host.pk_alloc moves the running procs' subscription (the accounting triggers), but a
+# plain save would leave the host's ALLOC tag at the old allocation, str_tags apart from the
+# host_tag rows dispatch reads, and no audit row: the host form runs those actions instead.
+HOST_ACTION_FIELDS = ("alloc", "str_tags")
+
+
+class HostForm(ModelForm):
+    """The host form; `action_errors` (field -> messages) are an action's refusal, shown on its field."""
+
+    action_errors: dict[str, list[str]] = {}
+
+    def clean(self) -> dict[str, Any]:
+        cleaned = super().clean()
+        for name, errors in self.action_errors.items():
+            for error in errors:
+                self.add_error(name, error)
+        return cleaned
+
+
+def _refusal(exc: Exception) -> list[str]:
+    return list(getattr(exc, "messages", None) or [str(exc)])
+
+
 @admin.register(Host)
 class HostAdmin(FarmAdmin):
+    """A host's allocation and tags change through the audited host controls, with the admin user
+    as the actor: the form's save runs `set_host_allocation`, `add_host_tags` and
+    `remove_host_tags` (before the admin's own transaction: each is a durable one), and a refusal
+    is shown as the field's error, the rest of the form not saved (an allocation move that
+    succeeded beside a refused tag edit stays: it is its own action, audited). The other columns save as
+    every farm form's do (only what changed). Without the hosts control role (ops.control_hosts)
+    both fields are read-only."""
+
+    form = HostForm
     list_display = (
         "str_name",
         "alloc",
@@ -541,6 +579,78 @@ class HostAdmin(FarmAdmin):
     list_select_related = ("alloc",)
     live_fields = HOST_IDLE
 
+    def get_readonly_fields(self, request: HttpRequest, obj: Model | None = None) -> list[str]:
+        fields = super().get_readonly_fields(request, obj)
+        if obj is not None and not ops_permissions.can_control_hosts(request.user):
+            fields += [f for f in HOST_ACTION_FIELDS if f not in fields]
+        return fields
+
+    def get_form(self, request: HttpRequest, obj: Any = None, change: bool = False, **kwargs: Any) -> Any:
+        form = super().get_form(request, obj, change, **kwargs)
+        errors = request.__dict__.get("_host_action_errors")
+        if errors:
+            form = type(form.__name__, (form,), {"action_errors": errors})
+        return form
+
+    def changeform_view(
+        self,
+        request: HttpRequest,
+        object_id: str | None = None,
+        form_url: str = "",
+        extra_context: dict[str, Any] | None = None,
+    ) -> HttpResponse:
+        if request.method == "POST" and object_id:
+            self._run_host_actions(request, object_id)
+        return super().changeform_view(request, object_id, form_url, extra_context)
+
+    def _run_host_actions(self, request: HttpRequest, object_id: str) -> None:
+        """The posted allocation and tag changes, run as the host controls, before the admin's
+        transaction opens; a refusal is kept for the form the admin then validates and shows."""
+        host = self.get_object(request, unquote(object_id))
+        if host is None or not self.has_change_permission(request, host):
+            return  # the admin answers (404, 403) as it does for any form
+        before_tags = (host.str_tags or "").split()
+        form = self.get_form(request, host, change=True)(request.POST, request.FILES, instance=host)
+        if not form.is_valid():
+            return  # the admin shows the form's own errors; nothing is run
+        changed = [f for f in HOST_ACTION_FIELDS if f in form.changed_data]
+        errors: dict[str, list[str]] = {}
+        refused = (ValidationError, ObjectDoesNotExist, DatabaseError)
+        if "alloc" in changed:
+            try:
+                moved = set_host_allocation(host.pk, form.cleaned_data["alloc"].pk, actor=request.user)
+            except refused as exc:
+                errors["alloc"] = _refusal(exc)
+            else:
+                messages.success(request, f"Allocation moved: {moved.detail['from']} → {moved.detail['to']}.")
+        if "str_tags" in changed:
+            wanted = (form.cleaned_data["str_tags"] or "").split()
+            added = [t for t in dict.fromkeys(wanted) if t not in before_tags]
+            removed = [t for t in before_tags if t not in wanted]
+            bad = [t for t in added if not TAG_RE.match(t)]
+            try:
+                if bad:  # said before anything is removed
+                    raise ValidationError(f"{bad[0]!r} is not a tag: 1 to 45 of letters, digits and _ . : + -")
+                if removed:
+                    remove_host_tags(host.pk, removed, actor=request.user)
+                if added:
+                    add_host_tags(host.pk, added, actor=request.user)
+            except refused as exc:
+                errors["str_tags"] = _refusal(exc)
+            else:
+                messages.success(request, f"Tags: added {added or 'none'}, removed {removed or 'none'}.")
+        request.__dict__["_host_action_errors"] = errors
+
+    def save_model(self, request: HttpRequest, obj: Model, form: ModelForm, change: bool) -> None:
+        if not change:
+            obj.save()
+            return
+        # The allocation and tags were the actions' (above): never written by the form's save.
+        editable = {f.name for f in obj._meta.concrete_fields} - set(HOST_ACTION_FIELDS)
+        changed = [name for name in form.changed_data if name in editable]
+        if changed:
+            obj.save(update_fields=changed)
+
 
 @admin.register(HostStat)
 class HostStatAdmin(ReadOnlyAdmin, FarmAdmin):
@@ -558,6 +668,17 @@ class HostTagAdmin(ReadOnlyAdmin, FarmAdmin):
     search_fields = ("str_tag", "host__str_name", "pk_host_tag")
     raw_id_fields = ("host",)
     list_select_related = ("host",)
+
+
+@admin.register(Comment)
+class CommentAdmin(ReadOnlyAdmin, FarmAdmin):
+    """Read-only: a comment is added, edited and deleted by dispatch.jobs.comments' audited actions
+    (which keep job.b_comment and host.b_comment), from the OpenCue clients."""
+
+    list_display = ("str_subject", "job", "host", "str_user", "ts_created")
+    search_fields = ("str_subject", "str_user", "job__str_name", "host__str_name", "pk_comment")
+    raw_id_fields = ("job", "host")
+    list_select_related = ("job", "host")
 
 
 @admin.register(Proc)

@@ -3,6 +3,7 @@
 A lock, unlock, allocation move or tag edit is the console's own host control
 (`dispatch.jobs.host_controls`), so it is audited and ordered against bookings the same way; a
 move's running procs change subscription through the accounting triggers, as any move's do.
+A host's comments are opencue_api.comments'.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from django.db import connection
 from opencue_proto import host_pb2, host_pb2_grpc
 
 from accounting.units import CENTICORES_PER_CORE
+from dispatch.jobs.comments import comments_on_host
 from dispatch.jobs.host_controls import add_host_tags, lock_hosts, remove_host_tags, set_host_allocation, unlock_hosts
+from opencue_api.comments import add_comment, comment_seq
 from opencue_api.procs import search_procs
 from opencue_api.rpc import BadRequest, actor, unary
 from opencue_api.search import Where
@@ -158,3 +161,12 @@ class HostServicer(host_pb2_grpc.HostInterfaceServicer):
     def RemoveTags(self, request: Any, context: Any) -> host_pb2.HostRemoveTagsResponse:
         remove_host_tags(_host_id(request.host), list(request.tags), actor=actor())
         return host_pb2.HostRemoveTagsResponse()
+
+    @unary
+    def AddComment(self, request: Any, context: Any) -> host_pb2.HostAddCommentResponse:
+        add_comment("host", _host_id(request.host), request.new_comment)
+        return host_pb2.HostAddCommentResponse()
+
+    @unary
+    def GetComments(self, request: Any, context: Any) -> host_pb2.HostGetCommentsResponse:
+        return host_pb2.HostGetCommentsResponse(comments=comment_seq(comments_on_host(_host_id(request.host))))

@@ -4,7 +4,8 @@ Reads are plain SQL over the job, layer and frame tables and their stat rows, in
 (float cores, KB of memory, epoch seconds). The controls are the console's own actions
 (`dispatch.jobs.controls`): the same transaction, the same audit row, the same kill path, so a job
 killed from cueman is killed exactly as one killed from the console. A frame search
-(FrameSearchCriteria) picks the frames first; the action then gets their names.
+(FrameSearchCriteria) picks the frames first; the action then gets their names. A job's
+comments are opencue_api.comments'.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from django.db import connection
 from opencue_proto import depend_pb2, job_pb2, job_pb2_grpc
 
 from accounting.units import CENTICORES_PER_CORE
+from dispatch.jobs.comments import comments_on_job
 from dispatch.jobs.controls import (
     eat_frames,
     kill_frames,
@@ -34,6 +36,7 @@ from dispatch.jobs.controls import (
     set_priority,
 )
 from dispatch.jobs.frameset import FrameRangeError, parse_frames
+from opencue_api.comments import add_comment, comment_seq
 from opencue_api.rpc import API_ACTOR, BadRequest, actor, unary
 from opencue_api.search import Where
 from ops import status
@@ -380,6 +383,15 @@ def _names(frames: Sequence[job_pb2.Frame]) -> list[str]:
 
 
 class JobServicer(job_pb2_grpc.JobInterfaceServicer):
+    @unary
+    def AddComment(self, request: Any, context: Any) -> job_pb2.JobAddCommentResponse:
+        add_comment("job", job_id(request.job), request.new_comment)
+        return job_pb2.JobAddCommentResponse()
+
+    @unary
+    def GetComments(self, request: Any, context: Any) -> job_pb2.JobGetCommentsResponse:
+        return job_pb2.JobGetCommentsResponse(comments=comment_seq(comments_on_job(job_id(request.job))))
+
     @unary
     def GetJobs(self, request: Any, context: Any) -> job_pb2.JobGetJobsResponse:
         return job_pb2.JobGetJobsResponse(jobs=job_pb2.JobSeq(jobs=search_jobs(request.r)))

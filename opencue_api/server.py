@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 from opencue_proto import (
+    comment_pb2_grpc,
     cue_pb2_grpc,
     facility_pb2_grpc,
     host_pb2_grpc,
@@ -26,6 +27,7 @@ from opencue_proto import (
     subscription_pb2_grpc,
 )
 
+from opencue_api.comments import CommentServicer
 from opencue_api.facilities import AllocationServicer, FacilityServicer
 from opencue_api.groups import GroupServicer
 from opencue_api.hosts import HostServicer
@@ -88,6 +90,7 @@ SERVICERS: tuple[tuple[Callable[[Any, grpc.Server], None], type], ...] = (
     (service_pb2_grpc.add_ServiceInterfaceServicer_to_server, ServiceServicer),
     (limit_pb2_grpc.add_LimitInterfaceServicer_to_server, LimitServicer),
     (host_pb2_grpc.add_ProcInterfaceServicer_to_server, ProcServicer),
+    (comment_pb2_grpc.add_CommentInterfaceServicer_to_server, CommentServicer),
 )
 
 

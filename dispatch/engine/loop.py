@@ -1028,7 +1028,8 @@ class DispatchLoop:
                             f"(the next frame needs {_needs(demand, host, cores)})",
                             _CAP_WHY["job"][3],
                         )
-                        least_skipped = cores if not least_skipped else min(least_skipped, cores)
+                        least = _least_cores(demand, cores)
+                        least_skipped = least if not least_skipped else min(least_skipped, least)
                         outcome = _SKIP_LAYER
                         break
                     if folder_key is not None and room[folder_key] < cores:
@@ -1073,7 +1074,8 @@ class DispatchLoop:
                         if result.table in (PAUSED, FOLDER_UNSEEDED, JOB_UNSEEDED):
                             return  # not a cap: try the job again next cycle
                         if result.table in ("job", "job_gpus"):
-                            self._blocked_jobs[job.pk] = (cores, time.monotonic())
+                            least = cores if result.table == "job_gpus" else _least_cores(demand, cores)
+                            self._blocked_jobs[job.pk] = (least, time.monotonic())
                         else:
                             # Until a frame of the folder completes, or cap_retry passes.
                             self._blocked_folders[job.folder] = time.monotonic()
@@ -1237,7 +1239,8 @@ class DispatchLoop:
                     self._behind[show] = (b.result.generation, time.monotonic())
                     self.service.report_behind(show, b.result.generation)
             if table in ("job", "job_gpus") and b.managed:
-                self._blocked_jobs[b.layer.job.pk] = (b.cores // CENTI, time.monotonic())
+                least = b.cores // CENTI if table == "job_gpus" else _least_cores(b.layer.demand, b.cores // CENTI)
+                self._blocked_jobs[b.layer.job.pk] = (least, time.monotonic())
         if result.blockers:
             self._note_locked(result)
         view.set_ledger(result.host_rows)
@@ -1316,6 +1319,17 @@ class DispatchLoop:
             self.service.confirm_booking(b.result, b.xid)
         stats.compensated += len(result.procs_deleted)
         self.view.set_ledger(result.host_rows, freed)
+
+
+def _least_cores(demand: Demand, cores: int) -> int:
+    """The fewest whole cores a frame that would book `cores` here can book on any host: what a
+    job blocked at its max cores waits to have room for.
+
+    Not `cores`: a threadable frame is sized from its memory on the host placement picked, and
+    another host sizes it down to its layer's minimum (stress `frame_life`: a 10 GB frame sized
+    to 10 on a 32-core, 32 GB host kept its job, max 8, blocked after the job had emptied, while
+    an 8-core host that books it at 3 stood idle). Waking early only costs a retry."""
+    return min(cores, sizing.asked_cores(demand))
 
 
 def _needs(demand: Demand, host: HostRec, cores: int) -> str:

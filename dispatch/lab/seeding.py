@@ -701,6 +701,8 @@ JOBS = (
 LAYERS = f"SELECT pk_layer FROM layer WHERE pk_job IN ({JOBS})"
 # Seeds write no dependencies, but jobs submitted into a seeded show do (dispatch.jobs.submit).
 DEPENDS = f"pk_job_depend_er IN ({JOBS}) OR pk_job_depend_on IN ({JOBS})"
+# Operators comment on seeded jobs and hosts through the OpenCue clients (dispatch.jobs.comments).
+COMMENTS = f"pk_job IN ({JOBS}) OR pk_host IN ({HOSTS})"
 
 SCOPE: dict[str, str] = {
     "proc": f"pk_job IN ({JOBS}) OR pk_host IN ({HOSTS}) OR pk_show IN ({SHOWS}) OR pk_layer IN ({LAYERS})",
@@ -803,9 +805,14 @@ def purge_farm(prefix: str) -> dict[str, int]:
         cur.execute(
             f"DELETE FROM layer_limit WHERE pk_layer IN (SELECT pk_layer FROM layer WHERE {SCOPE['layer']})", params
         )
+        # Comments on the farm's jobs and hosts (as Cuebot's job delete trigger deletes a job's).
+        cur.execute(f"DELETE FROM comments WHERE {COMMENTS}", params)
+        comments = cur.rowcount
         for table in PURGE_ORDER:
             cur.execute(f"DELETE FROM {table} WHERE {SCOPE[table]}", params)
             deleted[table] = deleted.get(table, 0) + cur.rowcount
+    if comments:
+        deleted = {"comments": comments, **deleted}
     if depends:
         deleted = {"depend": depends, **deleted}
     return deleted

@@ -1,6 +1,7 @@
 """The Cuebot-mapped farm tables, one module per family."""
 
 from dispatch.models.api_tokens import ApiToken
+from dispatch.models.comments import Comment
 from dispatch.models.depends import Depend
 from dispatch.models.farm_actions import FarmAction
 from dispatch.models.hosts import Host, HostStat, HostTag, WaitingHost
@@ -25,6 +26,7 @@ from dispatch.models.services import Service, ShowService
 __all__ = [
     "Alloc",
     "ApiToken",
+    "Comment",
     "Depend",
     "Dept",
     "Facility",

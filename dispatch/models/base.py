@@ -7,6 +7,7 @@ Cuebot sharing the database get the same values as rows written through the ORM.
 
 from __future__ import annotations
 
+import datetime
 import uuid
 from typing import Any
 
@@ -41,3 +42,35 @@ def one_to_one(to: str, column: str, related_name: str) -> models.OneToOneField:
 
 def now_default() -> Now:
     return Now()
+
+
+class CurrentTimestamp(models.Func):
+    """SQL's CURRENT_TIMESTAMP, as a column default: the very default Cuebot's DDL declares
+    (Django's Now() renders STATEMENT_TIMESTAMP() on PostgreSQL)."""
+
+    template = "CURRENT_TIMESTAMP"
+    output_field = models.DateTimeField()
+
+
+class CuebotLocalTimestamp(models.DateTimeField):
+    """A Cuebot `TIMESTAMP (6)` column: without time zone, as Cuebot's DDL has it (comments.ts_created).
+
+    Django's DateTimeField is `timestamp with time zone`; on a Cuebot database the column is
+    Cuebot's and keeps its type, so the model must declare the same one for adoption to find
+    nothing to change. PostgreSQL writes such a column in the session's time zone, which is UTC
+    on Django's connections, so values are read back as UTC and written converted to UTC.
+    """
+
+    def db_type(self, connection: Any) -> str:
+        return "timestamp(6)"
+
+    def from_db_value(self, value: Any, expression: Any, connection: Any) -> Any:
+        if isinstance(value, datetime.datetime) and value.tzinfo is None:
+            return value.replace(tzinfo=datetime.UTC)
+        return value
+
+    def get_db_prep_value(self, value: Any, connection: Any, prepared: bool = False) -> Any:
+        value = super().get_db_prep_value(value, connection, prepared)
+        if isinstance(value, datetime.datetime) and value.tzinfo is not None:
+            return value.astimezone(datetime.UTC).replace(tzinfo=None)
+        return value

@@ -34,8 +34,9 @@ def farm_admin(client: Client) -> Client:
 def test_every_farm_model_is_registered() -> None:
     # The 19 Cuebot tables, depend, the API tokens, OpenCue's limit_record and layer_limit (issue 19)
     # the farm-action audit rows (issue 20), the RQD hosts waiting to be admitted, Cuebot's
-    # service and show_service, and its job_mem, layer_mem, job_env and layer_env (issue 29).
-    assert len(FARM_MODELS) == 31
+    # service and show_service, and its job_mem, layer_mem, job_env and layer_env (issue 29), its
+    # comments (issue 30).
+    assert len(FARM_MODELS) == 32
     assert [m.__name__ for m in FARM_MODELS if m not in admin.site._registry] == []
 
 
@@ -115,3 +116,105 @@ def test_demo_migrates_seeds_once_and_prints_a_working_login(tmp_path: Path, mon
     # Issue 21: a second run keeps the first run's password (it used to reset it silently).
     assert again == password and "kept from the first run" in text
     assert authenticate(username="admin", password=password) is not None
+
+
+# --- the host form: allocation and tags only through the audited host controls (issue 30) -------
+
+
+def _host_form_post(model_admin: admin.ModelAdmin, host: object, changes: dict[str, object]) -> tuple[object, object]:
+    """POST the host's change form, as loaded, with `changes`, through `model_admin` as the
+    superuser `ops`; (response, the form the admin rendered or None after a redirect)."""
+    from django.contrib.messages.storage.fallback import FallbackStorage
+    from django.contrib.sessions.backends.db import SessionStore
+
+    def request(method: str, data: dict[str, object] | None = None) -> object:
+        factory = RequestFactory()
+        req = factory.get("/") if method == "GET" else factory.post("/", data)
+        req.user = get_user_model().objects.get(username="ops")
+        req.session = SessionStore()
+        req._messages = FallbackStorage(req)
+        req._dont_enforce_csrf_checks = True
+        return req
+
+    from django import forms
+
+    form = model_admin.get_form(request("GET"), host, change=True)(instance=host)
+    data: dict[str, object] = {}
+    for name, field in form.fields.items():
+        value = form[name].value()
+        if isinstance(field.widget, forms.MultiWidget):  # a date and a time (ts_created)
+            data.update({f"{name}_{i}": str(v) for i, v in enumerate(field.widget.decompress(value))})
+        else:
+            data[name] = "" if value is None else value
+    data.update(changes)
+    data["_save"] = "Save"
+    response = model_admin.changeform_view(request("POST", data), str(host.pk))
+    rendered = response.context_data["adminform"].form if getattr(response, "context_data", None) else None
+    return response, rendered
+
+
+def _raw_host_admin() -> admin.ModelAdmin:
+    """dispatch.admin's own host admin, the form with the allocation and tags fields (the served
+    site puts the console's farm list in its place, which has no form at all)."""
+    from dispatch.admin import HostAdmin
+    from dispatch.models import Host
+
+    return HostAdmin(Host, admin.AdminSite(name="raw_hosts"))
+
+
+def test_the_host_form_moves_the_allocation_through_the_audited_action(farm_admin: Client) -> None:
+    from dispatch.models import Alloc, FarmAction, Host, HostTag
+
+    host = Host.objects.select_related("alloc").order_by("str_name").first()
+    target = Alloc.objects.exclude(pk=host.alloc_id).order_by("str_name").first()
+    response, form = _host_form_post(_raw_host_admin(), host, {"alloc": target.pk})
+    assert response.status_code == 302, form.errors if form is not None else response
+    host.refresh_from_db()
+    assert host.alloc_id == target.pk
+    # The action ran: its audit row by the admin user, the ALLOC tag and str_tags moved with it.
+    (row,) = FarmAction.objects.filter(str_action="set_allocation", str_target=host.pk)
+    assert (row.str_username, row.int_changed) == ("ops", 1)
+    assert list(HostTag.objects.filter(host=host, str_tag_type="ALLOC").values_list("str_tag", flat=True)) == [
+        target.str_tag or target.str_name
+    ]
+    assert (target.str_tag or target.str_name) in host.str_tags.split()
+
+
+def test_the_host_form_edits_tags_through_the_audited_actions_and_shows_a_refusal_as_a_form_error(
+    farm_admin: Client,
+) -> None:
+    from dispatch.models import FarmAction, Host, HostTag
+
+    host = Host.objects.select_related("alloc").order_by("str_name").first()
+    tags = host.str_tags.split()
+    response, form = _host_form_post(_raw_host_admin(), host, {"str_tags": " ".join([*tags, "fastdisk"])})
+    assert response.status_code == 302, form.errors if form is not None else response
+    host.refresh_from_db()
+    assert "fastdisk" in host.str_tags.split()
+    assert HostTag.objects.filter(host=host, str_tag="fastdisk", str_tag_type="MANUAL").exists()
+    (row,) = FarmAction.objects.filter(str_action="add_tags", str_target=host.pk)
+    assert (row.str_username, row.int_changed) == ("ops", 1)
+
+    # Its allocation's tag is the registration's: the action refuses, the form says why, nothing moves.
+    alloc_tag = HostTag.objects.get(host=host, str_tag_type="ALLOC").str_tag
+    before = (host.str_tags, FarmAction.objects.count(), HostTag.objects.filter(host=host).count())
+    kept = [t for t in host.str_tags.split() if t != alloc_tag]
+    response, form = _host_form_post(_raw_host_admin(), host, {"str_tags": " ".join(kept)})
+    assert response.status_code == 200 and form is not None
+    assert "allocation, name or a constant tag" in " ".join(form.errors.get("str_tags", [])), form.errors
+    host.refresh_from_db()
+    assert (host.str_tags, FarmAction.objects.count(), HostTag.objects.filter(host=host).count()) == before
+
+
+def test_the_served_host_page_has_no_form_that_saves(farm_admin: Client) -> None:
+    """The admin site serves the console's host list in place of the raw host admin: its change
+    page saves nothing (403), so no allocation or tag can change there by a plain save."""
+    from dispatch.models import Alloc, FarmAction, Host
+
+    host = Host.objects.order_by("str_name").first()
+    target = Alloc.objects.exclude(pk=host.alloc_id).order_by("str_name").first()
+    url = reverse("admin:dispatch_host_change", args=[host.pk])
+    response = farm_admin.post(url, {"alloc": target.pk, "str_name": host.str_name, "str_tags": "x"})
+    assert response.status_code == 403
+    host.refresh_from_db()
+    assert host.alloc_id != target.pk and FarmAction.objects.count() == 0

@@ -157,9 +157,10 @@ def test_cuebots_service_tables_get_nothing_added_and_keep_their_rows(adopted: A
     """cuesched's migrations create `service` and `show_service` too (issue 29) and seed Cuebot's
     default services: on Cuebot's database both tables are Cuebot's, so the models must match
     Cuebot's columns (names, types, nullability, defaults), adoption adds nothing to them, and
-    the reference database's seeded rows are not copied over Cuebot's."""
+    the reference database's seeded rows are not copied over Cuebot's. The same holds for
+    `comments` (issue 30: its ts_created is Cuebot's TIMESTAMP without time zone)."""
     b, a = adopted.before_catalog, adopted.after_catalog
-    for table in ("service", "show_service"):
+    for table in ("service", "show_service", "comments"):
         assert a.tables[table] == b.tables[table], table
         assert {k: v for k, v in a.indexes.items() if k[0] == table} == {
             k: v for k, v in b.indexes.items() if k[0] == table

@@ -383,8 +383,9 @@ def test_cuetopia_job_list_reads_what_the_database_has(clients: Clients) -> None
 
 def test_cuetopia_job_and_layer_edits_go_through_the_audited_actions(clients: Clients, job) -> None:
     """The job and layer property dialogs: min cores, max retries, auto-eat; a layer's min cores
-    and memory; a group's max cores. Each is one audited action; what cuesched cannot do (auto-eat,
-    comments) is refused as UNIMPLEMENTED and writes nothing."""
+    and memory; a group's max cores. Each is one audited action; what cuesched cannot do (auto-eat)
+    is refused as UNIMPLEMENTED and writes nothing. (Comments, refused here before, are served:
+    test_pycue_comments_on_a_job_and_a_host_are_cuebots_rows_and_audited.)"""
     from dispatch.models import FolderResource, Layer
 
     out = ok(
@@ -397,10 +398,8 @@ def test_cuetopia_job_and_layer_edits_go_through_the_audited_actions(clients: Cl
             "l.setMinCores(400)\n"  # pycue's Layer.setMinCores takes centicores and sends cores
             "l.setMinMemory(2097152)\n"
             "opencue.api.findShow('demo').getRootGroup().setMaxCores(40)\n"
-            "for call in (lambda: j.setAutoEating(True), lambda: j.getComments(),"
-            " lambda: j.addComment('subject', 'message')):\n"
-            "    try:\n        call()\n    except Exception as e:\n"
-            "        print('REFUSED', getattr(e, 'code', lambda: e)(), getattr(e, 'details', lambda: e)())\n"
+            "try:\n    j.setAutoEating(True)\nexcept Exception as e:\n"
+            "    print('REFUSED', getattr(e, 'code', lambda: e)(), getattr(e, 'details', lambda: e)())\n"
             "print('job', j.data.min_cores if False else opencue.api.findJob('demo-sh010-cue_v1').data.min_cores)\n"
         )
     )
@@ -412,8 +411,8 @@ def test_cuetopia_job_and_layer_edits_go_through_the_audited_actions(clients: Cl
     root = Folder.objects.get(show__str_name="demo", parent_folder=None)
     assert FolderResource.objects.get(folder=root).int_max_cores == 4000
     assert "job 2.5" in out
-    assert out.count("REFUSED") == 3 and "auto-eat is not supported" in out, out
-    assert out.count("UNIMPLEMENTED") >= 3, out
+    assert out.count("REFUSED") == 1 and "auto-eat is not supported" in out, out
+    assert "UNIMPLEMENTED" in out, out
     audit = list(
         FarmAction.objects.filter(str_target=job.pk).order_by("id").values_list("str_action", "detail", "str_username")
     )
@@ -438,3 +437,111 @@ def test_cuetopia_job_and_layer_edits_go_through_the_audited_actions(clients: Cl
     )
     assert "cannot be negative" in out and "from 0 to 32767" in out and "NOT_FOUND" in out
     assert FarmAction.objects.count() == before
+
+
+# --------------------------------------------------------------------------- comments
+
+
+def test_pycue_comments_on_a_job_and_a_host_are_cuebots_rows_and_audited(clients: Clients, job) -> None:
+    """CueGUI's comment dialog through pycue: Job and Host addComment / getComments, a comment's
+    save and delete (CommentInterface). Each change is one audited action; job.b_comment and
+    host.b_comment (the clients' has_comment) are true exactly while there is a comment."""
+    from dispatch.models import Comment
+    from tests.integration.farm_fixtures import create_host
+
+    host = create_host(Alloc.objects.get(str_name="local.general"), "demo-h0", int_cores=1600, int_mem=64 * 1024**2)
+    out = ok(
+        clients.pycue(
+            "import os, opencue\n"
+            "os.environ['USER'] = 'carol'\n"  # pycue names the comment's author from $USER, as Cuebot records it
+            "j = opencue.api.findJob('demo-sh010-cue_v1')\n"
+            "j.addComment('retake', 'the hair sim pops at 1040')\n"
+            "j.addComment('note', '')\n"  # pycue sends ' ' for an empty message
+            "cs = j.getComments()\n"
+            "print('job', [(c.subject(), c.message(), c.user()) for c in cs])\n"
+            "print('stamps', [c.timestamp() for c in cs])\n"
+            "print('has', opencue.api.findJob('demo-sh010-cue_v1').data.has_comment)\n"
+            "cs[0].setSubject('retake v2')\n"
+            "cs[0].setMessage('pops at 1040, fixed in v2')\n"
+            "cs[0].save()\n"
+            "cs[1].delete()\n"
+            "print('after', [(c.subject(), c.message()) for c in j.getComments()])\n"
+            "h = opencue.api.findHost('demo-h0')\n"
+            "h.addComment('fan', 'loud fan, check on Monday')\n"
+            "hc = h.getComments()\n"
+            "print('host', [(c.subject(), c.user()) for c in hc], opencue.api.findHost('demo-h0').data.has_comment)\n"
+            "hc[0].delete()\n"
+            "print('hostafter', h.getComments(), opencue.api.findHost('demo-h0').data.has_comment)\n"
+        )
+    )
+    assert "job [('retake', 'the hair sim pops at 1040', 'carol'), ('note', ' ', 'carol')]" in out, out
+    assert "has True" in out
+    assert "after [('retake v2', 'pops at 1040, fixed in v2')]" in out, out
+    assert "host [('fan', 'carol')] True" in out and "hostafter [] False" in out, out
+
+    (kept,) = Comment.objects.all()
+    assert (kept.job_id, kept.host_id, kept.str_user, kept.str_subject, kept.str_message) == (
+        job.pk,
+        None,
+        "carol",
+        "retake v2",
+        "pops at 1040, fixed in v2",
+    )
+    stamps = out.split("stamps [", 1)[1].split("]", 1)[0]
+    assert int(stamps.split(",")[0]) == int(kept.ts_created.timestamp())  # epoch seconds, as Cuebot sends
+    job.refresh_from_db()
+    host.refresh_from_db()
+    assert (job.b_comment, host.b_comment) == (True, False)
+    audit = list(
+        FarmAction.objects.filter(str_action__endswith="_comment")
+        .order_by("id")
+        .values_list("str_action", "str_target_kind", "str_target", "str_username")
+    )
+    assert audit == [
+        ("add_comment", "job", job.pk, "opencue-api (as carol)"),
+        ("add_comment", "job", job.pk, "opencue-api (as carol)"),
+        ("save_comment", "job", job.pk, "opencue-api"),
+        ("delete_comment", "job", job.pk, "opencue-api"),
+        ("add_comment", "host", host.pk, "opencue-api (as carol)"),
+        ("delete_comment", "host", host.pk, "opencue-api"),
+    ]
+    saved = FarmAction.objects.get(str_action="save_comment").detail
+    assert saved["from"] == {"subject": "retake", "message": "the hair sim pops at 1040"}
+
+
+def test_bad_comment_requests_are_refused_with_the_field_named_and_write_nothing(clients: Clients, job) -> None:
+    from dispatch.models import Comment
+
+    before = (Comment.objects.count(), FarmAction.objects.count())
+    out = ok(
+        clients.pycue(
+            "import opencue\n"
+            "from opencue_proto import comment_pb2\n"
+            "from opencue.wrappers.comment import Comment\n"
+            "j = opencue.api.findJob('demo-sh010-cue_v1')\n"
+            "def attempt(what, call):\n"
+            "    try:\n        call()\n        print(what, 'ACCEPTED')\n"
+            "    except Exception as e:\n"
+            "        code = getattr(e, 'code', None)\n"
+            "        print(what, code().name if callable(code) else type(e).__name__,"
+            " getattr(e, 'details', lambda: str(e))())\n"
+            "attempt('empty', lambda: j.addComment('', 'm'))\n"
+            "attempt('long', lambda: j.addComment('s' * 129, 'm'))\n"
+            "attempt('huge', lambda: j.addComment('s', 'm' * 4001))\n"
+            "gone = Comment(comment_pb2.Comment(id='no-such-comment', subject='s', message='m'))\n"
+            "attempt('delete', gone.delete)\n"
+            "attempt('save', gone.save)\n"
+            "j.data.id = 'no-such-job'\n"
+            "j.data.name = 'no-such-job'\n"
+            "attempt('nojob', lambda: j.addComment('s', 'm'))\n"
+            "attempt('nojobread', j.getComments)\n"
+        )
+    )
+    lines = dict(line.split(" ", 1) for line in out.splitlines())
+    assert lines["empty"].startswith("INVALID_ARGUMENT subject: a comment needs a subject"), out
+    assert lines["long"].startswith("INVALID_ARGUMENT subject: 129 characters"), out
+    assert lines["huge"].startswith("INVALID_ARGUMENT message: 4001 characters"), out
+    assert "ACCEPTED" not in out
+    for what in ("delete", "save", "nojob", "nojobread"):
+        assert "NOT_FOUND" in lines[what] or "EntityNotFound" in lines[what], out
+    assert (Comment.objects.count(), FarmAction.objects.count()) == before

@@ -198,6 +198,14 @@ REFERENCE: list[Any] = [
     Col("proc", "int_gpu_mem_reserved", "bigint", "0", False),
     Col("proc", "b_local", "boolean", "false", False),
     Col("proc", "ts_booked", "timestamp with time zone", NOW, False),
+    # Cuebot's comments (issue 30): its ts_created has no time zone.
+    v36("comments", "pk_comment"),
+    Col("comments", "pk_job", "character varying(36)", NONE, True),
+    Col("comments", "pk_host", "character varying(36)", NONE, True),
+    Col("comments", "ts_created", "timestamp without time zone", NOW, False),
+    v36("comments", "str_user"),
+    Col("comments", "str_subject", "character varying(128)", NONE, False),
+    Col("comments", "str_message", "character varying(4000)", NONE, False),
 ]
 
 # Unique keys the dispatcher's ON CONFLICT clauses and lookups rely on.

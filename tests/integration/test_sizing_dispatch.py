@@ -15,6 +15,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from dispatch.engine.completion import Completion, complete
 from dispatch.jobs.submit import submit_job
 from dispatch.models import HostTag, Layer, Service
 from ops import service_actions
@@ -252,4 +253,42 @@ def test_a_sized_frame_over_its_jobs_cores_left_books_on_a_host_that_fits_them(m
         (host,) = conn.execute("SELECT pk_host FROM proc WHERE pk_job = %s", (job,)).fetchone()
         assert hosts[host] == "deep"
         assert _charged(conn, service, managed, job) == (3, 3, 3)
+        assert violations(conn) == []
+
+
+def test_a_job_blocked_at_its_cap_wakes_for_the_least_its_frame_can_book() -> None:
+    """Stress `frame_life`, threadable layers, --seed 5: a job at its max cores (8 of 8) skips a
+    threadable 10 GB frame, which the best host (32 cores, 32 GB) sizes to 10 cores; the loop kept
+    the job blocked until its cores in use plus those 10 fit under 8, which never happens, so the
+    frame waited out the block's 60 s even after the job's other frame ended and an 8-core host
+    that books it at 3 stood idle. A blocked job waits for the least its frame can book anywhere
+    (the layer's minimum), and placement sizes it on the host that fits once it is retried."""
+    farm = submit_farm(managed=True)
+    hosts = {}
+    for name, cores, gb in (("wide", 32, 32), ("deep", 8, 32)):
+        host = create_host(farm.alloc, f"h-{name}", int_cores=cores * 100, int_mem=gb * GB)
+        HostTag.objects.filter(host=host).delete()
+        HostTag.objects.create(host=host, str_tag="t-grown", str_tag_type="MANUAL")
+        hosts[host.pk] = name
+    layers = [
+        {"name": "first", "command": "true", "range": "1", "cores": 8, "memory": "1GB", "tags": ["t-grown"]},
+        {"name": "grown", "command": "true", "range": "1", "memory": "10GB", "tags": ["t-grown"]},
+    ]
+    with running_scheduler() as proc, autocommit() as conn, ExitStack() as stack:
+        service = proc.service
+        job = submit_job(_spec("sizing-blocked", layers, max_cores=8), user="alice").job_id
+        wait_for(lambda: service.store.job_cap(job) is not None, what="the job's cap in the Store")
+        loop = stack.enter_context(make_loop(service, fast_launcher(runtime_min=3600, runtime_max=3600)))
+        loop.run_once()
+        assert _booked(conn, job) == {"first": 8}
+        loop.run_once()  # the grown frame: the job is at its cap, and the job is blocked
+        assert _booked(conn, job) == {"first": 8}
+        (first,) = conn.execute("SELECT pk_proc FROM proc WHERE pk_job = %s", (job,)).fetchone()
+        complete(conn, [Completion(first, 0)])
+        wait_for(lambda: service.store.job_cores_in_use(job) == 0, what="the Store to see the first frame end")
+        for _ in range(3):
+            loop.run_once()
+        assert _booked(conn, job) == {"grown": 3}
+        (host,) = conn.execute("SELECT pk_host FROM proc WHERE pk_job = %s", (job,)).fetchone()
+        assert hosts[host] == "deep"
         assert violations(conn) == []

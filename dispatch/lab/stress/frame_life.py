@@ -298,14 +298,6 @@ TIMEOUTS_SQL = """
 UPDATE layer SET int_timeout = %(timeout)s, int_timeout_llu = %(llu)s
 WHERE pk_job = ANY(%(jobs)s::text[]) AND int_dispatch_order = 2
 """
-# Not threadable: a threadable layer's cores are sized from its memory on the host chosen. Once
-# memory failures had raised it past a host's memory per core, the loop's best host for it could
-# size it over its job's max cores, and the loop skipped the layer (job_precheck) without trying a
-# host that fits: frames stayed WAITING for ever (found by this phase). The loop now asks again
-# within the job's cores left (tests/integration/test_sizing_dispatch.py), and threadable layers
-# here pass on 4 of 5 seeds (main failed 3 of 4); one (--seed 5) still leaves 4-core, 8.5 GB
-# frames WAITING for a reason not yet found, so the phase keeps fixed cores until it is.
-NOT_THREADABLE_SQL = "UPDATE layer SET b_threadable = false WHERE pk_job = ANY(%(jobs)s::text[])"
 ACTIONS_SQL = "SELECT COALESCE(max(id), 0) FROM cuesched_farm_action"
 LAYERS_SQL = """
 SELECT pk_layer, int_dispatch_order, int_mem_min, b_optimize, split_part(str_services, ',', 1), pk_job
@@ -345,7 +337,6 @@ def _prepare(launcher: LifeLauncher, cfg: StressConfig, seed: FarmSeed, start: d
         dependers = [r[0] for r in conn.execute(DEPEND_SQL, params).fetchall()]
         conn.execute(DEPEND_FRAMES_SQL, {"frames": dependers})
         conn.execute(TIMEOUTS_SQL, params)
-        conn.execute(NOT_THREADABLE_SQL, params)
         start["actions"] = int(conn.execute(ACTIONS_SQL).fetchone()[0])
         order = {pk: o for pk, o, mem, *_ in conn.execute(LAYERS_SQL, params).fetchall()}
         start.update({pk: int(mem) for pk, _o, mem, *_ in conn.execute(LAYERS_SQL, params).fetchall()})
