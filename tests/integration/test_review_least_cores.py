@@ -46,6 +46,7 @@ def test_a_whole_host_job_blocked_at_its_cap_stays_blocked_while_no_host_fits_it
         first = loop.run_once()
         assert first.booked == 1  # 16 of 20: the second frame books 16 on any host, past the cap
         wait_for(lambda: service.store.job_cores_in_use(job) == 16, what="the Store to see the first frame")
+        loop.run_once()  # the first cycle to see its booking: the job is placed, refused and blocked
         retried = sum(loop.run_once().rejected["job_precheck"] for _ in range(3))
         # 4 cores of room can never take a 16-core whole-host frame: the job stays blocked
         # (until a frame of it ends or the block's 60 s pass) instead of being placed each cycle.
