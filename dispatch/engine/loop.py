@@ -1328,7 +1328,14 @@ def _least_cores(demand: Demand, cores: int) -> int:
     Not `cores`: a threadable frame is sized from its memory on the host placement picked, and
     another host sizes it down to its layer's minimum (stress `frame_life`: a 10 GB frame sized
     to 10 on a 32-core, 32 GB host kept its job, max 8, blocked after the job had emptied, while
-    an 8-core host that books it at 3 stood idle). Waking early only costs a retry."""
+    an 8-core host that books it at 3 stood idle). Waking early only costs a retry.
+
+    A whole-host layer (cores 0) or all-but-N (cores -N) asks 1 core by `asked_cores`, but books a
+    host's every core (less N) wherever it runs: waiting for 1 core woke the job every cycle while
+    its room was under any host's size, to be placed and refused again. It waits for `cores`, the
+    size on the host placement picked (a smaller host is tried when the block's 60 s pass)."""
+    if demand.threadable and demand.cores_min <= 0:
+        return cores
     return min(cores, sizing.asked_cores(demand))
 
 
