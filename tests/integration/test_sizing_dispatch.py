@@ -292,3 +292,38 @@ def test_a_job_blocked_at_its_cap_wakes_for_the_least_its_frame_can_book() -> No
         (host,) = conn.execute("SELECT pk_host FROM proc WHERE pk_job = %s", (job,)).fetchone()
         assert hosts[host] == "deep"
         assert violations(conn) == []
+
+
+def test_a_whole_host_job_blocked_at_its_cap_stays_blocked_while_no_host_fits_its_room() -> None:
+    """A whole-host layer (cores 0; all-but-N alike) asks 1 core by `asked_cores` but books a
+    whole host wherever it runs: a job at its cap that waited for 1 core woke every cycle while
+    its room was under a host's size, to be placed again (two searches) and refused."""
+    farm = submit_farm(managed=True)
+    for name in ("a", "b"):
+        host = create_host(farm.alloc, f"h-whole-{name}", int_cores=16 * 100, int_mem=64 * GB)
+        HostTag.objects.filter(host=host).delete()
+        HostTag.objects.create(host=host, str_tag="t-whole", str_tag_type="MANUAL")
+    spec = {
+        "show": "demo",
+        "name": "whole-capped",
+        "user": "alice",
+        "max_cores": 20,
+        "layers": [
+            {"name": "whole", "command": "true", "range": "1-2", "cores": 0, "memory": "4GB",
+             "threadable": True, "tags": ["t-whole"]},
+        ],
+    }  # fmt: skip
+    with running_scheduler() as proc, autocommit() as conn, ExitStack() as stack:
+        service = proc.service
+        job = submit_job(spec, user="alice").job_id
+        wait_for(lambda: service.store.job_cap(job) is not None, what="the job's cap in the Store")
+        loop = stack.enter_context(make_loop(service, fast_launcher(runtime_min=3600, runtime_max=3600)))
+        first = loop.run_once()
+        assert first.booked == 1  # 16 of 20: the second frame books 16 on any host, past the cap
+        wait_for(lambda: service.store.job_cores_in_use(job) == 16, what="the Store to see the first frame")
+        loop.run_once()  # the first cycle to see its booking: the job is placed, refused and blocked
+        retried = sum(loop.run_once().rejected["job_precheck"] for _ in range(3))
+        # 4 cores of room can never take a 16-core whole-host frame: the job stays blocked
+        # (until a frame of it ends or the block's 60 s pass) instead of being placed each cycle.
+        assert retried == 0, f"the capped job was placed and refused again in {retried} of 3 cycles"
+        assert violations(conn) == []
