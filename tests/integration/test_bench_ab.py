@@ -45,6 +45,7 @@ def _scratch_databases() -> list[str]:
     return [r[0] for r in rows]
 
 
+@pytest.mark.one_server
 @pytest.mark.skipif(not _git_checkout(), reason="needs a git checkout with history")
 def test_an_ab_run_against_head_alternates_the_sides_and_compares_every_figure(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

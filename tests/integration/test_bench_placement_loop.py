@@ -55,6 +55,7 @@ def test_measure_counts_frames_in_the_window_and_stranded_cores() -> None:
     assert stranded == pytest.approx(3 * 5 / 40)
 
 
+@pytest.mark.one_server
 def test_the_real_loop_runs_before_and_after_and_prints_the_figures() -> None:
     out = io.StringIO()
     call_command(

@@ -152,6 +152,7 @@ def test_ctrl_c_stops_the_whole_demo_and_leaves_no_frame_running(tmp_path: Path)
         kill_marked(marker)
 
 
+@pytest.mark.one_server
 def test_ctrl_c_with_the_output_pipe_gone_still_leaves_nothing_running(tmp_path: Path) -> None:
     """`./dev run | tee log` and a Ctrl-C: the terminal's SIGINT kills tee too, so every later
     write of the demo and its children meets a broken pipe. The stop must not depend on being

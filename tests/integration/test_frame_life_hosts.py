@@ -123,6 +123,7 @@ def test_a_memory_failure_on_run_agent_is_retried_with_raised_memory_until_it_fi
         assert violations(conn) == []
 
 
+@pytest.mark.one_server
 def test_run_agent_kills_a_frame_past_its_timeout_and_one_whose_log_is_silent(tmp_path: Path) -> None:
     farm = agent_farm("agtmo", "true", frames=1)
     marker = f"agtmo-{os.getpid()}"
@@ -142,6 +143,7 @@ def test_run_agent_kills_a_frame_past_its_timeout_and_one_whose_log_is_silent(tm
         assert violations(conn) == []
 
 
+@pytest.mark.one_server
 def test_rqd_frames_past_their_timeout_or_silent_past_timeout_llu_are_killed_and_dead(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
